@@ -1,0 +1,16 @@
+"""sinkformer: doubly stochastic attention for PyTorch.
+
+* :func:`sinkformer.sinkhorn` — the log-domain Sinkhorn core.
+* :func:`sinkformer.attention` — attention shaped like ``scaled_dot_product_attention`` with
+  ``normalization="sinkhorn" | "softmax" | "linear" | "sigmoid" | "relu"``.
+* :class:`sinkformer.nn.MultiheadAttention` and :func:`sinkformer.convert` — drop-in modules.
+"""
+
+from . import attention
+from .sinkhorn import SinkhornResult, sinkhorn
+from . import nn
+from .nn.convert import convert
+
+__version__ = "0.1.0"
+
+__all__ = ["sinkhorn", "SinkhornResult", "attention", "nn", "convert", "__version__"]

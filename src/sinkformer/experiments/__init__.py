@@ -1,0 +1,1 @@
+"""One module per paper experiment: its configuration, its run and its report."""

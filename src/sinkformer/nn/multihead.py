@@ -1,0 +1,200 @@
+"""A drop-in :class:`torch.nn.MultiheadAttention` with Sinkhorn (or other) normalisation.
+
+It *is* a ``torch.nn.MultiheadAttention`` (subclass): same constructor, same parameters and
+``state_dict`` keys, same ``forward`` arguments and return values, so trained weights load and
+``nn.TransformerEncoderLayer`` accepts it. Only the normalisation of the attention matrix changes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor
+
+from .._validation import check_choice, check_positive_int
+from ..attention import COSTS, NORMALIZATIONS, attention
+
+__all__ = ["MultiheadAttention"]
+
+
+def _keep_off_fused_encoder_path(module, args):
+    """No-op pre-hook. ``nn.TransformerEncoderLayer`` skips its fused C++ path (which would
+    bypass this module's ``forward`` and always use SoftMax) whenever a hook is attached."""
+    return None
+
+
+class MultiheadAttention(torch.nn.MultiheadAttention):
+    """Multi-head attention whose weights are normalised by Sinkhorn's algorithm.
+
+    Arguments are those of :class:`torch.nn.MultiheadAttention`, plus:
+
+    Args:
+        normalization: ``"sinkhorn"`` (default), ``"softmax"``, ``"linear"``, ``"sigmoid"``, ``"relu"``.
+        n_iters: Sinkhorn normalisations (paper eq. (3)); 1 is exactly SoftMax.
+        cost: ``"dot"`` or ``"l2"``.
+
+    With ``normalization="sinkhorn"``, a ``key_padding_mask`` in self-attention (``query is key``)
+    also marks the padded queries, which then take no part in the column normalisation and
+    output zeros. ``need_weights`` returns the weights before dropout.
+
+    Shapes (``batch_first=True``): query ``(N, L, E)``, key/value ``(N, S, E_k/E_v)``, output
+    ``(N, L, E)``, weights ``(N, L, S)`` (or ``(N, H, L, S)`` with ``average_attn_weights=False``).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = False,
+        device=None,
+        dtype=None,
+        *,
+        normalization: str = "sinkhorn",
+        n_iters: int = 5,
+        cost: str = "dot",
+    ) -> None:
+        super().__init__(
+            embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first, device, dtype
+        )
+        self.normalization = check_choice(normalization, "normalization", NORMALIZATIONS)
+        self.n_iters = check_positive_int(n_iters, "n_iters")
+        self.cost = check_choice(cost, "cost", COSTS)
+        self.register_forward_pre_hook(_keep_off_fused_encoder_path)
+
+    def extra_repr(self) -> str:
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, normalization={self.normalization!r}, n_iters={self.n_iters}"
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        if query.is_nested:
+            raise ValueError("sinkformer.nn.MultiheadAttention does not take nested tensors; pass padded tensors")
+        self_attention = query is key
+        unbatched = query.dim() == 2
+        if unbatched:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        if self.batch_first and not unbatched:
+            query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+        # from here on: (L, N, E) as in torch's functional implementation
+        tgt_len, bsz, _ = query.shape
+        q, k, v = self._project(query, key, value)
+
+        pad, bias = _split_padding(key_padding_mask, bsz, key.shape[0])
+        mask = _canonical_attn_mask(attn_mask, bsz, self.num_heads, tgt_len, key.shape[0], q.dtype)
+        if bias is not None:
+            mask = bias if mask is None else mask + bias
+        if self.bias_k is not None:
+            k = torch.cat([k, self.bias_k.expand(1, bsz, -1)])
+            v = torch.cat([v, self.bias_v.expand(1, bsz, -1)])
+            pad, mask = _extend_keys(pad, mask)
+
+        q, k, v = (rearrange(x, "l n (h e) -> n h l e", h=self.num_heads) for x in (q, k, v))
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(k.shape[:2] + (1, k.shape[-1]))], dim=2)
+            v = torch.cat([v, v.new_zeros(v.shape[:2] + (1, v.shape[-1]))], dim=2)
+            pad, mask = _extend_keys(pad, mask)
+
+        query_pad = None
+        if self.normalization == "sinkhorn" and self_attention and key_padding_mask is not None:
+            query_pad = pad[:, :tgt_len]
+        result = attention(
+            q, k, v,
+            normalization=self.normalization,
+            n_iters=self.n_iters,
+            cost=self.cost,
+            attn_mask=mask,
+            key_padding_mask=pad,
+            query_padding_mask=query_pad,
+            is_causal=is_causal and attn_mask is None,
+            dropout_p=self.dropout if self.training else 0.0,
+            return_weights=need_weights,
+        )
+        out, weights = result if need_weights else (result, None)
+        out = self.out_proj(rearrange(out, "n h l e -> l n (h e)"))
+
+        if self.batch_first and not unbatched:
+            out = out.transpose(0, 1)
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(dim=1)
+        if unbatched:
+            out = out.squeeze(1)
+            weights = weights.squeeze(0) if weights is not None else None
+        return out, weights
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Input projections, with the parameter layout of ``torch.nn.MultiheadAttention``."""
+        if self._qkv_same_embed_dim:
+            w_q, w_k, w_v = self.in_proj_weight.chunk(3)
+        else:
+            w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        b_q = b_k = b_v = None
+        if self.in_proj_bias is not None:
+            b_q, b_k, b_v = self.in_proj_bias.chunk(3)
+        return F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)
+
+
+def _split_padding(key_padding_mask: Tensor | None, bsz: int, src_len: int) -> tuple[Tensor | None, Tensor | None]:
+    """A torch-style key padding mask as ``(bool padding (N, S), additive bias (N, 1, 1, S))``."""
+    if key_padding_mask is None:
+        return None, None
+    if key_padding_mask.shape != (bsz, src_len):
+        raise ValueError(
+            f"key_padding_mask must have shape (batch, source_length) = {(bsz, src_len)}, got {tuple(key_padding_mask.shape)}"
+        )
+    if key_padding_mask.dtype == torch.bool:
+        return key_padding_mask, None
+    if not key_padding_mask.is_floating_point():
+        raise TypeError(f"key_padding_mask must be bool or float, got {key_padding_mask.dtype}")
+    pad = torch.isneginf(key_padding_mask)
+    rest = key_padding_mask.masked_fill(pad, 0.0)
+    return pad, (rest[:, None, None, :] if bool(rest.any()) else None)
+
+
+def _canonical_attn_mask(
+    attn_mask: Tensor | None, bsz: int, heads: int, tgt_len: int, src_len: int, dtype: torch.dtype
+) -> Tensor | None:
+    """torch's ``attn_mask`` ((L, S) or (N*H, L, S); bool True = *not* allowed) as an additive float mask."""
+    if attn_mask is None:
+        return None
+    if attn_mask.dim() == 2:
+        if attn_mask.shape != (tgt_len, src_len):
+            raise ValueError(f"2-D attn_mask must have shape {(tgt_len, src_len)}, got {tuple(attn_mask.shape)}")
+    elif attn_mask.dim() == 3:
+        if attn_mask.shape != (bsz * heads, tgt_len, src_len):
+            raise ValueError(
+                f"3-D attn_mask must have shape {(bsz * heads, tgt_len, src_len)}, got {tuple(attn_mask.shape)}"
+            )
+        attn_mask = attn_mask.reshape(bsz, heads, tgt_len, src_len)
+    else:
+        raise ValueError(f"attn_mask must be 2-D or 3-D, got shape {tuple(attn_mask.shape)}")
+    if attn_mask.dtype == torch.bool:
+        return torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill(attn_mask, float("-inf"))
+    if not attn_mask.is_floating_point():
+        raise TypeError(f"attn_mask must be bool or float, got {attn_mask.dtype}")
+    return attn_mask.to(dtype)
+
+
+def _extend_keys(pad: Tensor | None, mask: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """One extra key (``bias_k`` or the zero key): it is never padding and never masked."""
+    if pad is not None:
+        pad = F.pad(pad, (0, 1), value=False)
+    if mask is not None:
+        mask = F.pad(mask, (0, 1), value=0.0)
+    return pad, mask

@@ -1,0 +1,166 @@
+"""sinkformer.nn.MultiheadAttention as a drop-in, and convert() on trained Transformers."""
+
+import pytest
+import torch
+
+import sinkformer
+from sinkformer.nn import MultiheadAttention
+
+
+def twin(**kwargs):
+    """A torch MHA and a sinkformer MHA (SoftMax) with the same weights."""
+    ref = torch.nn.MultiheadAttention(**kwargs)
+    ours = MultiheadAttention(**kwargs, normalization="softmax")
+    ours.load_state_dict(ref.state_dict())
+    return ref.eval(), ours.eval()
+
+
+CONFIGS = [
+    dict(embed_dim=16, num_heads=4),
+    dict(embed_dim=16, num_heads=2, batch_first=True),
+    dict(embed_dim=16, num_heads=4, kdim=6, vdim=10),
+    dict(embed_dim=16, num_heads=4, add_bias_kv=True, add_zero_attn=True),
+    dict(embed_dim=16, num_heads=1, bias=False),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("average", [True, False])
+def test_softmax_equals_torch(config, average):
+    ref, ours = twin(**config)
+    bf = config.get("batch_first", False)
+    L, S, N = 5, 7, 3
+    shape = (lambda n_tok, dim: (N, n_tok, dim)) if bf else (lambda n_tok, dim: (n_tok, N, dim))
+    query = torch.randn(shape(L, 16))
+    key = torch.randn(shape(S, config.get("kdim") or 16))
+    value = torch.randn(shape(S, config.get("vdim") or 16))
+    kpm = torch.zeros(N, S, dtype=torch.bool)
+    kpm[0, -2:] = True
+    masks = [
+        dict(),
+        dict(key_padding_mask=kpm),
+        dict(attn_mask=torch.rand(L, S) > 0.8),
+        dict(attn_mask=torch.randn(N * config["num_heads"], L, S), key_padding_mask=kpm),
+        dict(key_padding_mask=torch.zeros(N, S).masked_fill(kpm, float("-inf"))),
+    ]
+    for kw in masks:
+        out_ref, w_ref = ref(query, key, value, average_attn_weights=average, **kw)
+        out, w = ours(query, key, value, average_attn_weights=average, **kw)
+        torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
+        out_nw, w_nw = ours(query, key, value, need_weights=False, **kw)
+        assert w_nw is None
+        torch.testing.assert_close(out_nw, out_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_unbatched_input_equals_torch():
+    ref, ours = twin(embed_dim=8, num_heads=2)
+    x = torch.randn(5, 8)
+    for a, b in zip(ref(x, x, x), ours(x, x, x)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_state_dict_keys_and_parameters_are_torchs():
+    for config in CONFIGS:
+        ref = torch.nn.MultiheadAttention(**config)
+        ours = MultiheadAttention(**config)
+        assert list(ref.state_dict()) == list(ours.state_dict())
+        assert [p.shape for p in ref.parameters()] == [p.shape for p in ours.parameters()]
+        assert isinstance(ours, torch.nn.MultiheadAttention)
+
+
+def test_sinkhorn_self_attention_with_padding_is_doubly_stochastic_on_valid_block():
+    mha = MultiheadAttention(12, 3, batch_first=True, n_iters=41).double().eval()
+    x = torch.randn(2, 6, 12, dtype=torch.float64)
+    pad = torch.tensor([[False] * 4 + [True] * 2, [False] * 6])
+    out, w = mha(x, x, x, key_padding_mask=pad, average_attn_weights=False)
+    valid = w[0, :, :4, :4]
+    torch.testing.assert_close(valid.sum(-1), torch.ones(3, 4, dtype=torch.float64), atol=1e-5, rtol=0)
+    torch.testing.assert_close(valid.sum(-2), torch.ones(3, 4, dtype=torch.float64), atol=1e-5, rtol=0)
+    assert torch.all(w[0, :, 4:] == 0) and torch.all(w[0, :, :, 4:] == 0)
+    torch.testing.assert_close(w[1].sum(-2), torch.ones(3, 6, dtype=torch.float64), atol=1e-5, rtol=0)
+    assert torch.isfinite(out).all()
+
+
+def test_constructor_validates_new_arguments():
+    with pytest.raises(ValueError, match="normalization must be one of"):
+        MultiheadAttention(8, 2, normalization="entmax")
+    with pytest.raises(ValueError, match="n_iters must be an int >= 1, got 0"):
+        MultiheadAttention(8, 2, n_iters=0)
+
+
+def trained_encoder(batch_first=True):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=batch_first)
+    encoder = torch.nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=True)
+    # a few optimisation steps so that the weights are no longer at initialisation
+    opt = torch.optim.Adam(encoder.parameters(), lr=1e-2)
+    x = torch.randn(8, 10, 16)
+    target = torch.randn(8, 10, 16)
+    for _ in range(5):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(encoder(x if batch_first else x.transpose(0, 1)), target if batch_first else target.transpose(0, 1)).backward()
+        opt.step()
+    return encoder.eval()
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_convert_with_one_iteration_keeps_outputs(grad):
+    encoder = trained_encoder()
+    x = torch.randn(4, 10, 16)
+    pad = torch.zeros(4, 10, dtype=torch.bool)
+    pad[1, 7:] = True
+    with torch.set_grad_enabled(grad):  # no grad + eval + padding: torch's fused/nested fast paths
+        before = encoder(x)
+        before_pad = encoder(x, src_key_padding_mask=pad)
+        model, count = sinkformer.convert(encoder, n_iters=1, return_count=True, verbose=False)
+        assert model is encoder and count == 3
+        assert all(isinstance(layer.self_attn, MultiheadAttention) for layer in encoder.layers)
+        torch.testing.assert_close(encoder(x), before, atol=1e-5, rtol=1e-5)
+        after_pad = encoder(x, src_key_padding_mask=pad)
+        valid = ~pad
+        torch.testing.assert_close(after_pad[valid], before_pad[valid], atol=1e-5, rtol=1e-5)
+        # and the converted modules really run (torch's fused encoder path would silently use SoftMax)
+        sinkformer.convert(encoder, n_iters=9, verbose=False)
+        assert (encoder(x) - before).abs().max() > 1e-3
+        assert (encoder(x, src_key_padding_mask=pad)[valid] - before_pad[valid]).abs().max() > 1e-3
+
+
+def test_convert_with_iterations_makes_attention_doubly_stochastic(capsys):
+    encoder = trained_encoder(batch_first=False)
+    sinkformer.convert(encoder, n_iters=31)
+    assert "3 attention module(s)" in capsys.readouterr().out
+    captured = []
+    for layer in encoder.layers:
+        attn = layer.self_attn
+        attn.register_forward_hook(
+            lambda m, args, kwargs, out: captured.append(m.forward(args[0], args[1], args[2], need_weights=True,
+                                                           average_attn_weights=False)[1]),
+            with_kwargs=True,
+        )
+    x = torch.randn(9, 2, 16)
+    with torch.no_grad():
+        encoder(x)
+    assert len(captured) == 3
+    for W in captured:
+        torch.testing.assert_close(W.sum(-1), torch.ones_like(W.sum(-1)), atol=1e-5, rtol=0)
+        torch.testing.assert_close(W.sum(-2), torch.ones_like(W.sum(-2)), atol=1e-3, rtol=0)
+    # SoftMax attention of the original model is not doubly stochastic
+    sinkformer.convert(encoder, n_iters=1, verbose=False)
+    captured.clear()
+    with torch.no_grad():
+        encoder(x)
+    assert max((W.sum(-2) - 1).abs().max().item() for W in captured) > 0.1
+
+
+def test_convert_selects_with_where_and_warns_when_nothing_found():
+    model = torch.nn.Transformer(16, 2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=16)
+    _, count = sinkformer.convert(model, 3, where=lambda name, m: name.startswith("encoder"), return_count=True,
+                                  verbose=False)
+    assert count == 1
+    assert isinstance(model.encoder.layers[0].self_attn, MultiheadAttention)
+    assert type(model.decoder.layers[0].self_attn) is torch.nn.MultiheadAttention
+    with pytest.warns(UserWarning, match="found no torch.nn.MultiheadAttention"):
+        sinkformer.convert(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        sinkformer.convert("not a model")
