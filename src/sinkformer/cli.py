@@ -23,6 +23,30 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_experiments(args: argparse.Namespace) -> int:
+    from .experiments.registry import registry
+
+    experiments = registry()
+    width = max(len(name) for name in experiments)
+    print(f"{'name':<{width}}  {'quick':>7}  {'full':>7}  description")
+    for exp in experiments.values():
+        full = f"{exp.full_minutes:g} min" if exp.full_minutes is not None else "-"
+        print(f"{exp.name:<{width}}  {exp.quick_minutes:>3g} min  {full:>7}  {exp.description} ({exp.paper})")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .experiments.registry import get, parse_overrides, run_experiment
+
+    exp = get(args.name)
+    overrides = parse_overrides(args.set or [], exp.defaults)
+    ctx = run_experiment(
+        args.name, full=args.full, data=args.data, seeds=args.seeds, overrides=overrides, runs_dir=args.runs_dir
+    )
+    print(f"report: {(ctx.out_dir / 'report.md').resolve()}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sinkformer",
@@ -40,6 +64,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="random seed")
     demo.add_argument("--out", default="runs/demo/normalizations.png", help="where to write the PNG")
     demo.set_defaults(func=_cmd_demo)
+
+    listing = sub.add_parser("experiments", help="list the experiments with their expected run time")
+    listing.set_defaults(func=_cmd_experiments)
+
+    run = sub.add_parser(
+        "run",
+        help="run one experiment and write runs/NAME/<timestamp>/ (config, metrics, results, figures, report)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    run.add_argument("name", help="experiment name (see `sinkformer experiments`)")
+    mode = run.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", default=True, help="small configuration on embedded data")
+    mode.add_argument("--full", action="store_true", default=False, help="the paper's configuration")
+    run.add_argument("--data", default=None, help="path to the real dataset (default: embedded data)")
+    run.add_argument("--seeds", type=int, default=None, help="number of seeds (default: the experiment's)")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a configuration key (YAML value)")
+    run.add_argument("--runs-dir", default="runs", help="where run folders go")
+    run.set_defaults(func=_cmd_run)
     return parser
 
 
@@ -49,7 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "func"):
         parser.print_help()
         return 0
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as err:  # user mistakes: one clear line, no traceback
+        print(f"sinkformer {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import torch
 
+from ..plotting import pyplot, save_png
 from ..sinkhorn import sinkhorn
+from .registry import Run, register
 
-__all__ = ["NormalizationsResult", "compute", "format_table", "plot", "LINK_THRESHOLD"]
+__all__ = ["NormalizationsResult", "compute", "format_table", "figure", "plot", "run", "LINK_THRESHOLD"]
 
 #: Links below this weight are not drawn (as in the paper's figure).
 LINK_THRESHOLD = 1e-12
@@ -88,15 +90,9 @@ def format_table(result: NormalizationsResult) -> str:
     return "\n".join(lines)
 
 
-def plot(result: NormalizationsResult, path: str | Path) -> Path:
-    """Draw the three panels (line width proportional to K_ij, links >= 1e-12) to a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def figure(result: NormalizationsResult):
+    """The three panels (line width proportional to K_ij, links >= 1e-12) as a matplotlib figure."""
+    plt = pyplot()
     titles = {"K0": r"$K^0$", "K1": r"$K^1$ (SoftMax)", "Kinf": r"$K^\infty$ (Sinkhorn)"}
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.4))
     q, k = result.queries.numpy(), result.keys.numpy()
@@ -115,9 +111,59 @@ def plot(result: NormalizationsResult, path: str | Path) -> Path:
     axes[0].legend(loc="lower right", fontsize=8)
     fig.suptitle("Normalisations of the attention matrix (line width ∝ $K_{ij}$, links ≥ 1e-12)")
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return fig
 
+
+def plot(result: NormalizationsResult, path: str | Path) -> Path:
+    """Write :func:`figure` to a PNG at ``path``."""
+    return save_png(figure(result), path)
+
+
+@register(
+    "normalizations",
+    description="K0, K1 (SoftMax) and Kinf (Sinkhorn) on two point clouds",
+    paper="Sinkformers, Figure 1",
+    quick_minutes=0.1,
+    defaults={"n_points": 10, "seed": 0},
+)
+def run(ctx: Run) -> None:
+    result = compute(ctx.config["n_points"], ctx.config["seed"])
+    rows = result.summary()
+    for row in rows:
+        ctx.log(**row)
+    ctx.save_figure(figure(result), "normalizations")
+    by_name = {row["matrix"]: row for row in rows}
+    ctx.results.update(
+        {
+            "summary": rows,
+            "sinkhorn_iterations": result.sinkhorn_iters,
+            "softmax_keys_used": by_name["K1"]["keys_used"],
+            "sinkhorn_keys_used": by_name["Kinf"]["keys_used"],
+        }
+    )
+    n = ctx.config["n_points"]
+    same = by_name["K1"]["keys_used"] < n and by_name["Kinf"]["keys_used"] == n
+    verdict = (
+        "Same picture as the paper: SoftMax ignores keys that Sinkhorn brings into play."
+        if same
+        else "Unlike the paper, SoftMax reaches every key in this configuration (try another seed)."
+    )
+    ctx.write_report(
+        f"""# Normalisations of the attention matrix (Sinkformers, Figure 1)
+
+![K0, K1 and Kinf](normalizations.png)
+
+```
+{format_table(result)}
+```
+
+**Paper.** For K⁰ one interaction dominates; for K¹ (SoftMax) one cluster is ignored; for K^∞
+(Sinkhorn) all points are involved in an interaction.
+
+**This run.** K¹ gives links of at least 1e-12 to {by_name["K1"]["keys_used"]} of the {n} keys;
+K^∞ (doubly stochastic after {result.sinkhorn_iters} normalisations, column sums
+{by_name["Kinf"]["col_sum_min"]:.6f} .. {by_name["Kinf"]["col_sum_max"]:.6f}) links every query to
+{by_name["Kinf"]["keys_used"]} keys; entropies {by_name["Kinf"]["entropy"]:.3f} (K^∞) vs
+{by_name["K1"]["entropy"]:.3f} (K¹) nats. {verdict}
+"""
+    )

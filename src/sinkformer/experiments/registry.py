@@ -1,0 +1,236 @@
+"""The experiment registry and the run folder every experiment writes into.
+
+An experiment is a function ``run(ctx: Run) -> None`` registered with :func:`register`. It reads
+its configuration from ``ctx.config`` (defaults, overridden by ``--full`` and ``--set``), logs
+per-step/per-epoch rows with :meth:`Run.log`, saves figures with :meth:`Run.save_figure`, stores
+its final numbers in ``ctx.results`` and writes its ``report.md`` with :meth:`Run.write_report`.
+
+Modules of :mod:`sinkformer.experiments` are discovered automatically: adding a module that calls
+:func:`register` at import time is all it takes to appear in ``sinkformer experiments``. Modules
+must import heavy dependencies (matplotlib, datasets) inside functions, so that listing stays fast.
+
+Each run writes ``runs/NAME/<timestamp>/``: ``config.yaml``, ``metrics.csv``, ``results.json``,
+PNG figures and ``report.md``.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import importlib
+import json
+import math
+import os
+import pkgutil
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..plotting import save_png
+
+__all__ = ["Experiment", "Run", "register", "registry", "get", "parse_overrides", "run_experiment"]
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """A registered experiment.
+
+    Attributes:
+        name: command-line name (``sinkformer run NAME``).
+        description: one line for ``sinkformer experiments``.
+        paper: which figure/table of which paper it reproduces.
+        quick_minutes: expected run time of the quick (embedded-data) configuration on 2 CPU cores.
+        full_minutes: expected run time of ``--full`` (``None``: no separate full configuration).
+        defaults: the quick configuration (every key a user may ``--set``).
+        full: overrides applied by ``--full``.
+        run: the function doing the work.
+    """
+
+    name: str
+    description: str
+    paper: str
+    quick_minutes: float
+    full_minutes: float | None
+    defaults: dict[str, Any]
+    full: dict[str, Any]
+    run: Callable[["Run"], None]
+
+
+_REGISTRY: dict[str, Experiment] = {}
+_DISCOVERED = False
+
+
+def register(
+    name: str,
+    *,
+    description: str,
+    paper: str,
+    quick_minutes: float,
+    full_minutes: float | None = None,
+    defaults: dict[str, Any] | None = None,
+    full: dict[str, Any] | None = None,
+) -> Callable[[Callable[["Run"], None]], Callable[["Run"], None]]:
+    """Decorator registering ``run(ctx)`` as experiment ``name``."""
+
+    def decorate(fn: Callable[["Run"], None]) -> Callable[["Run"], None]:
+        if name in _REGISTRY and _REGISTRY[name].run.__module__ != fn.__module__:
+            raise ValueError(f"experiment {name!r} is registered twice ({_REGISTRY[name].run.__module__}, {fn.__module__})")
+        defaults_ = dict(defaults or {})
+        unknown = set(full or {}) - set(defaults_)
+        if unknown:
+            raise ValueError(f"experiment {name!r}: full overrides {sorted(unknown)} are not keys of its defaults")
+        _REGISTRY[name] = Experiment(name, description, paper, quick_minutes, full_minutes, defaults_, dict(full or {}), fn)
+        return fn
+
+    return decorate
+
+
+def _discover() -> None:
+    global _DISCOVERED
+    if _DISCOVERED:
+        return
+    package = importlib.import_module("sinkformer.experiments")
+    for info in pkgutil.iter_modules(package.__path__):
+        if not info.name.startswith("_") and info.name != "registry":
+            importlib.import_module(f"sinkformer.experiments.{info.name}")
+    _DISCOVERED = True
+
+
+def registry() -> dict[str, Experiment]:
+    """All registered experiments, by name (imports the experiment modules on first call)."""
+    _discover()
+    return dict(sorted(_REGISTRY.items()))
+
+
+def get(name: str) -> Experiment:
+    experiments = registry()
+    if name not in experiments:
+        raise ValueError(f"unknown experiment {name!r}; valid names: {', '.join(experiments)}")
+    return experiments[name]
+
+
+def parse_overrides(pairs: Iterable[str], defaults: dict[str, Any]) -> dict[str, Any]:
+    """``["lr=1e-3", "n_iters=[1,3]"]`` -> dict, values parsed as YAML, keys checked against ``defaults``."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"--set expects key=value, got {pair!r}")
+        key, raw = pair.split("=", 1)
+        key = key.strip()
+        if key not in defaults:
+            raise ValueError(f"--set {key}: unknown option; valid keys: {', '.join(sorted(defaults))}")
+        out[key] = yaml.safe_load(raw)
+    return out
+
+
+@dataclass
+class Run:
+    """The context an experiment runs in: configuration, output folder, logging helpers."""
+
+    name: str
+    config: dict[str, Any]
+    out_dir: Path
+    quick: bool = True
+    data: Path | None = None
+    seeds: int = 1
+    results: dict[str, Any] = field(default_factory=dict)
+    figures: list[Path] = field(default_factory=list)
+    _rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def log(self, **row: Any) -> None:
+        """Append one row (an epoch, a point of a sweep) to ``metrics.csv``, rewritten each time."""
+        self._rows.append(row)
+        keys: list[str] = []
+        for r in self._rows:
+            keys += [k for k in r if k not in keys]
+        tmp = self.out_dir / "metrics.csv.tmp"
+        with tmp.open("w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(self._rows)
+        tmp.replace(self.out_dir / "metrics.csv")
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        return list(self._rows)
+
+    def save_figure(self, fig, name: str) -> Path:
+        """Save a matplotlib figure as ``NAME.png`` in the run folder (atomically) and close it."""
+        path = save_png(fig, self.out_dir / f"{name}.png")
+        self.figures.append(path)
+        return path
+
+    def write_report(self, markdown: str) -> Path:
+        """Write ``report.md``; figures are referenced by relative path (``![..](name.png)``)."""
+        return _atomic_write(self.out_dir / "report.md", markdown)
+
+
+def _atomic_write(path: Path, text: str) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if hasattr(x, "item") and callable(x.item) and getattr(x, "ndim", 1) == 0:
+        return x.item()
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+def run_experiment(
+    name: str,
+    *,
+    full: bool = False,
+    data: str | os.PathLike | None = None,
+    seeds: int | None = None,
+    overrides: dict[str, Any] | None = None,
+    runs_dir: str | os.PathLike = "runs",
+) -> Run:
+    """Run experiment ``name`` and write its folder; returns the finished :class:`Run`."""
+    exp = get(name)
+    config = dict(exp.defaults)
+    if full:
+        config.update(exp.full)
+    config.update(overrides or {})
+    if seeds is not None:
+        if seeds < 1:
+            raise ValueError(f"--seeds must be >= 1, got {seeds}")
+        config["seeds"] = seeds
+    if data is not None:
+        data = Path(data)
+        if not data.exists():
+            raise FileNotFoundError(f"--data {data}: no such file or folder")
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir = Path(runs_dir) / name / stamp
+    suffix = 1
+    while out_dir.exists():
+        suffix += 1
+        out_dir = Path(runs_dir) / name / f"{stamp}-{suffix}"
+    out_dir.mkdir(parents=True)
+    ctx = Run(name, config, out_dir, quick=not full, data=data, seeds=int(config.get("seeds", 1)))
+    meta = {"experiment": name, "mode": "full" if full else "quick", "data": str(data) if data else "embedded"}
+    _atomic_write(out_dir / "config.yaml", yaml.safe_dump({**meta, **_jsonable(config)}, sort_keys=False))
+    start = time.perf_counter()
+    exp.run(ctx)
+    ctx.results.setdefault("wall_seconds", round(time.perf_counter() - start, 2))
+    _atomic_write(out_dir / "results.json", json.dumps(_jsonable(ctx.results), indent=2))
+    if not (out_dir / "metrics.csv").exists():
+        ctx.log(**{k: v for k, v in _jsonable(ctx.results).items() if not isinstance(v, (dict, list))})
+    if not (out_dir / "report.md").exists():
+        raise RuntimeError(f"experiment {name!r} finished without writing report.md")
+    return ctx
