@@ -9,6 +9,7 @@ import sys
 import types
 
 from .functional import COSTS, NORMALIZATIONS, attention
+from .sparse import SparseSinkhornAttention, sparse_sinkhorn_attention  # Sparse Sinkhorn Attention (issue 7)
 
 __all__ = ["attention", "NORMALIZATIONS", "COSTS"]
 

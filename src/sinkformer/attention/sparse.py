@@ -1,0 +1,436 @@
+r"""Sparse Sinkhorn Attention (Tay, Bahri, Yang, Metzler, Juan — ICML 2020).
+
+The sequence of :math:`\ell` tokens is cut into :math:`N_B = \lceil \ell / b\rceil` blocks of
+``block_size`` :math:`b` tokens (the last one padded and masked). A sorting network learns, per
+head, a relaxed permutation of the blocks, and each query attends to its own block and to the
+block *sorted* to its position — quasi-global attention at the memory cost of local attention,
+:math:`O(\ell b + N_B^2)`.
+
+1. **Pooling** (eq. 2): :math:`X'_i = \sum_{t \in \text{block } i} X_t`; causal (eq. 5): the
+   cumulative sum up to and including the first token of block :math:`i`.
+2. **SortNet** (eq. 3–4, Table 8): :math:`R_i = P(X'_i) \in \mathbb R^{N_B}`, one network per
+   head: row :math:`i` of :math:`R` scores the positions block :math:`i` may be moved to.
+3. **Gumbel-Sinkhorn balancing** (§3.1.1, §3.2.1):
+   :math:`S = \mathcal S\big((R + \epsilon)/\tau\big)`, :math:`\epsilon` i.i.d. Gumbel noise in
+   training only, :math:`\mathcal S` = ``sort_iters`` iterations :math:`F_c \circ F_r` in the log
+   domain (``sort_iters=0`` is :math:`S^0 = e^{R}`, the paper's "no Sinkhorn" ablation). The last
+   normalisation is over blocks, so every column (position) of :math:`S` sums to exactly 1.
+4. **Sorting** (§3.1.2): sorted block :math:`p` is :math:`\sum_i S_{ip}\,K_{\text{block } i}`, a
+   convex combination of blocks (the paper's :math:`U(R\,B(K))`, with :math:`R` indexed
+   [block, position] as in eq. 3 and eq. 6); the same :math:`S` sorts the values.
+5. **Attention** (§3.2): each query of block :math:`p` attends, in one SoftMax, to the :math:`b`
+   keys of sorted block :math:`p` and the :math:`b` keys of its own block (the paper's two terms
+   :math:`Q_i\psi_S(K)_j^\top` and the local :math:`Q_iK_j^\top`).
+
+Variants: **causal** (§3.3), **SortCut** (§3.4: every query attends only to the first
+``sortcut_budget`` sorted blocks — memory :math:`O(\ell\,n\,b + N_B^2)`, linear in :math:`\ell`)
+and the **mixture** (§3.2.3: plus vanilla SoftMax attention).
+
+Causal balancing. Block :math:`i` may only be moved to positions :math:`p \ge i` (eq. 6: a block
+sorted into an earlier position is masked out), and within the sorted block a query only sees
+slots at or before its own (causal local attention). Balancing the whole masked
+:math:`N_B\times N_B` matrix at once would still leak the future: from the third normalisation
+on, column :math:`p` is rescaled by row sums that include later positions. Here column :math:`p`
+of :math:`S` is column :math:`p` of the balanced *prefix* matrix (blocks and positions
+:math:`0..p`, the future masked in every row *and* column normalisation), so the output at
+position :math:`t` has exactly zero gradient with respect to every input after :math:`t`, for
+any ``sort_iters``. (All prefixes are balanced in one batched call: :math:`O(N_B^3)` memory.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from .._validation import check_choice, check_positive_int, check_tensor
+from ..sinkhorn import sinkhorn
+from .functional import _check_qkv, attention
+from .masks import align_to_batch
+
+__all__ = [
+    "SORT_NETS",
+    "SortNet",
+    "SparseSinkhornAttention",
+    "block_pool",
+    "gumbel_noise",
+    "n_blocks",
+    "sort_matrix",
+    "sparse_sinkhorn_attention",
+    "to_blocks",
+    "token_validity",
+]
+
+#: Sorting networks of Table 8, written outer to inner (σ = ReLU, F = linear layer):
+#: ``"linear"`` F1 (4, best, default); ``"relu_linear"`` σ∘F1 (3); ``"linear_relu_linear"``
+#: F2∘σ∘F1 (2); ``"relu_linear_relu_linear"`` σ∘F2∘σ∘F1 (1, eq. 4).
+SORT_NETS = ("linear", "relu_linear", "linear_relu_linear", "relu_linear_relu_linear")
+
+
+def n_blocks(length: int, block_size: int) -> int:
+    """Number of blocks :math:`N_B = \\lceil \\ell / b \\rceil` (the last one may be partial)."""
+    return -(-length // block_size)
+
+
+def to_blocks(x: Tensor, block_size: int) -> Tensor:
+    """``(..., n, d) -> (..., N_B, b, d)``, zero-padding the sequence to ``N_B * b`` tokens."""
+    pad = n_blocks(x.shape[-2], block_size) * block_size - x.shape[-2]
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+    return rearrange(x, "... (n b) d -> ... n b d", b=block_size)
+
+
+def token_validity(
+    key_padding_mask: Tensor | None, batch: tuple[int, ...], length: int, padded_length: int, device
+) -> Tensor | None:
+    """Valid tokens of the block-padded sequence, ``(*prefix, 1.., padded_length)`` bool.
+
+    ``None`` when every token is valid (no ``key_padding_mask`` and ``length`` a multiple of the
+    block size). ``key_padding_mask`` is ``(*batch_prefix, length)`` with True = padding.
+    """
+    if key_padding_mask is None and padded_length == length:
+        return None
+    valid = torch.ones(length, dtype=torch.bool, device=device)
+    if key_padding_mask is not None:
+        check_tensor(key_padding_mask, "key_padding_mask", dtype_bool=True)
+        valid = ~align_to_batch(key_padding_mask, "key_padding_mask", batch, length)
+    return F.pad(valid, (0, padded_length - length), value=False)
+
+
+def block_pool(x: Tensor, block_size: int, *, causal: bool = False, padding_mask: Tensor | None = None) -> Tensor:
+    """The SortNet's block pooling :math:`\\psi_P`: ``(..., n, d) -> (..., N_B, d)``.
+
+    Non-causal (eq. 2): the sum of the block's tokens. Causal (eq. 5): the sum of every token up
+    to and including the block's first token (its representative), so that block :math:`i`'s
+    sorting logits never see a later token. ``padding_mask`` ``(..., n)``: True = padding,
+    excluded from the sums.
+    """
+    if padding_mask is not None:
+        x = x.masked_fill(padding_mask.unsqueeze(-1), 0.0)
+    if causal:
+        return x.cumsum(-2)[..., ::block_size, :]
+    return to_blocks(x, block_size).sum(-2)
+
+
+class SortNet(nn.Module):
+    """:math:`P`: pooled blocks ``(B, N_B, d)`` -> sorting logits ``(B, H, N_B, max_blocks)``.
+
+    One independent network per head (§3.2.2), applied to every block (eq. 3). ``kind`` is one of
+    :data:`SORT_NETS`; two-layer networks have ``hidden`` units per head (default ``dim``, the
+    paper's :math:`W_P \\in \\mathbb R^{d\\times d}`). Linear layers are initialised like
+    :class:`torch.nn.Linear`.
+    """
+
+    def __init__(self, dim: int, max_blocks: int, heads: int, kind: str = "linear", hidden: int | None = None) -> None:
+        super().__init__()
+        check_choice(kind, "sort_net", SORT_NETS)
+        self.kind, self.max_blocks = kind, max_blocks
+        self.ops = list(reversed(kind.split("_")))  # application order, inner to outer
+        hidden = hidden or dim
+        n_linear = self.ops.count("linear")
+        sizes = [dim] + [hidden] * (n_linear - 1) + [max_blocks]
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.empty(heads, d_in, d_out)) for d_in, d_out in zip(sizes, sizes[1:])
+        )
+        self.biases = nn.ParameterList(nn.Parameter(torch.empty(heads, 1, d_out)) for d_out in sizes[1:])
+        for w, b in zip(self.weights, self.biases):
+            bound = 1.0 / math.sqrt(w.shape[1])
+            nn.init.uniform_(w, -bound, bound)
+            nn.init.uniform_(b, -bound, bound)
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind!r}, heads={self.weights[0].shape[0]}, max_blocks={self.max_blocks}"
+
+    def forward(self, pooled: Tensor) -> Tensor:
+        x = pooled.unsqueeze(-3)  # (B, 1, N_B, d): the same blocks for every head
+        layer = 0
+        for op in self.ops:
+            if op == "relu":
+                x = torch.relu(x)
+            else:
+                x = x @ self.weights[layer] + self.biases[layer]
+                layer += 1
+        return x
+
+
+def gumbel_noise(shape: torch.Size | tuple[int, ...], *, generator: torch.Generator | None = None,
+                 dtype=torch.float32, device=None) -> Tensor:
+    """Standard i.i.d. Gumbel samples :math:`-\\log(-\\log U)`, :math:`U \\sim \\mathcal U(0, 1)`."""
+    u = torch.rand(shape, generator=generator, dtype=dtype, device=device)
+    tiny = torch.finfo(dtype).tiny
+    return -torch.log(-torch.log(u.clamp(tiny, 1.0 - 1e-7)))
+
+
+def sort_matrix(
+    logits: Tensor,
+    *,
+    sort_iters: int = 5,
+    temperature: float = 0.75,
+    causal: bool = False,
+    gumbel: bool = False,
+    generator: torch.Generator | None = None,
+    block_mask: Tensor | None = None,
+) -> Tensor:
+    """The relaxed block permutation :math:`S = \mathcal S((R + \epsilon)/\tau)`, ``(..., N_B, N_B)``.
+
+    Indexed [block, position]: column :math:`p` holds the weights of the blocks mixed into
+    sorted block :math:`p` (it sums to 1 when ``sort_iters >= 1``).
+
+    Args:
+        logits: ``(..., N_B, N_B)`` SortNet output :math:`R` (row :math:`i` from block :math:`i`).
+        sort_iters: :math:`N_k`, iterations of :math:`F_c \circ F_r` (a row then a column
+            normalisation each); 0 returns :math:`e^{R}` unnormalised.
+        temperature: :math:`\tau > 0`; low temperatures push :math:`S` towards a permutation.
+        causal: block :math:`i` only goes to positions :math:`p \ge i` (eq. 6), balanced prefix
+            by prefix (see the module docstring): column :math:`p` depends on rows
+            :math:`0..p` only.
+        gumbel: add standard Gumbel noise :math:`\epsilon` (training); ``generator`` seeds it.
+        block_mask: ``(..., N_B)`` bool, False = a block made only of padding: it is excluded
+            from the balancing (zero row and column).
+    """
+    check_tensor(logits, "logits", min_dim=2, floating=True)
+    if logits.shape[-1] != logits.shape[-2]:
+        raise ValueError(f"logits must be square (..., N_B, N_B), got shape {tuple(logits.shape)}")
+    check_positive_int(sort_iters, "sort_iters", minimum=0)
+    if not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"temperature must be a positive float, got {temperature!r}")
+    n = logits.shape[-1]
+    x = logits
+    if gumbel:
+        x = x + gumbel_noise(x.shape, generator=generator, dtype=x.dtype, device=x.device)
+    x = x / temperature
+
+    keep = torch.ones(n, n, dtype=torch.bool, device=x.device).triu() if causal else None  # eq. (6)
+    if block_mask is not None:
+        pair = block_mask.unsqueeze(-1) & block_mask.unsqueeze(-2)
+        keep = pair if keep is None else keep & pair
+    if sort_iters == 0:
+        s = torch.exp(x)
+        return s if keep is None else s.masked_fill(~keep, 0.0)
+    if not causal:
+        return sinkhorn(x, 2 * sort_iters, mask=keep)
+    idx = torch.arange(n, device=x.device)
+    in_prefix = (idx[None, :] <= idx[:, None]).unsqueeze(-2)  # (p, 1, j): position j is in prefix p
+    prefixes = sinkhorn(x.unsqueeze(-3).expand(*x.shape[:-2], n, n, n), 2 * sort_iters, mask=keep.unsqueeze(-3) & in_prefix)
+    return prefixes.diagonal(dim1=-3, dim2=-1)  # (..., i, p): column p of prefix p
+
+
+def sparse_sinkhorn_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sort_logits: Tensor,
+    *,
+    block_size: int,
+    sort_iters: int = 5,
+    temperature: float = 0.75,
+    causal: bool = False,
+    sortcut_budget: int | None = None,
+    mixture: bool = False,
+    gumbel: bool = False,
+    generator: torch.Generator | None = None,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_sort: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Sparse Sinkhorn self-attention of ``(q, k, v)`` given the SortNet's logits.
+
+    Args:
+        q, k, v: ``(..., n, d)``, ``(..., n, d)``, ``(..., n, d_v)`` (self-attention: one length).
+        sort_logits: ``(..., N_B, N_B)`` with :math:`N_B = \\lceil n / b\\rceil` (see :class:`SortNet`).
+        block_size: :math:`b`; ``n`` need not be a multiple (the last block is padded and masked).
+        sort_iters, temperature, causal, gumbel, generator: as in :func:`sort_matrix`.
+        sortcut_budget: SortCut (§3.4): every query attends only to the keys of the first
+            ``sortcut_budget`` sorted blocks (all blocks if the budget exceeds :math:`N_B`).
+            Encoder only (not with ``causal``).
+        mixture: add vanilla SoftMax attention over the whole sequence (§3.2.3).
+        key_padding_mask: ``(*batch_prefix, n)`` bool, True = padding key: it is never attended,
+            takes no part in the sorting, and blocks made only of padding leave the balancing.
+        scale: score scale, default :math:`1/\\sqrt d`. dropout_p: dropout on attention weights.
+        return_sort: also return the sorting matrix :math:`S`.
+
+    Returns:
+        ``(..., n, d_v)`` in the dtype of ``q`` (and :math:`S`, ``(..., N_B, N_B)``).
+    """
+    _check_qkv(q, k, v)
+    check_positive_int(block_size, "block_size")
+    n = q.shape[-2]
+    if k.shape[-2] != n:
+        raise ValueError(f"q and k must have the same length (self-attention), got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if sortcut_budget is not None:
+        check_positive_int(sortcut_budget, "sortcut_budget")
+        if causal:
+            raise ValueError("sortcut_budget cannot be used with causal=True: SortCut is an encoder-only scheme (§3.4)")
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    nb = n_blocks(n, block_size)
+    check_tensor(sort_logits, "sort_logits", floating=True)
+    if sort_logits.shape[-2:] != (nb, nb) or not _broadcasts(sort_logits.shape[:-2], batch):
+        raise ValueError(
+            f"sort_logits must have shape (*batch, N_B, N_B) = (*{tuple(batch)}, {nb}, {nb}) for n={n} and "
+            f"block_size={block_size}, got shape {tuple(sort_logits.shape)}"
+        )
+
+    valid = token_validity(key_padding_mask, batch, n, nb * block_size, q.device)
+    kb, vb = to_blocks(k, block_size), to_blocks(v, block_size)
+    valid_blocks = block_mask = None
+    if valid is not None:
+        valid_blocks = valid.unflatten(-1, (nb, block_size))  # (..., N_B, b)
+        kb, vb = kb * valid_blocks.unsqueeze(-1), vb * valid_blocks.unsqueeze(-1)  # padding carries nothing
+        block_mask = valid_blocks.any(-1)
+    S = sort_matrix(sort_logits, sort_iters=sort_iters, temperature=temperature, causal=causal, gumbel=gumbel,
+                    generator=generator, block_mask=block_mask)
+    # sorted block p = sum_i S_ip (block i); SortCut needs only the first positions
+    mix = (S if sortcut_budget is None else S[..., : min(sortcut_budget, nb)]).transpose(-1, -2).to(kb.dtype)
+    ks = torch.einsum("...pi,...isd->...psd", mix, kb)
+    vs = torch.einsum("...pi,...isd->...psd", mix, vb)
+    sorted_valid = None if valid_blocks is None else (mix @ valid_blocks.to(mix.dtype)) > 0  # (..., positions, b)
+
+    if sortcut_budget is not None:
+        keep = None if sorted_valid is None else sorted_valid.flatten(-2).unsqueeze(-2)
+        out = attention(q, ks.flatten(-3, -2), vs.flatten(-3, -2), normalization="softmax", attn_mask=keep,
+                        scale=scale, dropout_p=dropout_p)
+    else:
+        keep = _block_keep(sorted_valid, valid_blocks, block_size, causal, q.device)
+        out = attention(to_blocks(q, block_size), torch.cat([ks, kb], -2), torch.cat([vs, vb], -2),
+                        normalization="softmax", attn_mask=keep, scale=scale, dropout_p=dropout_p)
+        out = out.flatten(-3, -2)[..., :n, :]
+    if mixture:
+        out = out + attention(q, k, v, normalization="softmax", is_causal=causal, key_padding_mask=key_padding_mask,
+                              scale=scale, dropout_p=dropout_p)
+    return (out, S) if return_sort else out
+
+
+def _broadcasts(shape: tuple[int, ...], batch: tuple[int, ...]) -> bool:
+    try:
+        return torch.broadcast_shapes(shape, batch) == batch
+    except RuntimeError:
+        return False
+
+
+def _block_keep(sorted_valid: Tensor | None, valid_blocks: Tensor | None, b: int, causal: bool, device) -> Tensor | None:
+    """Keep mask ``(..., N_B, b | 1, 2b)`` over [sorted block keys, own block keys]."""
+    if sorted_valid is None and not causal:
+        return None
+    keep_sorted = None if sorted_valid is None else sorted_valid.unsqueeze(-2)
+    keep_local = None if valid_blocks is None else valid_blocks.unsqueeze(-2)
+    if causal:  # query slot t sees slots <= t of both blocks
+        tri = torch.ones(b, b, dtype=torch.bool, device=device).tril()
+        keep_sorted = tri if keep_sorted is None else keep_sorted & tri
+        keep_local = tri if keep_local is None else keep_local & tri
+    keep_sorted, keep_local = torch.broadcast_tensors(keep_sorted, keep_local)
+    return torch.cat([keep_sorted, keep_local], -1)
+
+
+class SparseSinkhornAttention(nn.Module):
+    """Multi-head Sparse Sinkhorn self-attention (batch first).
+
+    Args:
+        embed_dim: model width :math:`d`; num_heads: heads (``embed_dim`` divisible by it).
+        block_size: :math:`b`, tokens per block.
+        max_len: longest sequence accepted; fixes the SortNet output size
+            :math:`\\lceil \\text{max\\_len}/b \\rceil` (shorter inputs use its leading logits).
+        sort_iters: :math:`N_k` Sinkhorn iterations (paper's tuning set {2, 5, 10, 20}; 0 = none).
+        temperature: Gumbel-Sinkhorn :math:`\\tau` (0.75, best in §6.2). Gumbel noise is added in
+            training mode only; evaluation is deterministic.
+        sort_net: one of :data:`SORT_NETS` (``"linear"``, best in Table 8); sort_hidden: hidden
+            width of the two-layer sort nets (default ``embed_dim``).
+        causal: causal variant (§3.3): cumulative-sum pooling, causal balancing, causal local
+            attention.
+        sortcut_budget: SortCut (§3.4): attend only to the first ``sortcut_budget`` sorted blocks.
+        mixture: add vanilla attention (§3.2.3).
+        share_kv: one projection for keys and values (Table 8's :math:`K = V`).
+        dropout: dropout on attention weights; bias: biases of the projections.
+
+    ``forward(x, key_padding_mask=None, return_sort=False)``: ``x`` ``(B, n, embed_dim)``,
+    ``key_padding_mask`` ``(B, n)`` True = padding -> ``(B, n, embed_dim)`` (and the sorting
+    matrices ``(B, H, N_B, N_B)``).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        block_size: int,
+        max_len: int,
+        sort_iters: int = 5,
+        temperature: float = 0.75,
+        sort_net: str = "linear",
+        sort_hidden: int | None = None,
+        causal: bool = False,
+        sortcut_budget: int | None = None,
+        mixture: bool = False,
+        share_kv: bool = False,
+        dropout: float = 0.0,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        check_positive_int(embed_dim, "embed_dim")
+        check_positive_int(num_heads, "num_heads")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim must be divisible by num_heads, got {embed_dim} and {num_heads}")
+        check_positive_int(block_size, "block_size")
+        check_positive_int(max_len, "max_len")
+        check_positive_int(sort_iters, "sort_iters", minimum=0)
+        if sortcut_budget is not None:
+            check_positive_int(sortcut_budget, "sortcut_budget")
+            if causal:
+                raise ValueError("sortcut_budget cannot be used with causal=True: SortCut is encoder-only (§3.4)")
+        if not (isinstance(temperature, (int, float)) and temperature > 0):
+            raise ValueError(f"temperature must be a positive float, got {temperature!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.embed_dim, self.num_heads, self.block_size, self.max_len = embed_dim, num_heads, block_size, max_len
+        self.sort_iters, self.temperature, self.causal = sort_iters, temperature, causal
+        self.sortcut_budget, self.mixture, self.share_kv, self.dropout = sortcut_budget, mixture, share_kv, dropout
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.k_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.v_proj = None if share_kv else nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.sort_net = SortNet(embed_dim, n_blocks(max_len, block_size), num_heads, sort_net, sort_hidden)
+
+    def extra_repr(self) -> str:
+        extras = [f"block_size={self.block_size}", f"sort_iters={self.sort_iters}", f"temperature={self.temperature}"]
+        extras += [name for name in ("causal", "mixture", "share_kv") if getattr(self, name)]
+        if self.sortcut_budget is not None:
+            extras.append(f"sortcut_budget={self.sortcut_budget}")
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, " + ", ".join(extras)
+
+    def forward(
+        self, x: Tensor, key_padding_mask: Tensor | None = None, return_sort: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        check_tensor(x, "x", ndim=3, floating=True)
+        if x.shape[-1] != self.embed_dim or x.shape[1] > self.max_len:
+            raise ValueError(
+                f"x must have shape (batch, n <= max_len={self.max_len}, embed_dim={self.embed_dim}), got {tuple(x.shape)}"
+            )
+        n = x.shape[1]
+        if key_padding_mask is not None:
+            check_tensor(key_padding_mask, "key_padding_mask", dtype_bool=True)
+            if key_padding_mask.shape != x.shape[:2]:
+                raise ValueError(f"key_padding_mask must have shape {tuple(x.shape[:2])}, got {tuple(key_padding_mask.shape)}")
+        heads = lambda t: rearrange(t, "b n (h e) -> b h n e", h=self.num_heads)  # noqa: E731
+        q, k = heads(self.q_proj(x)), heads(self.k_proj(x))
+        v = k if self.v_proj is None else heads(self.v_proj(x))
+        nb = n_blocks(n, self.block_size)
+        pooled = block_pool(x, self.block_size, causal=self.causal, padding_mask=key_padding_mask)
+        logits = self.sort_net(pooled)[..., :nb]
+        out, S = sparse_sinkhorn_attention(
+            q, k, v, logits,
+            block_size=self.block_size,
+            sort_iters=self.sort_iters,
+            temperature=self.temperature,
+            causal=self.causal,
+            sortcut_budget=self.sortcut_budget,
+            mixture=self.mixture,
+            gumbel=self.training,
+            key_padding_mask=key_padding_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            return_sort=True,
+        )
+        out = self.out_proj(rearrange(out, "b h n e -> b n (h e)"))
+        return (out, S) if return_sort else out
