@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ._validation import broadcastable, check_finite, check_positive_int, check_tensor, compute_dtype
 
-__all__ = ["sinkhorn", "SinkhornResult", "log_sinkhorn_loop"]
+__all__ = ["sinkhorn", "SinkhornResult", "log_sinkhorn_loop", "double_shift"]
 
 #: Marginal error under which a fixed-count run reports ``converged=True``.
 CONVERGED_TOL = 1e-5
@@ -192,6 +192,8 @@ def sinkhorn(
         warm_start = warm_start.to(problem.x.dtype).expand_as(problem.log_b)
         if problem.col_valid is not None:
             warm_start = torch.where(problem.col_valid, warm_start, torch.zeros_like(warm_start))
+    # potentials of the shifted scores: g = 0 on S is g = c on S - m - c
+    g0 = problem.col_shift if warm_start is None else warm_start + problem.col_shift
 
     f, g, done, converged = log_sinkhorn_loop(
         problem.row_lse,
@@ -204,9 +206,10 @@ def sinkhorn(
         b=problem.b,
         row_valid=problem.row_valid,
         col_valid=problem.col_valid,
-        g=warm_start,
+        g=g0,
     )
     plan = problem.matrix(f, g, last_update_was_rows=done % 2 == 1)
+    f, g = f - problem.row_shift, g - problem.col_shift  # back to potentials of the input scores
     if not return_result:
         return plan.to(scores.dtype)
 
@@ -224,7 +227,9 @@ def sinkhorn(
 class _Problem:
     """Masked scores and marginals in compute precision, ready for the loop."""
 
-    x: Tensor  # (..., n, m) scores, -inf where masked
+    x: Tensor  # (..., n, m) shifted scores S - m_i - c_j, -inf where masked
+    row_shift: Tensor  # (..., n) m_i
+    col_shift: Tensor  # (..., m) c_j
     x_rows: Tensor  # x with invalid rows set to 0 (finite row log-sum-exps)
     x_cols: Tensor  # x with invalid columns set to 0
     a: Tensor  # (..., n) row marginals, 0 on invalid rows
@@ -302,15 +307,35 @@ class _Problem:
                         f"{name} puts mass on a {name[:3]} whose entries are all masked; "
                         "expected zero marginal there (the problem is infeasible otherwise)"
                     )
-            x = x.masked_fill(~keep, float("-inf"))
+            x, row_shift, col_shift = double_shift(x.masked_fill(~keep, float("-inf")))
             x_rows = x.masked_fill(~row_valid.unsqueeze(-1), 0.0)
             x_cols = x.masked_fill(~col_valid.unsqueeze(-2), 0.0)
             log_a = torch.where(row_valid, a.clamp_min(1e-38).log(), torch.zeros_like(a))
             log_b = torch.where(col_valid, b.clamp_min(1e-38).log(), torch.zeros_like(b))
         else:
+            x, row_shift, col_shift = double_shift(x)
             x_rows = x_cols = x
             log_a, log_b = a.log(), b.log()
-        return cls(x, x_rows, x_cols, a, b, log_a, log_b, row_valid, col_valid)
+        return cls(x, row_shift, col_shift, x_rows, x_cols, a, b, log_a, log_b, row_valid, col_valid)
+
+
+def double_shift(x: Tensor, inplace: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """``x - m_i - c_j`` with :math:`m_i = \\max_j x_{ij}`, :math:`c_j = \\max_i (x_{ij} - m_i)`.
+
+    Every row and every column of the result has maximum 0 (``-inf`` rows/columns keep shift 0).
+    Sinkhorn on the shifted scores, started from :math:`g = c`, has the same iterates as on ``x``
+    from :math:`g = 0` (Proposition 1 applied to each iterate), but its potentials stay small, so
+    float32 keeps full precision even for score ranges of 1e4. The shifts are constants (no gradient).
+    """
+    row_shift = _finite_or_zero(x.detach().amax(-1))
+    x = x.sub_(row_shift.unsqueeze(-1)) if inplace else x - row_shift.unsqueeze(-1)
+    col_shift = _finite_or_zero(x.detach().amax(-2))
+    x = x.sub_(col_shift.unsqueeze(-2)) if inplace else x - col_shift.unsqueeze(-2)
+    return x, row_shift, col_shift
+
+
+def _finite_or_zero(x: Tensor) -> Tensor:
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
 def _check_marginal(marginal: Tensor | None, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor | None:

@@ -29,11 +29,13 @@ from torch import Tensor
 from .._validation import check_choice, check_finite, check_positive_int, check_tensor, compute_dtype
 from ..sinkhorn import sinkhorn
 from .masks import align_to_batch, combine_masks
+from .sinkhorn_fast import sinkhorn_attention
 
 __all__ = ["attention", "NORMALIZATIONS", "COSTS"]
 
 NORMALIZATIONS = ("softmax", "sinkhorn", "linear", "sigmoid", "relu")
 COSTS = ("dot", "l2")
+BACKWARDS = ("unrolled", "implicit")
 
 _POINTWISE = {"linear": lambda s: s, "sigmoid": torch.sigmoid, "relu": torch.relu}
 
@@ -56,6 +58,7 @@ def attention(
     query_weights: Tensor | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
+    backward: str = "unrolled",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention with SoftMax, Sinkhorn or unnormalised weights.
 
@@ -81,6 +84,13 @@ def attention(
             marginal); default uniform.
         dropout_p: dropout probability on the attention weights.
         return_weights: also return the ``(..., n_q, n_k)`` weights (before dropout).
+        backward: Sinkhorn gradient: ``"unrolled"`` (exact gradient of the ``n_iters`` map) or
+            ``"implicit"`` (implicit function theorem at the balanced fixed point; use with
+            ``tol=`` or many iterations).
+
+    Sinkhorn attention without ``return_weights``, dropout or measure weights runs the fast path
+    of :mod:`sinkformer.attention.sinkhorn_fast` (custom autograd, no stored score matrix);
+    ``n_iters=1`` and ``"softmax"`` run PyTorch's SDPA kernel.
 
     Returns:
         ``(..., n_q, d_v)`` output in the dtype of ``q`` (and the weights if asked).
@@ -88,6 +98,7 @@ def attention(
     _check_qkv(q, k, v)
     check_choice(normalization, "normalization", NORMALIZATIONS)
     check_choice(cost, "cost", COSTS)
+    check_choice(backward, "backward", BACKWARDS)
     if normalization == "sinkhorn" and tol is None:
         check_positive_int(n_iters, "n_iters")
     if not (0.0 <= dropout_p < 1.0):
@@ -113,8 +124,21 @@ def attention(
     wq = _measure(query_weights, "query_weights", batch, n_q, dtype)
 
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    if normalization == "softmax" and wk is None and not return_weights:
-        return _sdpa(q, k, v, keep, bias, cost, scale, dropout_p).to(out_dtype)
+    if cost == "l2" and normalization in ("softmax", "sinkhorn"):
+        q, k, cost = *_l2_as_dot(q, k), "dot"
+    plain = wk is None and wq is None and not return_weights
+    if plain and (normalization == "softmax" or (normalization == "sinkhorn" and n_iters == 1 and tol is None)):
+        return _sdpa(q, k, v, keep, bias, scale, dropout_p).to(out_dtype)
+    if plain and normalization == "sinkhorn" and dropout_p == 0 and (bias is None or not bias.requires_grad):
+        out = sinkhorn_attention(
+            q, k, v, scale=scale, n_iters=n_iters, tol=tol, keep=keep, bias=bias, backward=backward
+        )
+        return out.to(out_dtype)
+    if backward != "unrolled":
+        raise ValueError(
+            f"backward={backward!r} needs the fast Sinkhorn path, which return_weights, dropout_p > 0 and "
+            "key/query weights do not take; use backward='unrolled'"
+        )
 
     scores = scale * (q @ k.transpose(-1, -2))
     if cost == "l2":
@@ -182,12 +206,17 @@ def _uniform_keys(key_padding_mask: Tensor | None, batch: tuple[int, ...], n_k: 
     return valid / valid.sum(-1, keepdim=True).clamp_min(1)
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, cost: str, scale: float,
+def _l2_as_dot(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    """``[q, 1] . [k, -|k|^2/2] = q.k - |k|^2/2``: the L2 cost :math:`-|q-k|^2/2` up to the query
+    term :math:`-|q|^2/2`, which cancels in every row normalisation (SoftMax and each Sinkhorn
+    iterate) — so L2 attention runs on the dot-product kernels, gradients included."""
+    ones = q.new_ones(q.shape[:-1] + (1,))
+    return torch.cat([q, ones], -1), torch.cat([k, -0.5 * k.square().sum(-1, keepdim=True)], -1)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, scale: float,
           dropout_p: float) -> Tensor:
     """SoftMax attention through PyTorch's fused kernel; rows with no valid key give zeros."""
-    if cost == "l2":  # -|q-k|^2/2 = q.k - |q|^2/2 - |k|^2/2; the query term cancels in a row SoftMax
-        key_term = -(scale / 2) * k.square().sum(-1).unsqueeze(-2)
-        bias = key_term if bias is None else bias + key_term
     mask = bias
     if keep is not None:
         mask = keep if bias is None else bias.masked_fill(~keep, float("-inf"))

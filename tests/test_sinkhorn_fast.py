@@ -1,0 +1,205 @@
+"""The fast Sinkhorn attention path: equal to the reference, exact gradients, implicit gradients,
+O(n) saved memory, fallback for extreme scores."""
+
+import math
+
+import pytest
+import torch
+
+from sinkformer import attention, sinkhorn
+from sinkformer.attention import sinkhorn_fast
+from sinkformer.attention.sinkhorn_fast import sinkhorn_attention
+
+
+def reference(q, k, v, n_iters, keep=None, bias=None, scale=None, tol=None):
+    """Unrolled log-domain Sinkhorn (the foundation core) followed by P @ v, through autograd."""
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    S = scale * q @ k.transpose(-1, -2)
+    if bias is not None:
+        S = S + bias
+    return sinkhorn(S, None if tol else n_iters, tol=tol, max_iters=100_000, mask=keep) @ v
+
+
+def inputs(shape=(2, 3), n=9, m=None, d=5, dtype=torch.float64, spread=1.0):
+    m = n if m is None else m
+    g = torch.Generator().manual_seed(1)
+    q = spread * torch.randn(*shape, n, d, generator=g, dtype=dtype)
+    k = spread * torch.randn(*shape, m, d, generator=g, dtype=dtype)
+    v = torch.randn(*shape, m, 4, generator=g, dtype=dtype)
+    return q, k, v
+
+
+def masks(shape=(2, 3), n=9, m=None):
+    m = n if m is None else m
+    keep = torch.rand(*shape, n, m, generator=torch.Generator().manual_seed(2)) > 0.3
+    keep[..., 0, :] = False  # a query with no key
+    keep[..., :, 1] = False  # a key nobody sees
+    return keep
+
+
+@pytest.mark.parametrize("n_iters", [2, 3, 5, 8, 21])
+@pytest.mark.parametrize("masked", [False, True])
+def test_forward_equals_reference_float32(n_iters, masked):
+    q, k, v = (t.float() for t in inputs(n=12, m=10))
+    keep = masks(n=12, m=10) if masked else None
+    out = attention(q, k, v, n_iters=n_iters, attn_mask=keep)
+    torch.testing.assert_close(out, reference(q, k, v, n_iters, keep), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("n_iters", [2, 3, 5, 8])
+@pytest.mark.parametrize("masked", [False, True])
+def test_gradient_is_exact_gradient_of_the_unrolled_map(n_iters, masked):
+    q, k, v = inputs(n=8, m=11)
+    keep = masks(n=8, m=11) if masked else None
+    bias = torch.randn(8, 11, dtype=torch.float64)
+    grad_out = torch.randn(2, 3, 8, 4, dtype=torch.float64)
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(fn(*leaves), leaves, grad_out)
+
+    fast = grads(lambda q, k, v: attention(q, k, v, n_iters=n_iters, attn_mask=keep if masked else bias))
+    ref = grads(lambda q, k, v: reference(q, k, v, n_iters, keep if masked else None, None if masked else bias))
+    for a, b in zip(fast, ref):
+        assert (a - b).abs().max() <= 1e-6 * b.abs().max()
+
+
+def test_gradcheck_fast_path():
+    q, k, v = (t.requires_grad_() for t in inputs(shape=(2,), n=5, m=4, d=3))
+    assert torch.autograd.gradcheck(lambda q, k, v: sinkhorn_attention(q, k, v, scale=0.7, n_iters=5), (q, k, v))
+    keep = masks(shape=(2,), n=5, m=4)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: sinkhorn_attention(q, k, v, scale=0.7, n_iters=4, keep=keep), (q, k, v)
+    )
+
+
+def test_implicit_gradient_equals_autograd_through_converged_iterations():
+    q, k, v = inputs(n=10, m=10)
+    grad_out = torch.randn(2, 3, 10, 4, dtype=torch.float64)
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(fn(*leaves), leaves, grad_out)
+
+    implicit = grads(lambda q, k, v: attention(q, k, v, n_iters=None, tol=1e-13, backward="implicit"))
+    unrolled = grads(lambda q, k, v: reference(q, k, v, 401))
+    for a, b in zip(implicit, unrolled):
+        torch.testing.assert_close(a, b, atol=1e-8 * b.abs().max().item(), rtol=0)
+    # and it differs from the exact gradient of a short unrolled map
+    short = grads(lambda q, k, v: attention(q, k, v, n_iters=3))
+    assert (short[0] - implicit[0]).abs().max() > 1e-4
+
+
+def test_implicit_gradient_with_padding():
+    q, k, v = inputs(shape=(2,), n=7)
+    pad = torch.tensor([[False] * 5 + [True] * 2, [False] * 7])
+    grad_out = torch.randn(2, 7, 4, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attention(*leaves, n_iters=None, tol=1e-13, key_padding_mask=pad, query_padding_mask=pad, backward="implicit")
+    got = torch.autograd.grad(out, leaves, grad_out)
+    keep = ~pad[:, None, :] & ~pad[:, :, None]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(reference(*leaves, 601, keep), leaves, grad_out)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-8 * b.abs().max().item(), rtol=0)
+
+
+def test_tolerance_mode_matches_reference():
+    q, k, v = (t.float() for t in inputs(n=16))
+    out = attention(q, k, v, n_iters=None, tol=1e-6)
+    torch.testing.assert_close(out, reference(q, k, v, None, tol=1e-6), atol=1e-5, rtol=0)
+
+
+def test_group_boundaries_and_broadcast_masks():
+    """Many small groups (one slice each) and a per-(batch, head) mask give the same result."""
+    q, k, v = inputs(shape=(3, 2), n=6, m=7)
+    keep = masks(shape=(3, 2), n=6, m=7)
+    one = sinkhorn_attention(q, k, v, scale=0.5, n_iters=5, keep=keep, group_elements=1)
+    many = sinkhorn_attention(q, k, v, scale=0.5, n_iters=5, keep=keep, group_elements=10**9)
+    torch.testing.assert_close(one, many, atol=1e-12, rtol=0)
+    torch.testing.assert_close(one, reference(q, k, v, 5, keep, scale=0.5), atol=1e-12, rtol=0)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[0, -3:] = True  # (B, m) padding broadcast over heads and queries
+    out = attention(q, k, v, n_iters=5, key_padding_mask=pad)
+    torch.testing.assert_close(out, reference(q, k, v, 5, ~pad[:, None, None, :]), atol=1e-12, rtol=0)
+
+
+def test_l2_cost_gradients_flow_through_the_key_term():
+    q, k, v = inputs(shape=(1,), n=6, d=3)
+    grad_out = torch.randn(1, 6, 4, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = torch.autograd.grad(attention(*leaves, n_iters=3, cost="l2", scale=1.0), leaves, grad_out)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    S = -torch.cdist(leaves[0], leaves[1]).square() / 2
+    want = torch.autograd.grad(sinkhorn(S, 3) @ leaves[2], leaves, grad_out)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+def test_extreme_scores_fall_back_and_stay_exact():
+    q, k, v = inputs(shape=(2,), n=10, d=4, spread=60.0)  # score range ~1e4
+    q, k = q.round(), k.round()  # integer scores: computed exactly in float32 by every code path
+    S = q @ k.transpose(-1, -2)
+    assert S.max() - S.min() > 5e3
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    out = attention(*leaves, n_iters=5, scale=1.0)
+    assert torch.isfinite(out).all()
+    ref = reference(*(t.float() for t in (q, k, v)), 5, scale=1.0)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in leaves)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_computed_in_float32(dtype):
+    q, k, v = (t.to(dtype).requires_grad_() for t in inputs(n=16, d=8, dtype=torch.float32))
+    out = attention(q, k, v, n_iters=5)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    out.float().sum().backward()
+    assert q.grad.dtype == dtype and torch.isfinite(q.grad).all()
+    ref = reference(q.detach().float(), k.detach().float(), v.detach().float(), 5)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=0)
+
+
+def test_forward_saves_no_quadratic_tensor():
+    """Everything kept for the backward is O(n) per slice beyond q, k, v and the output."""
+    B, n, d = 4, 64, 8
+    q, k, v = (torch.randn(B, n, d, requires_grad=True) for _ in range(3))
+    out = attention(q, k, v, n_iters=21)
+    node = out.grad_fn
+    while node is not None and "SinkhornAttention" not in type(node).__name__:
+        node = node.next_functions[0][0]
+    assert node is not None
+    saved = list(node.saved_tensors)
+    for state in node.states:
+        row, col, us, vs, _ = state
+        saved += [row, col, *us, *vs]
+    biggest = max(t.numel() for t in saved)
+    assert biggest <= B * n * d  # q, k, v, out; nothing of size n * n
+    vectors = sum(t.numel() for t in saved if t.dim() <= 2)
+    assert vectors <= B * n * (21 + 3)
+
+
+def test_fast_path_is_used_by_default():
+    calls = []
+    original = sinkhorn_fast._SinkhornAttention.forward
+
+    def spy(ctx, *args):
+        calls.append(1)
+        return original(ctx, *args)
+
+    sinkhorn_fast._SinkhornAttention.forward = staticmethod(spy)
+    try:
+        q, k, v = inputs()
+        attention(q, k, v)
+    finally:
+        sinkhorn_fast._SinkhornAttention.forward = staticmethod(original)
+    assert calls
+
+
+def test_implicit_requires_the_fast_path():
+    q, k, v = inputs()
+    with pytest.raises(ValueError, match="backward='implicit' needs the fast Sinkhorn path"):
+        attention(q, k, v, backward="implicit", return_weights=True)
+    with pytest.raises(ValueError, match="backward must be one of"):
+        attention(q, k, v, backward="adjoint")
