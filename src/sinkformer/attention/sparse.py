@@ -174,7 +174,7 @@ def sort_matrix(
     generator: torch.Generator | None = None,
     block_mask: Tensor | None = None,
 ) -> Tensor:
-    """The relaxed block permutation :math:`S = \mathcal S((R + \epsilon)/\tau)`, ``(..., N_B, N_B)``.
+    r"""The relaxed block permutation :math:`S = \mathcal S((R + \epsilon)/\tau)`, ``(..., N_B, N_B)``.
 
     Indexed [block, position]: column :math:`p` holds the weights of the blocks mixed into
     sorted block :math:`p` (it sums to 1 when ``sort_iters >= 1``).
