@@ -113,6 +113,8 @@ def test_register_validates_its_arguments():
         register(name="sdpa")
     with pytest.raises(ValueError, match="non-empty string"):
         register(name="")
+    with pytest.raises(TypeError, match="name must be a str, got int 5"):
+        register(name=5)
     assert register(n_iters=3, name="sinkhorn_test") == "sinkhorn_test"
     assert register(n_iters=4, name="sinkhorn_test") == "sinkhorn_test"  # re-registering our own name is fine
     assert transformers.AttentionInterface()["sinkhorn_test"].keywords == {"n_iters": 4}
@@ -185,17 +187,17 @@ def test_causal_and_cross_attention_keep_softmax_and_say_so():
     memory = torch.randn(2, 3, 32)
     with torch.no_grad():
         expected = sdpa(input_ids=ids, attention_mask=mask, encoder_hidden_states=memory).logits
-        with pytest.warns(UserWarning, match="keeps SoftMax") as record:
+        with pytest.warns(UserWarning, match="keep SoftMax") as record:
             got = ours.eval()(input_ids=ids, attention_mask=mask, encoder_hidden_states=memory).logits
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
-    warned = {str(w.message).split()[0] for w in record}
+    warned = {str(w.message).split(":")[0] for w in record}
     assert {"BertSelfAttention", "BertCrossAttention"} <= warned
 
 
 def test_encoders_do_not_warn(recwarn):
     model = transformers.AutoModel.from_config(bert_config(), attn_implementation=register())
     model(*padded_batch())
-    assert not [w for w in recwarn if "keeps SoftMax" in str(w.message)]
+    assert not [w for w in recwarn if "keep SoftMax" in str(w.message)]
 
 
 def test_save_pretrained_and_reload_as_sinkformer(tmp_path):

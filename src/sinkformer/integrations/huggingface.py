@@ -25,10 +25,11 @@ biases (``position_bias``). ``n_iters=1`` is the model's SoftMax attention.
 **Only bidirectional self-attention becomes Sinkhorn.** Causal (decoder) self-attention and
 cross-attention keep SoftMax (``transformers``' own ``sdpa`` function), as in §6.3 of the
 Sinkformers paper ("we plug Sinkhorn's algorithm only into the encoder part"): Sinkhorn under
-a causal mask is not the paper's model. A ``UserWarning`` names each such layer class once.
-A layer is causal or cross-attention when its ``is_causal``, ``is_decoder`` or
-``is_cross_attention`` attribute (or ``config.is_decoder``) says so, or when queries and keys
-have different lengths; a layer without ``is_causal`` counts as causal, as in ``transformers``.
+a causal mask is not the paper's model. A ``UserWarning`` names the layer class once, and
+``output_attentions`` returns no weights for these layers (as with ``sdpa``). A layer is
+causal or cross-attention when its ``is_causal``, ``is_decoder`` or ``is_cross_attention``
+attribute (or ``config.is_decoder``) says so, or when queries and keys have different lengths;
+a layer without ``is_causal`` counts as causal, as in ``transformers``.
 
 **Padding.** The 4-D mask built from the tokenizer's ``attention_mask`` excludes padded
 *keys* only: a padded query still attends to every real token. In self-attention a token that
@@ -54,7 +55,7 @@ try:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-except ImportError as err:  # pragma: no cover - exercised by a test that hides transformers
+except ImportError as err:
     raise ImportError(
         "sinkformer.integrations.huggingface needs transformers>=5.4; install it with "
         "pip install 'sinkformer[hf]'"
@@ -71,16 +72,18 @@ def register(n_iters: int = 5, name: str = "sinkhorn") -> str:
     Args:
         n_iters: Sinkhorn normalisations (paper eq. (3)): 1 = SoftMax, odd counts end
             row-stochastic, more iterations get closer to doubly stochastic.
-        name: the ``attn_implementation`` string; registering the same name again replaces its
-            ``n_iters``. Names ``transformers`` already uses (``"sdpa"``, ``"eager"``, ...) are
+        name: the ``attn_implementation`` string; registering the same name again changes its
+            ``n_iters`` for every model using it (the lookup happens at each forward). Names ``transformers`` already uses (``"sdpa"``, ``"eager"``, ...) are
             refused.
 
     Returns:
         ``name``, so that ``from_pretrained(path, attn_implementation=register())`` reads well.
     """
     check_positive_int(n_iters, "n_iters")
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__} {name!r}")
+    if not name:
+        raise ValueError("name must be a non-empty string, got ''")
     existing = AttentionInterface().get(name)
     ours = isinstance(existing, functools.partial) and existing.func is sinkhorn_attention_forward
     if name == "eager" or (existing is not None and not ours):
@@ -121,7 +124,7 @@ def sinkhorn_attention_forward(
     """
     if not _is_bidirectional_self_attention(module, query, key, kwargs.get("is_causal")):
         warnings.warn(
-            f"{type(module).__name__} is causal or cross-attention: it keeps SoftMax attention (sdpa). "
+            f"{type(module).__name__}: causal and cross-attention layers keep SoftMax attention (sdpa); "
             "Sinkhorn runs only in bidirectional self-attention, as in §6.3 of the Sinkformers paper.",
             UserWarning,
             stacklevel=2,
