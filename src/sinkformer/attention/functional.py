@@ -30,12 +30,15 @@ from .._validation import check_choice, check_finite, check_positive_int, check_
 from ..sinkhorn import sinkhorn
 from .masks import align_to_batch, combine_masks
 from .sinkhorn_fast import sinkhorn_attention
+from .streaming import streamed_sinkhorn_attention
 
 __all__ = ["attention", "NORMALIZATIONS", "COSTS"]
 
 NORMALIZATIONS = ("softmax", "sinkhorn", "linear", "sigmoid", "relu")
 COSTS = ("dot", "l2")
 BACKWARDS = ("unrolled", "implicit")
+#: Above this many score entries per matrix, Sinkhorn attention switches to the chunked mode.
+STREAM_ABOVE = 1 << 24
 
 _POINTWISE = {"linear": lambda s: s, "sigmoid": torch.sigmoid, "relu": torch.relu}
 
@@ -59,6 +62,7 @@ def attention(
     dropout_p: float = 0.0,
     return_weights: bool = False,
     backward: str = "unrolled",
+    chunk_size: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention with SoftMax, Sinkhorn or unnormalised weights.
 
@@ -88,9 +92,14 @@ def attention(
             ``"implicit"`` (implicit function theorem at the balanced fixed point; use with
             ``tol=`` or many iterations).
 
+        chunk_size: Sinkhorn only: stream over blocks of ``chunk_size`` queries (each against all
+            keys) so that no ``n_q × n_k`` matrix exists; memory grows linearly in the length.
+            Chosen automatically when ``n_q * n_k`` exceeds :data:`STREAM_ABOVE`.
+
     Sinkhorn attention without ``return_weights``, dropout or measure weights runs the fast path
-    of :mod:`sinkformer.attention.sinkhorn_fast` (custom autograd, no stored score matrix);
-    ``n_iters=1`` and ``"softmax"`` run PyTorch's SDPA kernel.
+    of :mod:`sinkformer.attention.sinkhorn_fast` (custom autograd, no stored score matrix), or its
+    chunked form :mod:`sinkformer.attention.streaming`; ``n_iters=1`` and ``"softmax"`` run
+    PyTorch's SDPA kernel.
 
     Returns:
         ``(..., n_q, d_v)`` output in the dtype of ``q`` (and the weights if asked).
@@ -101,6 +110,8 @@ def attention(
     check_choice(backward, "backward", BACKWARDS)
     if normalization == "sinkhorn" and tol is None:
         check_positive_int(n_iters, "n_iters")
+    if chunk_size is not None:
+        check_positive_int(chunk_size, "chunk_size")
     if not (0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if scale is None:
@@ -130,9 +141,19 @@ def attention(
     if plain and (normalization == "softmax" or (normalization == "sinkhorn" and n_iters == 1 and tol is None)):
         return _sdpa(q, k, v, keep, bias, scale, dropout_p).to(out_dtype)
     if plain and normalization == "sinkhorn" and dropout_p == 0 and (bias is None or not bias.requires_grad):
-        out = sinkhorn_attention(
-            q, k, v, scale=scale, n_iters=n_iters, tol=tol, keep=keep, bias=bias, backward=backward
-        )
+        if chunk_size is None and n_q * n_k <= STREAM_ABOVE:
+            out = sinkhorn_attention(
+                q, k, v, scale=scale, n_iters=n_iters, tol=tol, keep=keep, bias=bias, backward=backward
+            )
+        elif backward == "implicit":
+            raise ValueError(
+                f"backward='implicit' is available in the tiled mode only, not in the chunked mode "
+                f"(chunk_size={chunk_size}, n_q * n_k = {n_q * n_k}); use backward='unrolled'"
+            )
+        else:
+            out = streamed_sinkhorn_attention(
+                q, k, v, scale=scale, n_iters=n_iters, tol=tol, keep=keep, bias=bias, chunk_size=chunk_size
+            )
         return out.to(out_dtype)
     if backward != "unrolled":
         raise ValueError(
