@@ -158,8 +158,8 @@ def self_attention_mask(attention_mask: Tensor | None, position_bias: Tensor | N
             broadcastable to ``(B, H, n, n)``.
 
     Returns:
-        ``None``; the bool ``keep`` when there is no bias; otherwise the float bias with
-        ``-inf`` where ``keep`` is False.
+        ``position_bias`` (possibly ``None``) when there is no mask; the bool ``keep`` when there
+        is no bias; otherwise the float bias with ``-inf`` where ``keep`` is False.
     """
     if attention_mask is None:
         return position_bias
