@@ -1,0 +1,35 @@
+"""Transformers as interacting particles (Castin et al.; Sander et al. §4–5; Agarwal et al.).
+
+Tokens are a weighted point cloud :math:`\\mu = \\sum_i w_i\\delta_{x_i}`, and an attention layer is the
+velocity field :math:`\\Gamma_\\mu`; conventions are those of ``FORMULAS.md`` (:math:`A = K^\\top Q`, no
+:math:`1/\\sqrt k`, :math:`\\varepsilon` a temperature).
+
+* :func:`velocity` — the field of every attention variant, streamed over blocks for large clouds;
+* :func:`simulate` / :func:`integrate` — particle flows (Euler, RK4), with warm-started Sinkhorn;
+* :mod:`.gaussian` — closed-form fields and moment ODEs of Gaussians, Riccati, drifting;
+* :mod:`.heat` — Sinkhorn attention as a Schrödinger-bridge step and the heat flow;
+* :mod:`.energies` — Sinkformer energies :math:`F_0`, :math:`F_\\infty` and gradient-flow checks;
+* :mod:`.distances` — :math:`W_2` between Gaussians, point clouds, and the conditional distance.
+"""
+
+from . import distances, energies, gaussian, heat
+from .params import as_heads, from_multihead, interaction
+from .simulate import ParticleField, Trajectory, integrate, simulate
+from .velocity import KINDS, FieldResult, velocity
+
+__all__ = [
+    "velocity",
+    "FieldResult",
+    "KINDS",
+    "simulate",
+    "integrate",
+    "Trajectory",
+    "ParticleField",
+    "as_heads",
+    "from_multihead",
+    "interaction",
+    "gaussian",
+    "heat",
+    "energies",
+    "distances",
+]

@@ -1,0 +1,95 @@
+r"""Sinkformer energies (Sander et al. 2022, Prop. 2–3; ``FORMULAS.md`` §6).
+
+With :math:`k_0(x,y) = e^{y^\top Ax}` (:math:`A = K^\top Q`, symmetric under Assumption 1) and
+:math:`k_\infty` its Sinkhorn normalisation w.r.t. :math:`\mu\otimes\mu`,
+
+.. math::
+
+    F_0(\mu) = \tfrac12\int k_0\,d\mu\otimes\mu,\qquad
+    F_\infty(\mu) = -\tfrac12\int k_\infty\log\frac{k_\infty}{k_0}\,d\mu\otimes\mu = -\tfrac12\Big(\int f\,d\mu + \int g\,d\mu\Big).
+
+Under :math:`V = -A`, the fields :math:`T^0_\mu = \int k_0(\cdot,y)Vy\,d\mu` and :math:`T^\infty_\mu = \Gamma^{\rm Sk}_\mu`
+are Wasserstein gradients: for particles :math:`\partial F(\mu_N)/\partial x_i = -T_{\mu_N}(x_i)/N`, so
+:math:`F` decreases along the particle flow. The SoftMax field is not a gradient (Prop. 3): the
+Jacobian of :math:`X \mapsto (\Gamma(x_i))_i` is not symmetric (:func:`jacobian_asymmetry`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._validation import check_tensor
+from ._linalg import sym_fn, sym_sqrt
+from ._streaming import log_weights
+from .params import Params
+from .velocity import velocity
+
+__all__ = ["f0", "t0_field", "f_inf", "f_inf_gaussian", "jacobian_asymmetry"]
+
+
+def _log_w(x: Tensor, weights: Tensor | None) -> Tensor:
+    n = x.shape[-2]
+    if weights is None:
+        return x.new_full(x.shape[:-1], -torch.log(torch.tensor(float(n))).item())
+    w = weights.to(x.dtype)
+    return log_weights(w / w.sum(-1, keepdim=True))
+
+
+def _scores(x: Tensor, A: Tensor) -> Tensor:
+    """:math:`C_{ij} = x_j^\\top A x_i` (``(..., N, N)``)."""
+    return (x @ A.to(x.dtype).T) @ x.transpose(-1, -2)
+
+
+def f0(x: Tensor, A: Tensor, weights: Tensor | None = None) -> Tensor:
+    """:math:`F_0(\\mu) = \\tfrac12\\sum_{ij}w_iw_je^{x_j^\\top Ax_i}` of the cloud ``x (..., N, d)`` (``(...)``)."""
+    check_tensor(x, "x", min_dim=2, floating=True)
+    lw = _log_w(x, weights)
+    return 0.5 * torch.logsumexp(_scores(x, A) + lw.unsqueeze(-1) + lw.unsqueeze(-2), dim=(-1, -2)).exp()
+
+
+def t0_field(x: Tensor, A: Tensor, V: Tensor, weights: Tensor | None = None) -> Tensor:
+    """:math:`T^0_\\mu(x_i) = \\sum_j w_j e^{x_j^\\top Ax_i}Vx_j` (the unnormalised kernel :math:`k_0`)."""
+    check_tensor(x, "x", min_dim=2, floating=True)
+    kernel = (_scores(x, A) + _log_w(x, weights).unsqueeze(-2)).exp()
+    return kernel @ x @ V.to(x.dtype).T
+
+
+def f_inf(x: Tensor, A: Tensor, weights: Tensor | None = None, *, tol: float = 1e-12, **velocity_kwargs) -> Tensor:
+    """:math:`F_\\infty(\\mu) = -\\tfrac12\\sum_i w_i(f(x_i) + g(x_i))` from the Sinkhorn potentials of :math:`k_0`.
+
+    ``A`` is any ``(d, d)`` interaction matrix (:math:`Q = A`, :math:`K = I`); the potentials are
+    normalised as in ``FORMULAS.md`` §1.4 (:math:`k_\\infty = e^{C + f\\oplus g}`), ``f`` from the exact row update.
+    """
+    check_tensor(x, "x", min_dim=2, floating=True)
+    d = x.shape[-1]
+    eye = torch.eye(d, dtype=x.dtype)
+    res = velocity(x, (A.to(x.dtype), eye, eye), "sinkhorn", weights=weights, tol=tol, return_result=True,
+                   **velocity_kwargs)
+    g = res.potential[..., 0, :]
+    lw = _log_w(x, weights)
+    f = -torch.logsumexp(_scores(x, A) + (lw + g).unsqueeze(-2), dim=-1)
+    return -0.5 * (lw.exp() * (f + g)).sum(-1)
+
+
+def f_inf_gaussian(mean: Tensor, cov: Tensor, A: Tensor) -> Tensor:
+    """:math:`F_\\infty(\\mathcal N(\\alpha,\\Sigma)) = \\tfrac12\\alpha^\\top A\\alpha + \\tfrac14\\sum_i\\big[\\sqrt{1+4m_i} - 1 + \\log\\frac{2}{1+\\sqrt{1+4m_i}}\\big]`,
+    :math:`m_i` the eigenvalues of :math:`\\Sigma^{1/2}A^\\top\\Sigma A\\Sigma^{1/2}` (any ``A``)."""
+    mean, cov, A = (torch.as_tensor(t, dtype=torch.float64) for t in (mean, cov, A))
+    root = sym_sqrt(cov)
+    m = torch.linalg.eigvalsh(root @ A.T @ cov @ A @ root).clamp_min(0)
+    r = (1 + 4 * m).sqrt()
+    return 0.5 * mean @ A @ mean + 0.25 * (r - 1 + torch.log(2 / (1 + r))).sum(-1)
+
+
+def jacobian_asymmetry(x: Tensor, params: Params, kind: str = "softmax", **velocity_kwargs) -> float:
+    """:math:`\\|J - J^\\top\\|_F / \\|J\\|_F` for the ``Nd x Nd`` Jacobian :math:`J` of :math:`X \\mapsto (\\Gamma_{\\mu_X}(x_i))_i`.
+
+    Zero (up to rounding) for gradient fields: :math:`k_0` and Sinkhorn under Assumption 1; not for
+    SoftMax (Sinkformers Prop. 3). ``x (N, d)``; autograd through the attention (and Sinkhorn loop).
+    """
+    check_tensor(x, "x", ndim=2, floating=True)
+    n, d = x.shape
+    J = torch.autograd.functional.jacobian(lambda z: velocity(z, params, kind, **velocity_kwargs), x)
+    J = J.reshape(n * d, n * d)
+    return float((J - J.T).norm() / J.norm())

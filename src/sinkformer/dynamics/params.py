@@ -1,0 +1,102 @@
+r"""Attention parameters as the dynamics toolkit sees them (``FORMULAS.md`` §0, §1.7).
+
+One head is a triple ``(Q, K, V)`` with :math:`Q, K \in \mathbb R^{k\times d}` and
+:math:`V \in \mathbb R^{d\times d}`; its interaction matrix is :math:`A = K^\top Q`, so that
+:math:`\langle Qx, Ky\rangle = y^\top A x`. There is no :math:`1/\sqrt k` factor (absorb it
+into ``Q``). Several heads are a list of triples; the field is the sum of the head fields
+(the output projection is absorbed into each :math:`V_h`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .._validation import check_tensor
+
+__all__ = ["Params", "as_heads", "stack_heads", "interaction", "from_multihead"]
+
+#: ``(Q, K, V)`` or a list of such triples (multi-head).
+Params = tuple[Tensor, Tensor, Tensor] | Sequence[tuple[Tensor, Tensor, Tensor]]
+
+
+def _is_triple(p: object) -> bool:
+    return isinstance(p, (tuple, list)) and len(p) == 3 and all(isinstance(t, Tensor) for t in p)
+
+
+def as_heads(params: Params, d: int | None = None) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Validate ``params`` and return it as a list of head triples ``[(Q, K, V), ...]``.
+
+    ``d``, if given, is the token dimension the heads must act on.
+    """
+    if _is_triple(params):
+        heads = [tuple(params)]
+    elif isinstance(params, (tuple, list)) and params and all(_is_triple(p) for p in params):
+        heads = [tuple(p) for p in params]
+    else:
+        raise TypeError(
+            "params must be a triple (Q, K, V) of tensors or a non-empty list of such triples (one per head), "
+            f"got {type(params).__name__}"
+        )
+    for h, (Q, K, V) in enumerate(heads):
+        where = f"params head {h}" if len(heads) > 1 else "params"
+        for name, t in (("Q", Q), ("K", K), ("V", V)):
+            check_tensor(t, f"{where} {name}", ndim=2, floating=True)
+        dim = Q.shape[1] if d is None else d
+        if Q.shape != K.shape or Q.shape[1] != dim or V.shape != (dim, dim):
+            raise ValueError(
+                f"{where}: expected Q, K of shape (k, {dim}) and V of shape ({dim}, {dim}), "
+                f"got Q {tuple(Q.shape)}, K {tuple(K.shape)}, V {tuple(V.shape)}"
+            )
+        d = dim
+    return heads  # type: ignore[return-value]
+
+
+def stack_heads(heads: list[tuple[Tensor, Tensor, Tensor]], dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """Stack heads into ``Q, K (H, k_max, d)`` and ``V (H, d, d)`` in ``dtype``.
+
+    Heads with fewer rows are padded with zero rows, which changes neither
+    :math:`\\langle Qx, Ky\\rangle` nor :math:`|Qx - Ky|^2`.
+    """
+    k_max = max(Q.shape[0] for Q, _, _ in heads)
+
+    def pad(t: Tensor) -> Tensor:
+        return torch.cat([t, t.new_zeros(k_max - t.shape[0], t.shape[1])]) if t.shape[0] < k_max else t
+
+    Q = torch.stack([pad(Q) for Q, _, _ in heads]).to(dtype)
+    K = torch.stack([pad(K) for _, K, _ in heads]).to(dtype)
+    V = torch.stack([V for _, _, V in heads]).to(dtype)
+    return Q, K, V
+
+
+def interaction(Q: Tensor, K: Tensor) -> Tensor:
+    """:math:`A = K^\\top Q` (``(..., d, d)``), so that :math:`\\langle Qx, Ky\\rangle = y^\\top A x`."""
+    return K.transpose(-1, -2) @ Q
+
+
+def from_multihead(mha: torch.nn.MultiheadAttention) -> list[tuple[Tensor, Tensor, Tensor]]:
+    r"""The head triples of a :class:`torch.nn.MultiheadAttention` (self-attention, no biases).
+
+    The layer computes :math:`\sum_h W^O_h\,\mathrm{softmax}(\langle W^Q_h x, W^K_h y\rangle/\sqrt{d_h})\,W^V_h y`,
+    so head :math:`h` is :math:`Q_h = W^Q_h/\sqrt{d_h}`, :math:`K_h = W^K_h`,
+    :math:`V_h = W^O_h W^V_h` (``FORMULAS.md`` §1.7). A residual layer ``x + mha(x, x, x)`` is then one
+    Euler step of size 1 of the Softmax particle flow with these parameters.
+    """
+    if not isinstance(mha, torch.nn.MultiheadAttention):
+        raise TypeError(f"mha must be a torch.nn.MultiheadAttention, got {type(mha).__name__}")
+    if not mha._qkv_same_embed_dim:
+        raise ValueError("mha must use the same embedding dimension for queries, keys and values (kdim = vdim = embed_dim)")
+    biases = [b for b in (mha.in_proj_bias, mha.out_proj.bias, mha.bias_k, mha.bias_v) if b is not None]
+    if any(bool(b.detach().abs().max() > 0) for b in biases):
+        raise ValueError("mha has non-zero biases; the particle dynamics have none (build it with bias=False)")
+    d, H = mha.embed_dim, mha.num_heads
+    dh = d // H
+    Wq, Wk, Wv = mha.in_proj_weight.detach().chunk(3)
+    Wo = mha.out_proj.weight.detach()
+    heads = []
+    for h in range(H):
+        rows = slice(h * dh, (h + 1) * dh)
+        heads.append((Wq[rows] / dh**0.5, Wk[rows], Wo[:, rows] @ Wv[rows]))
+    return heads

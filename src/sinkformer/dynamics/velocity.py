@@ -1,0 +1,201 @@
+r"""Velocity fields of attention on weighted point clouds (``FORMULAS.md`` §1).
+
+A cloud :math:`\mu = \sum_i w_i\delta_{x_i}` and parameters ``(Q, K, V)`` (or a list of head
+triples) define the field :math:`\Gamma_\mu(x)`, the output of an attention layer whose keys and
+values are the particles. With :math:`q = xQ^\top`, :math:`k = xK^\top`, :math:`v = xV^\top` and
+temperature :math:`\varepsilon` (scores :math:`\langle Qx, Ky\rangle/\varepsilon`):
+
+=============  ======================================================================================
+``kind``       :math:`\Gamma_\mu(x)`
+=============  ======================================================================================
+``softmax``    :math:`\sum_j \mathrm{softmax}_j(\langle Qx,Kx_j\rangle/\varepsilon + \log w_j)\,Vx_j`
+``l2``         the same with :math:`-|Qx-Kx_j|^2/(2\varepsilon)` (Kim et al.)
+``linear``     :math:`\sum_j w_j\,\langle Qx,Kx_j\rangle/\varepsilon\;Vx_j`
+``sigmoid``    :math:`\sum_j w_j\,\sigma(\langle Qx,Kx_j\rangle/\varepsilon)\,Vx_j` (``relu``: :math:`\max(\cdot,0)`)
+``sinkhorn``   :math:`\sum_j k^\infty(x,x_j)\,w_j\,Vx_j`, :math:`k^\infty` bistochastic w.r.t. :math:`\mu\otimes\mu`;
+               off the cloud :math:`\sum_j\mathrm{softmax}_j(\langle Qx,Kx_j\rangle/\varepsilon+g_j+\log w_j)Vx_j`
+``masked``     Softmax restricted to the particles with token position :math:`s_j \le s` (causal attention)
+=============  ======================================================================================
+
+A list of head triples sums the head fields (multi-head, §1.7). Every field is computed by
+:func:`sinkformer.attention` (and the Sinkhorn potentials by
+:func:`sinkformer.sinkhorn.log_sinkhorn_loop`); queries are processed in chunks, so that memory
+stays ``O(N * chunk)`` and ``N = 50,000`` particles never build an ``N x N`` matrix.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .._validation import check_choice, check_finite, check_positive_int, check_tensor, compute_dtype
+from ..attention.functional import attention
+from ._streaming import log_weights, sinkhorn_potentials
+from .params import Params, as_heads, stack_heads
+
+__all__ = ["velocity", "FieldResult", "KINDS", "DEFAULT_BLOCK_ENTRIES"]
+
+KINDS = ("softmax", "l2", "linear", "sigmoid", "relu", "sinkhorn", "masked")
+
+#: Score entries (batch x heads x queries x keys) computed at once; above this, queries are chunked.
+DEFAULT_BLOCK_ENTRIES = 2**24
+
+_NORMALIZATION = {"softmax": ("softmax", "dot"), "l2": ("softmax", "l2"), "masked": ("softmax", "dot"),
+                  "sinkhorn": ("softmax", "dot"), "linear": ("linear", "dot"), "sigmoid": ("sigmoid", "dot"),
+                  "relu": ("relu", "dot")}
+
+
+@dataclass
+class FieldResult:
+    """What :func:`velocity` returns with ``return_result=True``.
+
+    Attributes:
+        field: ``(..., M, d)`` the velocity at the query points.
+        potential: Sinkhorn column potential ``g`` ``(..., H, N)`` (``None`` for other kinds); pass it
+            back as ``warm_start`` at the next time step.
+        sinkhorn_iters: normalisations run (0 for other kinds).
+        converged: whether Sinkhorn reached ``tol``.
+    """
+
+    field: Tensor
+    potential: Tensor | None = None
+    sinkhorn_iters: int = 0
+    converged: bool = True
+
+
+def velocity(
+    x: Tensor,
+    params: Params,
+    kind: str = "softmax",
+    *,
+    weights: Tensor | None = None,
+    at: Tensor | None = None,
+    eps: float = 1.0,
+    token_positions: Tensor | None = None,
+    at_positions: Tensor | None = None,
+    tol: float = 1e-9,
+    max_iters: int = 10_000,
+    warm_start: Tensor | None = None,
+    chunk_size: int | None = None,
+    return_result: bool = False,
+) -> Tensor | FieldResult:
+    """The attention velocity field :math:`\\Gamma_\\mu` of the cloud ``x``, at the particles or at ``at``.
+
+    Args:
+        x: ``(..., N, d)`` particles (leading dimensions: independent clouds).
+        params: ``(Q, K, V)`` with ``Q, K (k, d)``, ``V (d, d)``, or a list of such triples (heads).
+        kind: one of :data:`KINDS`.
+        weights: ``(..., N)`` non-negative masses of the particles (normalised here); default uniform.
+        at: ``(..., M, d)`` evaluation points; default the particles themselves.
+        eps: temperature; the scores are :math:`\\langle Qx, Ky\\rangle/\\varepsilon`.
+        token_positions: ``(..., N)`` positions :math:`s_j` for ``kind="masked"``.
+        at_positions: ``(..., M)`` positions of ``at`` (masked kind only).
+        tol: Sinkhorn stopping rule, relative marginal error :math:`\\max_j|\\sum_i\\pi_{ij}/w_j-1|`.
+        max_iters: cap on Sinkhorn normalisations (a warning is raised if reached).
+        warm_start: ``(..., H, N)`` Sinkhorn potential ``g`` of a previous call.
+        chunk_size: queries (and Sinkhorn rows/columns) per block; default from a budget of
+            :data:`DEFAULT_BLOCK_ENTRIES` score entries.
+        return_result: return a :class:`FieldResult` (with the Sinkhorn potential) instead of the field.
+
+    Returns:
+        ``(..., M, d)`` field (or a :class:`FieldResult`), in the dtype of ``x``.
+    """
+    check_tensor(x, "x", min_dim=2, floating=True)
+    check_finite(x, "x")
+    check_choice(kind, "kind", KINDS)
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        raise ValueError(f"eps must be a positive float, got {eps!r}")
+    batch, n, d = tuple(x.shape[:-2]), x.shape[-2], x.shape[-1]
+    Q, K, V = stack_heads(as_heads(params, d), compute_dtype(x.dtype))
+    dtype = Q.dtype
+    xs = x.to(dtype)
+    xq = xs
+    if at is not None:
+        check_tensor(at, "at", min_dim=2, floating=True)
+        check_finite(at, "at")
+        if at.shape[-1] != d or tuple(at.shape[:-2]) != batch:
+            raise ValueError(f"at must have shape {batch + ('M', d)} to match x {tuple(x.shape)}, got {tuple(at.shape)}")
+        xq = at.to(dtype)
+    w = _weights(weights, batch, n, dtype)
+    pos_q, pos_k = _positions(kind, token_positions, at_positions, at, batch, n, xq.shape[-2], dtype)
+
+    # (..., H, points, k) queries/keys and (..., H, N, d) values of every head.
+    q = torch.einsum("...nd,hkd->...hnk", xq, Q)
+    k = torch.einsum("...nd,hkd->...hnk", xs, K)
+    v = torch.einsum("...nd,hed->...hne", xs, V)
+    H = Q.shape[0]
+    rows_per_block = max(1, DEFAULT_BLOCK_ENTRIES // max(1, math.prod(batch) * H * n))
+    chunk = chunk_size if chunk_size is not None else rows_per_block
+    check_positive_int(chunk, "chunk_size")
+
+    normalization, cost = _NORMALIZATION[kind]
+    # SoftMax-normalised kinds take the key measure as a bias log w_j; the others as key_weights.
+    key_bias = None if w is None or normalization != "softmax" else log_weights(w).unsqueeze(-2)  # (..., 1, N)
+    key_weights = None if normalization == "softmax" else w
+    g, iters, converged = None, 0, True
+    if kind == "sinkhorn":
+        k_queries = q if at is None else torch.einsum("...nd,hkd->...hnk", xs, Q)  # queries of the particles
+        w_heads = (xs.new_full(batch + (1, n), 1.0 / n) if w is None else w.unsqueeze(-2)).expand(batch + (H, n))
+        if warm_start is not None:
+            check_tensor(warm_start, "warm_start", floating=True)
+            if tuple(warm_start.shape) != batch + (H, n):
+                raise ValueError(f"warm_start must have shape {batch + (H, n)} (..., heads, N), got {tuple(warm_start.shape)}")
+        _, g, iters, converged = sinkhorn_potentials(
+            k_queries, k, w_heads, scale=1.0 / eps, tol=tol, max_iters=max_iters, chunk=chunk, warm_start=warm_start
+        )
+        if not converged:
+            warnings.warn(f"Sinkhorn did not reach tol={tol} in max_iters={max_iters} normalisations", stacklevel=2)
+        key_bias = g if key_bias is None else g + key_bias
+
+    outs = []
+    for s in range(0, q.shape[-2], chunk):
+        rows = slice(s, s + chunk)
+        attn_mask = None if key_bias is None else key_bias.unsqueeze(-2)  # (..., H|1, 1, N)
+        if pos_q is not None:  # (..., 1, rows, N): key position <= query position
+            keep = pos_k.unsqueeze(-2) <= pos_q[..., rows].unsqueeze(-1)
+            attn_mask = keep if attn_mask is None else attn_mask.masked_fill(~keep, float("-inf"))
+        outs.append(
+            attention(q[..., rows, :], k, v, normalization=normalization, cost=cost, scale=1.0 / eps,
+                      attn_mask=attn_mask, key_weights=key_weights)
+        )
+    field = torch.cat(outs, dim=-2).sum(-3).to(x.dtype)
+    return FieldResult(field, g, iters, converged) if return_result else field
+
+
+def _weights(weights: Tensor | None, batch: tuple[int, ...], n: int, dtype: torch.dtype) -> Tensor | None:
+    """Normalised ``(..., N)`` masses, or ``None`` for the uniform measure."""
+    if weights is None:
+        return None
+    check_tensor(weights, "weights", floating=True)
+    check_finite(weights, "weights")
+    if weights.shape[-1] != n:
+        raise ValueError(f"weights must have shape (..., {n}) like the particles, got {tuple(weights.shape)}")
+    w = weights.to(dtype).expand(batch + (n,))
+    if bool((w < 0).any()) or not bool((w.sum(-1) > 0).all()):
+        raise ValueError("weights must be non-negative with a positive sum per cloud")
+    return w / w.sum(-1, keepdim=True)
+
+
+def _positions(kind, token_positions, at_positions, at, batch, n, m, dtype):
+    """``(query positions, key positions)`` for the masked kind, else ``(None, None)``."""
+    if kind != "masked":
+        if token_positions is not None or at_positions is not None:
+            raise ValueError(f"token_positions/at_positions are only used by kind='masked', got kind={kind!r}")
+        return None, None
+    if token_positions is None:
+        raise ValueError("kind='masked' needs token_positions (..., N): the position s in [0, 1] of each particle")
+    check_tensor(token_positions, "token_positions")
+    if token_positions.shape[-1] != n:
+        raise ValueError(f"token_positions must have shape (..., {n}), got {tuple(token_positions.shape)}")
+    pos_k = token_positions.to(dtype).expand(batch + (n,))
+    if at is None:
+        if at_positions is not None:
+            raise ValueError("at_positions is only meaningful together with at")
+        return pos_k.unsqueeze(-2), pos_k.unsqueeze(-2)
+    if at_positions is None or at_positions.shape[-1] != m:
+        raise ValueError(f"kind='masked' with at needs at_positions of shape (..., {m})")
+    return at_positions.to(dtype).expand(batch + (m,)).unsqueeze(-2), pos_k.unsqueeze(-2)
