@@ -1,0 +1,324 @@
+"""Speed and memory of Sinkhorn attention against SoftMax attention and the paper's algorithm.
+
+    python -m benchmarks attention [--quick] [--long] [--out benchmarks/results]
+
+Methods, all on ``(b, h, n, d) = (4, 8, n, 64)`` float32, forward and forward+backward:
+
+* ``sdpa`` — ``torch.nn.functional.scaled_dot_product_attention`` (SoftMax, fused kernel);
+* ``naive-softmax`` — SoftMax with the ``n × n`` matrix materialised, through autograd;
+* ``paper-reference`` — the Sinkformers paper's implementation (Appendix B): log-domain
+  iterations unrolled through autograd, every iterate stored;
+* ``ours`` — ``sinkformer.attention`` (custom autograd, tiled);
+* ``ours-chunked`` — ``sinkformer.attention(..., chunk_size=128)`` (streamed, no ``n × n`` matrix).
+
+Each configuration runs in its own subprocess (fresh allocator, ``MALLOC_MMAP_THRESHOLD_`` fixed so
+that freed blocks return to the system): peak memory is the peak resident set size during one
+forward+backward minus the resident size just before it (inputs already allocated), read from
+``/proc/self/status`` after resetting the high-water mark; times are medians over repeats after a
+warm-up. ``--long`` adds the chunked mode on one head with n = 8k ... 64k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+METHODS = ["sdpa", "naive-softmax", "paper-reference", "ours", "ours-chunked"]
+SOFTMAX_METHODS = {"sdpa", "naive-softmax"}  # independent of n_iters
+B, H, D = 4, 8, 64
+CHUNK = 128
+MEMORY_LIMIT_GIB = 16.0
+
+
+# ----------------------------------------------------------------------------- the methods
+
+
+def paper_reference(q, k, v, n_iters):
+    """Sinkformers Appendix B, literally: log domain, g0 = 0, f/g alternate with log(1/n) marginals,
+    K = n * exp(C + f + g), unrolled through autograd."""
+    import torch
+
+    C = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    n = C.shape[-1]
+    log_marginal = -math.log(n)
+    f = torch.zeros(C.shape[:-1], dtype=C.dtype)
+    g = torch.zeros(C.shape[:-2] + (n,), dtype=C.dtype)
+    for it in range(n_iters):
+        if it % 2 == 0:
+            f = log_marginal - torch.logsumexp(C + g.unsqueeze(-2), dim=-1)
+        else:
+            g = log_marginal - torch.logsumexp(C + f.unsqueeze(-1), dim=-2)
+    K = n * torch.exp(C + f.unsqueeze(-1) + g.unsqueeze(-2))
+    return K @ v
+
+
+def make_fn(method: str, n_iters: int):
+    import torch
+    import torch.nn.functional as F
+
+    import sinkformer
+
+    if method == "sdpa":
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v)
+    if method == "naive-softmax":
+        return lambda q, k, v: torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v
+    if method == "paper-reference":
+        return lambda q, k, v: paper_reference(q, k, v, n_iters)
+    if method == "ours":
+        return lambda q, k, v: sinkformer.attention(q, k, v, n_iters=n_iters)
+    if method == "ours-chunked":
+        return lambda q, k, v: sinkformer.attention(q, k, v, n_iters=n_iters, chunk_size=CHUNK)
+    raise ValueError(f"unknown method {method!r}; valid: {METHODS}")
+
+
+def estimated_gib(method: str, b: int, h: int, n: int, n_iters: int) -> float:
+    """Rough peak memory, to skip configurations that cannot fit (the paper's keeps every iterate)."""
+    matrix = b * h * n * n * 4 / 2**30
+    return {"paper-reference": (n_iters + 4) * matrix, "naive-softmax": 4 * matrix}.get(method, 2 * matrix / (b * h))
+
+
+# ----------------------------------------------------------------------------- one measurement (worker)
+
+
+def _rss_mib() -> tuple[float, float]:
+    status = Path("/proc/self/status").read_text()
+    rss = int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
+    hwm = int(re.search(r"VmHWM:\s+(\d+)", status).group(1)) / 1024
+    return rss, hwm
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def measure(method: str, b: int, h: int, n: int, d: int, n_iters: int, repeats: int) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
+    fn = make_fn(method, n_iters)
+
+    def forward():
+        with torch.no_grad():
+            fn(q, k, v)
+
+    def forward_backward():
+        for t in (q, k, v):
+            t.grad = None
+        fn(q, k, v).sum().backward()
+
+    forward_backward()  # warm-up (and first allocations)
+    for t in (q, k, v):
+        t.grad = None
+    base, _ = _rss_mib()
+    _reset_peak()
+    fn(q, k, v).sum().backward()
+    _, peak = _rss_mib()
+    memory = peak - base
+
+    def median_time(step) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    forward()
+    return {
+        "forward_ms": 1e3 * median_time(forward),
+        "forward_backward_ms": 1e3 * median_time(forward_backward),
+        "peak_mib": memory,
+    }
+
+
+# ----------------------------------------------------------------------------- the driver
+
+
+def _run_worker(config: dict) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
+    cmd = [sys.executable, "-m", "benchmarks.attention", "--worker", json.dumps(config)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent.parent)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["killed"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def grid(quick: bool) -> list[dict]:
+    ns = [256, 1024] if quick else [256, 1024, 4096]
+    iters = [1, 5] if quick else [1, 3, 5, 21]
+    configs = []
+    for n in ns:
+        for method in METHODS:
+            for n_iters in ([1] if method in SOFTMAX_METHODS else iters):
+                repeats = 5 if n <= 1024 else 3
+                configs.append(dict(method=method, b=B, h=H, n=n, d=D, n_iters=n_iters, repeats=repeats))
+    return configs
+
+
+def long_grid() -> list[dict]:
+    return [dict(method="ours-chunked", b=1, h=1, n=n, d=D, n_iters=5, repeats=1) for n in (8192, 16384, 32768, 65536)]
+
+
+def run(configs: list[dict]) -> list[dict]:
+    from tqdm import tqdm
+
+    rows = []
+    for config in tqdm(configs, desc="attention benchmark", unit="config"):
+        need = estimated_gib(config["method"], config["b"], config["h"], config["n"], config["n_iters"])
+        if need > MEMORY_LIMIT_GIB:
+            result = {"error": f"skipped: needs about {need:.0f} GiB"}
+        else:
+            result = _run_worker(config)
+        rows.append({**config, **result})
+        tqdm.write(_row_text(rows[-1]))
+    return rows
+
+
+def _row_text(row: dict) -> str:
+    head = f"{row['method']:>16} n={row['n']:<6} iters={row['n_iters']:<3}"
+    if "error" in row:
+        return f"{head} {row['error']}"
+    return (f"{head} fwd {row['forward_ms']:9.1f} ms   fwd+bwd {row['forward_backward_ms']:9.1f} ms   "
+            f"peak {row['peak_mib']:8.1f} MiB")
+
+
+def _find(rows, method, n, n_iters=1):
+    for row in rows:
+        if row["method"] == method and row["n"] == n and row["n_iters"] == n_iters and "error" not in row:
+            return row
+    return None
+
+
+def summary(rows: list[dict]) -> dict:
+    """The issue's targets at b=4, h=8, n=1024, d=64, n_iters=5, forward+backward."""
+    sdpa, paper = _find(rows, "sdpa", 1024), _find(rows, "paper-reference", 1024, 5)
+    ours5, ours21 = _find(rows, "ours", 1024, 5), _find(rows, "ours", 1024, 21)
+    out = {}
+    if sdpa and ours5:
+        out["time_ours_over_sdpa"] = ours5["forward_backward_ms"] / sdpa["forward_backward_ms"]
+        out["memory_ours_over_sdpa"] = ours5["peak_mib"] / sdpa["peak_mib"]
+    if paper and ours5:
+        out["speedup_over_paper"] = paper["forward_backward_ms"] / ours5["forward_backward_ms"]
+        out["memory_paper_over_sdpa"] = paper["peak_mib"] / sdpa["peak_mib"] if sdpa else None
+        out["time_paper_over_sdpa"] = paper["forward_backward_ms"] / sdpa["forward_backward_ms"] if sdpa else None
+    if ours5 and ours21:
+        out["memory_21_over_5"] = ours21["peak_mib"] / ours5["peak_mib"]
+    return out
+
+
+def markdown(rows: list[dict], targets: dict, stamp: str) -> str:
+    lines = [
+        f"Measured {stamp} on {platform.machine()} with {os.cpu_count()} CPU cores, "
+        f"torch {_torch_version()}, b={B}, h={H}, d={D}, float32; medians.",
+        "",
+        "| method | n | n_iters | forward (ms) | forward+backward (ms) | peak memory (MiB) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        if row["b"] != B:
+            continue
+        if "error" in row:
+            lines.append(f"| {row['method']} | {row['n']} | {row['n_iters']} | – | – | {row['error']} |")
+        else:
+            lines.append(
+                f"| {row['method']} | {row['n']} | {row['n_iters']} | {row['forward_ms']:.1f} | "
+                f"{row['forward_backward_ms']:.1f} | {row['peak_mib']:.1f} |"
+            )
+    long_rows = [row for row in rows if row["b"] == 1]
+    if long_rows:
+        lines += ["", "Chunked mode, one head (b = h = 1), d = 64, 5 iterations, forward+backward:", "",
+                  "| n | forward+backward (s) | peak memory (MiB) | MiB per 1k tokens |", "|---:|---:|---:|---:|"]
+        for row in long_rows:
+            if "error" in row:
+                lines.append(f"| {row['n']} | – | {row['error']} | – |")
+            else:
+                lines.append(f"| {row['n']} | {row['forward_backward_ms'] / 1e3:.1f} | {row['peak_mib']:.1f} | "
+                             f"{row['peak_mib'] / (row['n'] / 1024):.2f} |")
+    if targets:
+        lines += ["", "Targets (n = 1024, n_iters = 5, forward+backward):", ""]
+        names = {
+            "time_ours_over_sdpa": ("time ours / SDPA", "≤ 2"),
+            "speedup_over_paper": ("time paper / ours", "≥ 8"),
+            "memory_ours_over_sdpa": ("peak memory ours / SDPA", "≤ 1.5"),
+            "memory_21_over_5": ("peak memory ours, 21 / 5 iterations", "≤ 1.1"),
+            "time_paper_over_sdpa": ("time paper / SDPA", "(context)"),
+            "memory_paper_over_sdpa": ("peak memory paper / SDPA", "(context)"),
+        }
+        for key, (label, target) in names.items():
+            if targets.get(key) is not None:
+                lines.append(f"- {label}: **{targets[key]:.2f}** (target {target})")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    from sinkformer.plotting import pyplot, save_png
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    series = [(m, 1) for m in ("sdpa", "naive-softmax")] + [
+        (m, it) for m in ("paper-reference", "ours", "ours-chunked") for it in (5, 21)
+    ]
+    for method, n_iters in series:
+        pts = [r for r in rows if r["method"] == method and r["n_iters"] == n_iters and r["b"] == B and "error" not in r]
+        if not pts:
+            continue
+        label = method if method in SOFTMAX_METHODS else f"{method} ({n_iters} it.)"
+        style = "--" if n_iters == 21 else "-"
+        ns = [r["n"] for r in pts]
+        axes[0].plot(ns, [r["forward_backward_ms"] for r in pts], style, marker="o", label=label)
+        axes[1].plot(ns, [max(r["peak_mib"], 1e-1) for r in pts], style, marker="o", label=label)
+    for ax, title in zip(axes, ["forward+backward time (ms)", "peak memory (MiB)"]):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length n")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Attention, b={B}, h={H}, d={D}, float32, CPU")
+    save_png(fig, path)
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks attention", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="n in {256, 1024}, n_iters in {1, 5}")
+    parser.add_argument("--long", action="store_true", help="also the chunked mode on one head, n = 8k .. 64k")
+    parser.add_argument("--out", default="benchmarks/results", help="folder for attention.{json,md,png}")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        config = json.loads(args.worker)
+        print(json.dumps(measure(**config)))
+        return 0
+    configs = grid(args.quick) + (long_grid() if args.long else [])
+    stamp = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
+    rows = run(configs)
+    targets = summary(rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "attention.json").write_text(json.dumps({"date": stamp, "rows": rows, "targets": targets}, indent=2))
+    text = markdown(rows, targets, stamp)
+    (out / "attention.md").write_text(text)
+    plot(rows, out / "attention.png")
+    print("\n" + text)
+    print(f"written: {out / 'attention.json'}, {out / 'attention.md'}, {out / 'attention.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
