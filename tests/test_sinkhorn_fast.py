@@ -203,3 +203,50 @@ def test_implicit_requires_the_fast_path():
         attention(q, k, v, backward="implicit", return_weights=True)
     with pytest.raises(ValueError, match="backward must be one of"):
         attention(q, k, v, backward="adjoint")
+
+
+def dropout_masks(seed, shape, group, p):
+    """The masks the fast path draws: one per group of slices, from a seed of the global generator."""
+    torch.manual_seed(seed)
+    base = int(torch.randint(0, 2**62, (1,)).item())
+    B = shape[0]
+    masks = []
+    for start in range(0, B, group):
+        gen = torch.Generator().manual_seed(base + start)
+        like = torch.empty((min(B, start + group) - start,) + shape[1:], dtype=torch.float64)
+        masks.append(like.bernoulli_(1 - p, generator=gen).div_(1 - p))
+    return torch.cat(masks)
+
+
+@pytest.mark.parametrize("backward", ["unrolled", "implicit"])
+def test_dropout_in_the_fast_path_forward_and_gradient(backward):
+    q, k, v = inputs(shape=(4,), n=7, m=6)
+    grad_out = torch.randn(4, 7, 4, dtype=torch.float64)
+    n_iters = 5 if backward == "unrolled" else None
+    tol = None if backward == "unrolled" else 1e-13
+    kw = dict(scale=0.5, n_iters=n_iters, tol=tol, backward=backward, dropout_p=0.3, group_elements=2 * 7 * 6)
+    torch.manual_seed(11)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = sinkhorn_attention(*leaves, **kw)
+    got = torch.autograd.grad(out, leaves, grad_out)
+    drop = dropout_masks(11, (4, 7, 6), group=2, p=0.3)
+    assert 0.1 < (drop == 0).double().mean() < 0.5
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    S = 0.5 * leaves[0] @ leaves[1].transpose(-1, -2)
+    P = sinkhorn(S, n_iters if n_iters else 401)
+    ref = (P * drop) @ leaves[2]
+    want = torch.autograd.grad(ref, leaves, grad_out)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-8 * b.abs().max().item(), rtol=0)
+
+
+def test_dropout_is_unbiased_and_seeded():
+    q, k, v = inputs(shape=(1,), n=6)
+    torch.manual_seed(3)
+    a = attention(q, k, v, dropout_p=0.4)
+    torch.manual_seed(3)
+    b = attention(q, k, v, dropout_p=0.4)
+    assert torch.equal(a, b)
+    mean = torch.stack([attention(q, k, v, dropout_p=0.4) for _ in range(2000)]).mean(0)
+    assert (mean - attention(q, k, v)).abs().max() < 0.05

@@ -115,8 +115,10 @@ def test_auto_selection_above_threshold(monkeypatch):
     q, k, v = inputs()
     attention(q, k, v, n_iters=3)
     assert calls == [None]
-    with pytest.raises(ValueError, match="backward='implicit' is available in the tiled mode only"):
+    with pytest.raises(ValueError, match="backward='implicit' with dropout_p=0.0 needs the tiled mode"):
         attention(q, k, v, n_iters=3, backward="implicit")
+    with pytest.raises(ValueError, match="needs the tiled mode, not the chunked mode"):
+        attention(q, k, v, n_iters=3, dropout_p=0.1, chunk_size=4)
     with pytest.raises(ValueError, match="chunk_size must be an int >= 1, got 0"):
         attention(q, k, v, chunk_size=0)
 

@@ -140,15 +140,16 @@ def attention(
     plain = wk is None and wq is None and not return_weights
     if plain and (normalization == "softmax" or (normalization == "sinkhorn" and n_iters == 1 and tol is None)):
         return _sdpa(q, k, v, keep, bias, scale, dropout_p).to(out_dtype)
-    if plain and normalization == "sinkhorn" and dropout_p == 0 and (bias is None or not bias.requires_grad):
-        if chunk_size is None and n_q * n_k <= STREAM_ABOVE:
+    if plain and normalization == "sinkhorn" and (bias is None or not bias.requires_grad):
+        if chunk_size is None and (n_q * n_k <= STREAM_ABOVE or dropout_p > 0):
             out = sinkhorn_attention(
-                q, k, v, scale=scale, n_iters=n_iters, tol=tol, keep=keep, bias=bias, backward=backward
+                q, k, v, scale=scale, n_iters=n_iters, tol=tol, keep=keep, bias=bias, backward=backward,
+                dropout_p=dropout_p,
             )
-        elif backward == "implicit":
+        elif backward == "implicit" or dropout_p > 0:
             raise ValueError(
-                f"backward='implicit' is available in the tiled mode only, not in the chunked mode "
-                f"(chunk_size={chunk_size}, n_q * n_k = {n_q * n_k}); use backward='unrolled'"
+                f"backward={backward!r} with dropout_p={dropout_p} needs the tiled mode, not the chunked mode "
+                f"(chunk_size={chunk_size}); use backward='unrolled' and dropout_p=0 with chunk_size"
             )
         else:
             out = streamed_sinkhorn_attention(
@@ -157,8 +158,8 @@ def attention(
         return out.to(out_dtype)
     if backward != "unrolled":
         raise ValueError(
-            f"backward={backward!r} needs the fast Sinkhorn path, which return_weights, dropout_p > 0 and "
-            "key/query weights do not take; use backward='unrolled'"
+            f"backward={backward!r} needs the fast Sinkhorn path, which return_weights and key/query "
+            "weights do not take; use backward='unrolled'"
         )
 
     scores = scale * (q @ k.transpose(-1, -2))

@@ -71,12 +71,15 @@ def sinkhorn_attention(
     keep: Tensor | None = None,
     bias: Tensor | None = None,
     backward: str = "unrolled",
+    dropout_p: float = 0.0,
     group_elements: int = GROUP_ELEMENTS,
 ) -> Tensor:
     """Sinkhorn attention ``(..., n, d) x (..., m, d) x (..., m, e) -> (..., n, e)``.
 
     ``keep`` (bool) and ``bias`` (float, no gradient) broadcast to ``(..., n, m)``; validation
     happened in :func:`sinkformer.attention`. Inputs are in compute precision (float32/64).
+    ``dropout_p`` drops attention weights after normalisation (the mask of each tile is drawn
+    from a seed taken from the global generator and drawn again in the backward).
     """
     batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     n, m = q.shape[-2], k.shape[-2]
@@ -84,7 +87,9 @@ def sinkhorn_attention(
     qf, kf, vf = flat(q, n, q.shape[-1]), flat(k, m, k.shape[-1]), flat(v, m, v.shape[-1])
     masks = _GroupMasks(keep, bias, batch, n, m)
     group = max(1, group_elements // max(1, n * m))
-    out = _SinkhornAttention.apply(qf, kf, vf, masks, scale, n_iters, tol, max_iters, backward, group)
+    seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else None
+    options = (scale, n_iters, tol, max_iters, backward, dropout_p, seed)
+    out = _SinkhornAttention.apply(qf, kf, vf, masks, options, group)
     return out.reshape(batch + (n, v.shape[-1]))
 
 
@@ -178,7 +183,8 @@ def _iterate(K: Tensor, a: Tensor, b: Tensor, v0: Tensor, n_iters: int | None, t
 
 class _SinkhornAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, masks, scale, n_iters, tol, max_iters, backward, group):
+    def forward(ctx, q, k, v, masks, options, group):
+        scale, n_iters, tol, max_iters, backward, dropout_p, seed = options
         B, n, m = q.shape[0], q.shape[1], k.shape[1]
         out = q.new_empty(B, n, v.shape[-1])
         states = []
@@ -189,23 +195,25 @@ class _SinkhornAttention(torch.autograd.Function):
             a, b = _marginals(keep, end - start, n, m, K)
             us, vs, done = _iterate(K, a, b, col_shift.exp(), n_iters, tol, max_iters)
             u, vt = us[-1], vs[-1]  # the last (u, v) pair: P = diag(u) K diag(v)
+            drop = _dropout_mask(K, dropout_p, seed, start)
             if _trustworthy(us, vs):
+                if drop is not None:
+                    K.mul_(drop)
                 out[start:end] = u.unsqueeze(-1) * torch.bmm(K, vt.unsqueeze(-1) * v[start:end])
                 states.append((row_shift, col_shift, us, vs, done))
             else:  # extreme scores: log-domain reference for this group
                 del K
-                S = _scores(q[start:end], k[start:end], scale, keep, bias)
-                P = sinkhorn(S, None if tol is not None else n_iters, tol=tol, max_iters=max_iters, mask=keep)
-                out[start:end] = P @ v[start:end]
+                P = _reference_weights(q[start:end], k[start:end], keep, bias, options)
+                out[start:end] = (P if drop is None else P * drop) @ v[start:end]
                 states.append(None)
         ctx.save_for_backward(q, k, v, out)
-        ctx.masks, ctx.scale, ctx.group, ctx.states = masks, scale, group, states
-        ctx.n_iters, ctx.tol, ctx.max_iters, ctx.backward = n_iters, tol, max_iters, backward
+        ctx.masks, ctx.options, ctx.group, ctx.states = masks, options, group, states
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out = ctx.saved_tensors
+        scale, n_iters, tol, max_iters, backward, dropout_p, seed = ctx.options
         grad_out = grad_out.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         B = q.shape[0]
@@ -215,18 +223,26 @@ class _SinkhornAttention(torch.autograd.Function):
             keep, bias = ctx.masks.keep_of(start, end), ctx.masks.bias_of(start, end)
             state = ctx.states[index]
             if state is None:
-                dq[sl], dk[sl], dv[sl] = _reference_backward(ctx, q[sl], k[sl], v[sl], keep, bias, grad_out[sl])
+                dq[sl], dk[sl], dv[sl] = _reference_backward(
+                    q[sl], k[sl], v[sl], keep, bias, grad_out[sl], ctx.options, start
+                )
                 continue
             row_shift, col_shift, us, vs, done = state
-            K, _, _ = _shifted_kernel(_scores(q[sl], k[sl], ctx.scale, keep, bias), row_shift, col_shift)
+            K, _, _ = _shifted_kernel(_scores(q[sl], k[sl], scale, keep, bias), row_shift, col_shift)
             u, vt = us[-1], vs[-1]
             dO, V = grad_out[sl], v[sl]
-            D = _mtv_matrix(K, u.unsqueeze(-1) * dO)  # K^T (u * dO): (c, m, e)
+            dP = torch.bmm(dO, V.transpose(1, 2))  # gradient w.r.t. the (dropped-out) weights
+            drop = _dropout_mask(K, dropout_p, seed, start)
+            if drop is None:
+                D = _mtv_matrix(K, u.unsqueeze(-1) * dO)  # K^T (u * dO): (c, m, e)
+            else:  # out = diag(u) (K * drop) diag(v) V
+                dP.mul_(drop)
+                D = _mtv_matrix(drop.mul_(K), u.unsqueeze(-1) * dO)
+                del drop
             dv[sl] = vt.unsqueeze(-1) * D
             du = _ratio_rows((dO * out[sl]).sum(-1), u)  # sum_j K_ij v_j dP_ij
             dvt = (V * D).sum(-1)  # sum_i u_i K_ij dP_ij
-            dP = torch.bmm(dO, V.transpose(1, 2))
-            if ctx.backward == "implicit":
+            if backward == "implicit":
                 alpha, beta = _implicit_duals(K, u, vt, du * u, dvt * vt)
                 dP.sub_(alpha.unsqueeze(-1)).sub_(beta.unsqueeze(-2))
                 dP.mul_(u.unsqueeze(-1)).mul_(vt.unsqueeze(-2))
@@ -236,9 +252,9 @@ class _SinkhornAttention(torch.autograd.Function):
                 dP.mul_(u.unsqueeze(-1)).mul_(vt.unsqueeze(-2))
                 dP.baddbmm_(X, Y.transpose(1, 2))
             dS = dP.mul_(K)
-            dq[sl] = torch.bmm(dS, k[sl]).mul_(ctx.scale)
-            dk[sl] = torch.bmm(dS.transpose(1, 2), q[sl]).mul_(ctx.scale)
-        return dq, dk, dv, None, None, None, None, None, None, None
+            dq[sl] = torch.bmm(dS, k[sl]).mul_(scale)
+            dk[sl] = torch.bmm(dS.transpose(1, 2), q[sl]).mul_(scale)
+        return dq, dk, dv, None, None, None
 
 
 def _mtv_matrix(K: Tensor, X: Tensor) -> Tensor:
@@ -315,14 +331,28 @@ def _implicit_duals(K, u, vt, r, c, tol=1e-9, max_iters=1000):
     return x, y
 
 
-def _reference_backward(ctx, q, k, v, keep, bias, grad_out):
+def _dropout_mask(like: Tensor, p: float, seed: int | None, start: int) -> Tensor | None:
+    """The scaled Bernoulli keep-mask ``(c, n, m)`` of the group starting at ``start`` (or None)."""
+    if not p:
+        return None
+    generator = torch.Generator(device=like.device).manual_seed(seed + start)
+    return torch.empty_like(like).bernoulli_(1.0 - p, generator=generator).div_(1.0 - p)
+
+
+def _reference_weights(q, k, keep, bias, options) -> Tensor:
+    """The log-domain reference weights of one group (for groups the scaling domain cannot take)."""
+    scale, n_iters, tol, max_iters = options[:4]
+    S = torch.baddbmm(q.new_empty(()), q, k.transpose(1, 2), beta=0.0, alpha=scale)
+    if bias is not None:
+        S = S + bias
+    return sinkhorn(S, None if tol is not None else n_iters, tol=tol, max_iters=max_iters, mask=keep)
+
+
+def _reference_backward(q, k, v, keep, bias, grad_out, options, start):
     """Autograd through the log-domain reference (used only for groups that fell back)."""
+    dropout_p, seed = options[5], options[6]
     with torch.enable_grad():
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-        S = torch.baddbmm(q.new_empty(()), q, k.transpose(1, 2), beta=0.0, alpha=ctx.scale)
-        if bias is not None:
-            S = S + bias
-        n_iters = None if ctx.tol is not None else ctx.n_iters
-        P = sinkhorn(S, n_iters, tol=ctx.tol, max_iters=ctx.max_iters, mask=keep)
-        return torch.autograd.grad(P @ v, (q, k, v), grad_out)
-
+        P = _reference_weights(q, k, keep, bias, options)
+        drop = _dropout_mask(P, dropout_p, seed, start)
+        return torch.autograd.grad((P if drop is None else P * drop) @ v, (q, k, v), grad_out)
