@@ -231,25 +231,26 @@ class _SinkhornAttention(torch.autograd.Function):
             K, _, _ = _shifted_kernel(_scores(q[sl], k[sl], scale, keep, bias), row_shift, col_shift)
             u, vt = us[-1], vs[-1]
             dO, V = grad_out[sl], v[sl]
-            dP = torch.bmm(dO, V.transpose(1, 2))  # gradient w.r.t. the (dropped-out) weights
+            uO = u.unsqueeze(-1) * dO
+            # diag(u) dP diag(v) with dP = dO V^T, the gradient w.r.t. the (dropped-out) weights
+            dP = torch.bmm(uO, (vt.unsqueeze(-1) * V).transpose(1, 2))
             drop = _dropout_mask(K, dropout_p, seed, start)
             if drop is None:
-                D = _mtv_matrix(K, u.unsqueeze(-1) * dO)  # K^T (u * dO): (c, m, e)
+                D = _mtv_matrix(K, uO)  # K^T (u * dO): (c, m, e)
             else:  # out = diag(u) (K * drop) diag(v) V
                 dP.mul_(drop)
-                D = _mtv_matrix(drop.mul_(K), u.unsqueeze(-1) * dO)
+                D = _mtv_matrix(drop.mul_(K), uO)
                 del drop
             dv[sl] = vt.unsqueeze(-1) * D
             du = _ratio_rows((dO * out[sl]).sum(-1), u)  # sum_j K_ij v_j dP_ij
             dvt = (V * D).sum(-1)  # sum_i u_i K_ij dP_ij
-            if backward == "implicit":
+            if backward == "implicit":  # dS = P * (dP - alpha ⊕ beta)
                 alpha, beta = _implicit_duals(K, u, vt, du * u, dvt * vt)
-                dP.sub_(alpha.unsqueeze(-1)).sub_(beta.unsqueeze(-2))
-                dP.mul_(u.unsqueeze(-1)).mul_(vt.unsqueeze(-2))
-            else:
+                X, Y = torch.stack([u * alpha, u], -1), torch.stack([vt, vt * beta], -1)
+                dP.baddbmm_(X, Y.transpose(1, 2), alpha=-1.0)
+            else:  # dS = K * (diag(u) dP diag(v) + X Y^T)
                 a, b = _marginals(keep, end - start, q.shape[1], k.shape[1], K)
                 X, Y = _reverse_recursion(K, a, b, us, vs, done, du, dvt)
-                dP.mul_(u.unsqueeze(-1)).mul_(vt.unsqueeze(-2))
                 dP.baddbmm_(X, Y.transpose(1, 2))
             dS = dP.mul_(K)
             dq[sl] = torch.bmm(dS, k[sl]).mul_(scale)
