@@ -26,6 +26,16 @@ def signature_options(fn: Callable) -> dict[str, Any]:
     }
 
 
+def _yaml_float(value: Any) -> Any:
+    """YAML 1.1 reads ``1e-3`` (no dot) as a string; take it as the float it means."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
 def _check_type(owner: str, key: str, value: Any, default: Any) -> Any:
     """``value`` converted to the type of ``default`` (int -> float, list <-> tuple), or a ``TypeError``."""
     if default is None or default is REQUIRED:
@@ -36,6 +46,7 @@ def _check_type(owner: str, key: str, value: Any, default: Any) -> Any:
     elif isinstance(default, int):
         ok, expected = isinstance(value, int) and not isinstance(value, bool), (int,)
     elif isinstance(default, float):
+        value = _yaml_float(value)
         ok, expected = isinstance(value, (int, float)) and not isinstance(value, bool), (float,)
         value = float(value) if ok else value
     elif isinstance(default, (list, tuple)):

@@ -62,9 +62,21 @@ class MAB(torch.nn.Module):
         self.ln0 = torch.nn.LayerNorm(dim) if layer_norm else torch.nn.Identity()
         self.ln1 = torch.nn.LayerNorm(dim) if layer_norm else torch.nn.Identity()
 
-    def forward(self, x: Tensor, y: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, y: Tensor, key_padding_mask: Tensor | None = None, query_padding_mask: Tensor | None = None
+    ) -> Tensor:
+        """``x (batch, n, dim_q)`` attends to ``y (batch, m, dim_k)``; masks are ``(batch, m)`` / ``(batch, n)``.
+
+        Padded queries are masked out of the whole attention matrix (their rows), so that they
+        take no part in Sinkhorn's column normalisation either.
+        """
         q = self.fc_q(x)
-        h = self.ln0(q + self.attn(q, y, y, key_padding_mask=key_padding_mask, need_weights=False)[0])
+        attn_mask = None
+        if query_padding_mask is not None:  # torch convention: True = not allowed, (batch*heads, n, m)
+            n, m, heads = x.shape[1], y.shape[1], self.attn.num_heads
+            attn_mask = query_padding_mask[:, None, :, None].expand(-1, heads, n, m).reshape(-1, n, m)
+        out = self.attn(q, y, y, key_padding_mask=key_padding_mask, attn_mask=attn_mask, need_weights=False)[0]
+        h = self.ln0(q + out)
         return self.ln1(h + torch.relu(self.fc_o(h)))
 
 
@@ -76,7 +88,7 @@ class SAB(torch.nn.Module):
         self.mab = MAB(dim_in, dim_in, dim, num_heads, **options)
 
     def forward(self, x: Tensor, padding_mask: Tensor | None = None) -> Tensor:
-        return self.mab(x, x, padding_mask)
+        return self.mab(x, x, padding_mask, padding_mask)
 
 
 class ISAB(torch.nn.Module):
@@ -91,7 +103,7 @@ class ISAB(torch.nn.Module):
 
     def forward(self, x: Tensor, padding_mask: Tensor | None = None) -> Tensor:
         h = self.mab0(self.inducing.expand(x.shape[0], -1, -1), x, padding_mask)
-        return self.mab1(x, h)
+        return self.mab1(x, h, query_padding_mask=padding_mask)
 
 
 class PMA(torch.nn.Module):

@@ -1,0 +1,248 @@
+"""The training loop shared by every experiment: :func:`train`.
+
+::
+
+    from sinkformer.data import load_dataset
+    from sinkformer.models import build_model
+    from sinkformer.training import TrainConfig, train
+
+    data = load_dataset("shapes3d")
+    torch.manual_seed(0)
+    model = build_model("set_transformer", data.info, normalization="sinkhorn", n_iters=21, dim=64)
+    result = train(model, data, TrainConfig(epochs=20, lr=1e-3, milestones=(15,)), out_dir="runs/st")
+    result.final["test_acc"], result.history        # one dict per epoch
+
+Per epoch it logs ``epoch``, ``lr``, ``train_loss``, ``train_acc``, ``test_loss``, ``test_acc``
+(``test_bleu`` for translation), ``epoch_seconds`` (training time of the epoch, the figure the
+paper compares between Transformer and Sinkformer), ``samples_per_second`` and
+``eval_seconds`` to ``metrics.csv`` / ``metrics.jsonl``; checkpoints go to
+``out_dir/checkpoints/`` and the final weights to ``out_dir/model.safetensors``.
+``resume=True`` continues from the newest checkpoint in ``out_dir`` and ends with the same
+metrics and weights as a run that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..data.base import DataBundle
+from .batches import epoch_batches, shard
+from .checkpoint import capture_rng, latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint, save_weights
+from .config import TrainConfig
+from .diagnostics import AttentionRecorder
+from .distributed import Distributed, all_gather_objects, all_reduce_sum, barrier, setup_distributed
+from .metrics import write_metrics
+from .schedules import build_optimizer, learning_rate, set_learning_rate
+from .tasks import Classification, task_for
+
+__all__ = ["train", "TrainResult", "Callback"]
+
+
+class Callback:
+    """Hooks into :func:`train`; subclass and override what you need (all no-ops here)."""
+
+    def on_step_end(self, epoch: int, step: int, loss: float) -> None:
+        """After each optimisation step: 0-based ``epoch``, ``step`` within it, batch mean loss."""
+
+    def on_epoch_end(self, row: dict[str, Any]) -> None:
+        """After each epoch, with its metrics row (main process only)."""
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train` returns: the trained model and one metrics dict per epoch."""
+
+    model: torch.nn.Module
+    history: list[dict[str, Any]]
+    out_dir: Path | None
+
+    @property
+    def final(self) -> dict[str, Any]:
+        return self.history[-1] if self.history else {}
+
+
+def train(
+    model: torch.nn.Module,
+    data: DataBundle,
+    config: TrainConfig | dict[str, Any] | None = None,
+    *,
+    out_dir: str | Path | None = None,
+    resume: bool = False,
+    callbacks: tuple[Callback, ...] | list[Callback] = (),
+) -> TrainResult:
+    """Train ``model`` on ``data`` (evaluating on ``data.test``) and return the history.
+
+    Args:
+        model: a model whose ``forward`` takes the keyword inputs of ``data.collate``.
+        data: a :class:`~sinkformer.data.DataBundle`.
+        config: a :class:`TrainConfig` or a dict of its options.
+        out_dir: where metrics, checkpoints, attention diagnostics and the final weights go
+            (``None``: nothing is written and ``resume`` is impossible).
+        resume: continue from the newest checkpoint in ``out_dir`` (from scratch if none).
+        callbacks: :class:`Callback` objects.
+
+    Runs on all processes of a ``torchrun`` launch (see :mod:`sinkformer.training.distributed`).
+    """
+    config = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
+    if resume and out_dir is None:
+        raise ValueError("resume=True needs out_dir (the folder holding checkpoints/)")
+    out_dir = Path(out_dir) if out_dir is not None else None
+    ctx = setup_distributed(config.device)
+    model.to(ctx.device)
+    task = task_for(data, config)
+    _check_batch(model, data, ctx)
+    optimizer = build_optimizer(model.parameters(), config)
+
+    start_epoch, step, history = 0, 0, []
+    checkpoint = latest_checkpoint(out_dir / "checkpoints") if resume else None
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, model, optimizer)
+        start_epoch, step, history = state["epoch"], state["global_step"], state["history"]
+        if len(state["rng"]) == ctx.world_size:
+            restore_rng(state["rng"][ctx.rank])
+        if ctx.is_main:
+            print(f"resuming from {checkpoint} (epoch {start_epoch}/{config.epochs})")
+    else:
+        torch.manual_seed(config.seed + ctx.rank)
+
+    ddp = model
+    if ctx.enabled:
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    recorder = AttentionRecorder(model) if config.record_attention else None
+    for epoch in range(start_epoch, config.epochs):
+        row, step = _train_epoch(ddp, data, task, optimizer, config, ctx, epoch, step, recorder, callbacks)
+        done, last = epoch + 1, epoch + 1 == config.epochs
+        if done % config.eval_every == 0 or last:
+            row.update(_evaluate(model, data, task, config, ctx, with_bleu=done % config.bleu_every == 0 or last))
+        if recorder is not None:
+            row["attn_colsum_cv"] = _save_attention(recorder, out_dir, epoch, ctx)
+        history.append(row)
+        if ctx.is_main:
+            if config.progress:
+                tqdm.write(_format_row(row, config.epochs))
+            if out_dir is not None:
+                write_metrics(out_dir, history)
+            for callback in callbacks:
+                callback.on_epoch_end(row)
+        if out_dir is not None and (done % config.checkpoint_every == 0 or last):
+            rng = all_gather_objects(capture_rng(), ctx)
+            if ctx.is_main:
+                state = {"global_step": step, "history": history, "rng": rng, "config": config.to_dict()}
+                save_checkpoint(out_dir / "checkpoints", done, model, optimizer, state)
+            barrier(ctx)
+    if out_dir is not None and ctx.is_main:
+        save_weights(model, out_dir / "model.safetensors")
+    return TrainResult(model, history, out_dir)
+
+
+def _format_row(row: dict[str, Any], epochs: int) -> str:
+    """One line per epoch for the terminal."""
+    parts = [f"epoch {row['epoch']}/{epochs}"]
+    parts += [f"{k} {v:.4g}" for k, v in row.items() if k not in ("epoch", "epoch_seconds") and isinstance(v, float)]
+    return "  ".join(parts + [f"{row['epoch_seconds']:.1f} s"])
+
+
+def _check_batch(model: torch.nn.Module, data: DataBundle, ctx: Distributed) -> None:
+    """Run two test examples through the model, so shape mistakes fail before training starts."""
+    inputs, _ = data.collate([data.test[i] for i in range(min(2, len(data.test)))])
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(**{k: v.to(ctx.device) for k, v in inputs.items()})
+    except (RuntimeError, ValueError, TypeError) as err:
+        raise ValueError(
+            f"{type(model).__name__} cannot read a batch of this {data.kind} dataset "
+            f"(inputs {', '.join(f'{k} {tuple(v.shape)}' for k, v in inputs.items())}): {err}"
+        ) from err
+    finally:
+        model.train(was_training)
+
+
+def _train_epoch(
+    model, data, task: Classification, optimizer, config: TrainConfig, ctx: Distributed, epoch: int, step: int,
+    recorder: AttentionRecorder | None, callbacks,
+) -> tuple[dict[str, Any], int]:
+    """One pass over the training set; returns the epoch's metrics row and the new global step."""
+    if hasattr(data.train, "set_epoch"):
+        data.train.set_epoch(epoch)
+    batches = epoch_batches(len(data.train), config.batch_size, seed=config.seed, epoch=epoch)
+    batches = [b for b in batches if len(b) >= ctx.world_size]  # every process needs an example
+    if config.max_train_batches:
+        batches = batches[: config.max_train_batches]
+    loader = torch.utils.data.DataLoader(
+        data.train, batch_sampler=[shard(b, ctx.rank, ctx.world_size) for b in batches], collate_fn=data.collate,
+        num_workers=config.num_workers, pin_memory=ctx.device.type == "cuda",
+    )
+    model.train()
+    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss, correct, count (this process)
+    bar = tqdm(loader, desc=f"epoch {epoch + 1}/{config.epochs}", unit="batch", leave=False,
+               disable=not (config.progress and ctx.is_main))
+    lr, seen, start = learning_rate(config, epoch, step), 0, time.perf_counter()
+    for i, (inputs, targets) in enumerate(bar):
+        if recorder is not None and i == 0:
+            recorder.attach()
+        if recorder is not None and i == config.attention_batches:
+            recorder.detach()
+        lr = learning_rate(config, epoch, step)
+        set_learning_rate(optimizer, lr)
+        inputs = {k: v.to(ctx.device, non_blocking=True) for k, v in inputs.items()}
+        sums = task.sums(model, inputs, targets.to(ctx.device, non_blocking=True))
+        # mean over the *global* batch: DDP averages gradients over processes, hence * world_size
+        global_count = all_reduce_sum(sums["count"].double(), ctx)
+        loss = sums["loss"] * (ctx.world_size / global_count.clamp_min(1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if config.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        step, seen = step + 1, seen + len(batches[i])
+        totals += torch.stack([sums["loss"].detach().double(), sums["correct"].double(), sums["count"].double()])
+        if not bar.disable and (i % 10 == 0 or i + 1 == len(batches)):
+            loss_sum, correct, count = totals.tolist()
+            bar.set_postfix(loss=f"{loss_sum / max(count, 1):.4f}", acc=f"{correct / max(count, 1):.3f}",
+                            samples_s=f"{seen / max(time.perf_counter() - start, 1e-9):.0f}")
+        for callback in callbacks:
+            callback.on_step_end(epoch, i, sums["loss"].item() / max(sums["count"].item(), 1))
+    if recorder is not None:
+        recorder.detach()
+    seconds = time.perf_counter() - start
+    loss_sum, correct, count = all_reduce_sum(totals, ctx).tolist()
+    row = {"epoch": epoch + 1, "lr": lr, "train_loss": loss_sum / max(count, 1), "train_acc": correct / max(count, 1),
+           "epoch_seconds": round(seconds, 3), "samples_per_second": round(seen / max(seconds, 1e-9), 1)}
+    return row, step
+
+
+def _evaluate(model, data, task: Classification, config: TrainConfig, ctx: Distributed, with_bleu: bool) -> dict:
+    """Test metrics (each process evaluates every ``world_size``-th batch; sums are combined)."""
+    start = time.perf_counter()
+    batch_size = config.eval_batch_size or config.batch_size
+    batches = epoch_batches(len(data.test), batch_size, seed=config.seed, epoch=0, shuffle=False)
+    if config.max_eval_batches:
+        batches = batches[: config.max_eval_batches]
+    model.eval()
+    metrics = task.evaluate(model, data, batches[ctx.rank :: ctx.world_size], ctx, config, with_bleu=with_bleu)
+    model.train()
+    row = {f"test_{k}": v for k, v in metrics.items()}
+    row["eval_seconds"] = round(time.perf_counter() - start, 3)
+    return row
+
+
+def _save_attention(recorder: AttentionRecorder, out_dir: Path | None, epoch: int, ctx: Distributed) -> float:
+    """Write this epoch's recorded column sums (main process) and return their coefficient of variation."""
+    cv = recorder.coefficient_of_variation()
+    if out_dir is not None and ctx.is_main:
+        from safetensors.torch import save_file
+
+        folder = out_dir / "attention"
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(recorder.column_sums(), str(folder / f"epoch_{epoch + 1:04d}.safetensors"))
+    recorder.reset()
+    return cv
