@@ -1,7 +1,7 @@
 """IMDb movie reviews (Maas et al. 2011) from the ``aclImdb`` folder.
 
 Layout: ``aclImdb/{train,test}/{pos,neg}/*.txt``, one review per file (label 1 = positive).
-HTML line breaks (``<br />``) become spaces; a BPE tokenizer is trained on the training reviews
+HTML line breaks (``<br />``) become spaces and runs of white space one space; a BPE tokenizer is trained on the training reviews
 (:func:`sinkformer.data.text.train_tokenizer`) and reviews are truncated to ``max_len`` tokens.
 """
 
@@ -34,7 +34,7 @@ def read_imdb_split(root: Path, split: str) -> tuple[list[str], list[int]]:
                 text = file.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as err:
                 raise ValueError(f"cannot read review {file}: {err}") from None
-            texts.append(text.replace("<br />", " "))
+            texts.append(" ".join(text.replace("<br />", " ").split()))
             labels.append(label)
     if not texts:
         raise FileNotFoundError(f"dataset 'imdb': no reviews in {root / split}. {INSTRUCTIONS}")
