@@ -36,9 +36,11 @@ def _blocked_lse(a: Tensor, b: Tensor, bias: Tensor, scale: float, chunk: int) -
 
     ``a (..., n, k)``, ``b (..., m, k)``, ``bias (..., m)`` -> ``(..., n)``.
     """
+    a = a * scale  # scale the (n, k) factor, not the (n, m) scores
+    bt, bias = b.transpose(-1, -2), bias.unsqueeze(-2)
     out = []
     for s in range(0, a.shape[-2], chunk):
-        scores = scale * (a[..., s : s + chunk, :] @ b.transpose(-1, -2)) + bias.unsqueeze(-2)
+        scores = a[..., s : s + chunk, :] @ bt + bias
         out.append(torch.logsumexp(scores, dim=-1))
     return torch.cat(out, dim=-1)
 

@@ -311,7 +311,7 @@ def _riccati_setup(cov0: Tensor, A: Tensor, V: Tensor | None, need_symmetric_A: 
         v_scale = max(float(V.abs().max()), 1e-300)
         for what, err in (
             ("V symmetric", V - V.T),
-            ("V A = A V", V @ A_s - A_s @ V),
+            ("V A = A V", V @ A - A @ V),
             ("V Sigma0 = Sigma0 V", V @ cov0 - cov0 @ V),
         ):
             if float(err.abs().max()) > 1e-10 * v_scale * max(scale, float(cov0.abs().max())):
@@ -325,7 +325,8 @@ def riccati(cov0: Tensor, A: Tensor, t: float | Tensor, V: Tensor | None = None)
     """:math:`\\Sigma(t) = \\Sigma_0^{1/2}(I - 2t\\tilde A)^{-1}\\Sigma_0^{1/2}`, :math:`\\tilde A = \\Sigma_0^{1/2}VA_s\\Sigma_0^{1/2}`.
 
     The covariance of the Softmax flow when :math:`V = I` (``V=None``) or :math:`V` is symmetric and
-    commutes with :math:`A` and :math:`\\Sigma_0`; ``A`` may be non-symmetric (its symmetric part is used).
+    commutes with :math:`A` and :math:`\\Sigma_0` (then :math:`\\mathrm{sym}(VA) = VA_s`); ``A`` may be
+    non-symmetric, only :math:`A_s = \\mathrm{sym}(A)` enters.
     ``t`` scalar gives ``(d, d)``, ``t`` of shape ``(T,)`` gives ``(T, d, d)``; valid for :math:`t < t^*`.
     """
     _, root0, _, At = _riccati_setup(cov0, A, V)
