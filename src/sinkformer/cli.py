@@ -47,6 +47,47 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    import os
+
+    from .training.runner import check_config, resolve_config, run_training
+
+    config_file = args.config
+    if args.resume:
+        if args.out is None:
+            raise ValueError("--resume needs --out DIR (the run folder to continue)")
+        saved = Path(args.out) / "config.yaml"
+        if config_file is None and saved.exists():
+            config_file = saved
+    config = resolve_config(
+        config_file, model=args.model, data=args.data, data_path=args.data_path,
+        normalization=args.normalization, n_iters=args.n_iters, sets=args.set or [],
+    )
+    try:
+        check_config(config)
+    except TypeError as err:  # an option of the wrong type is a user mistake too
+        raise ValueError(str(err)) from None
+    result = run_training(config, out_dir=args.out, resume=args.resume)
+    if os.environ.get("RANK", "0") == "0":
+        final = ", ".join(f"{k} {v:.4g}" for k, v in result.final.items() if k.startswith("test_"))
+        print(f"done: {final}; metrics, checkpoints and weights in {result.out_dir}")
+    return 0
+
+
+class _TrainHelp(argparse.Action):
+    """``sinkformer train --help``: the flags, then every model, dataset and train option (imported lazily)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from .training.runner import describe_options
+
+        parser.print_help()
+        print("\n" + describe_options())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sinkformer",
@@ -82,6 +123,26 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a configuration key (YAML value)")
     run.add_argument("--runs-dir", default="runs", help="where run folders go")
     run.set_defaults(func=_cmd_run)
+
+    train = sub.add_parser(
+        "train",
+        help="train a model on a dataset (embedded or real); also under torchrun for several processes",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        add_help=False,
+    )
+    train.add_argument("-h", "--help", action=_TrainHelp, help="show this help with every option and its default")
+    train.add_argument("--model", default=None, help="model name (model.name)")
+    train.add_argument("--data", default=None, help="dataset name (data.name)")
+    train.add_argument("--data-path", default=None, help="folder of a real dataset (data.path)")
+    train.add_argument("--normalization", default=None,
+                       help="attention: softmax (Transformer) or sinkhorn (Sinkformer); None = the model's default, sinkhorn")
+    train.add_argument("--n-iters", type=int, default=None, help="Sinkhorn iterations; None = the model's default, 5")
+    train.add_argument("--config", default=None, help="YAML or TOML file with model/data/train sections (see configs/)")
+    train.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                       help="override one option, e.g. train.lr=1e-4 or model.dim=64 (YAML value)")
+    train.add_argument("--out", default=None, help="run folder; None = runs/train/<model>-<norm>-<data>-<time>")
+    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    train.set_defaults(func=_cmd_train)
     return parser
 
 

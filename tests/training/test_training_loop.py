@@ -1,0 +1,170 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sinkformer.cli import main
+from sinkformer.data import load_dataset
+from sinkformer.models import build_model
+from sinkformer.training import Callback, train
+from sinkformer.training.runner import check_config, resolve_config
+
+TINY_VIT = ["--set", "model.patch_size=4", "--set", "model.dim=16", "--set", "model.depth=1",
+            "--set", "model.num_heads=2", "--set", "model.dim_feedforward=32"]
+TIMING = ("epoch_seconds", "samples_per_second", "eval_seconds")
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+
+
+def _rows(path):
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in path.read_text().splitlines()]
+
+
+def test_train_writes_metrics_checkpoints_weights_and_attention(tmp_path):
+    data = load_dataset("digits")
+    torch.manual_seed(0)
+    model = build_model("vit", data.info, patch_size=4, dim=16, depth=1, num_heads=2, dim_feedforward=32)
+
+    class Steps(Callback):
+        seen: list = []
+
+        def on_step_end(self, epoch, step, loss):
+            self.seen.append((epoch, step))
+
+    result = train(model, data, dict(epochs=2, batch_size=128, max_train_batches=3, max_eval_batches=2,
+                                     record_attention=True, progress=False), out_dir=tmp_path, callbacks=[Steps()])
+    assert Steps.seen == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert [row["epoch"] for row in result.history] == [1, 2]
+    for key in ("train_loss", "train_acc", "test_loss", "test_acc", "epoch_seconds", "samples_per_second",
+                "attn_colsum_cv"):
+        assert key in result.final
+    assert result.final["samples_per_second"] > 0 and 0 <= result.final["test_acc"] <= 1
+    assert (tmp_path / "metrics.csv").read_text().splitlines()[0].startswith("epoch,lr,train_loss")
+    assert len(_rows(tmp_path / "metrics.jsonl")) == 2
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch_0002"]
+    weights = load_file(tmp_path / "model.safetensors")
+    torch.testing.assert_close(weights["classifier.weight"], model.classifier.weight)
+    attention = load_file(tmp_path / "attention" / "epoch_0002.safetensors")
+    # first training batch only: 128 images x 2 heads x 5 tokens (class token + 4 patches)
+    assert attention["encoder.layers.0.self_attn"].shape == (128 * 2 * 5,)
+
+
+def test_a_model_that_cannot_read_the_data_fails_before_training():
+    data = load_dataset("digits")
+    model = build_model("vit", {"n_classes": 10, "image_size": 16, "channels": 1}, patch_size=4, dim=8, depth=1,
+                        num_heads=2)
+    with pytest.raises(ValueError, match=r"ViT cannot read a batch of this images dataset \(inputs images \(2, 1, 8, 8\)\)"):
+        train(model, data, dict(epochs=1, progress=False))
+
+
+RESUME_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch
+    torch.set_num_threads(1)
+    from sinkformer.training import Callback
+    from sinkformer.training.runner import resolve_config, run_training
+
+    out, mode = sys.argv[1], sys.argv[2]
+
+    class KillMidEpoch(Callback):
+        def on_step_end(self, epoch, step, loss):
+            if epoch == 1 and step == 4:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    sets = ["model.patch_size=4", "model.dim=16", "model.depth=1", "model.num_heads=2", "model.dim_feedforward=32",
+            "model.dropout=0.1", "train.epochs=3", "train.batch_size=64", "train.max_train_batches=8",
+            "train.milestones=[2]", "train.progress=false"]
+    config = resolve_config(model="vit", data="digits", sets=sets)
+    run_training(config, out_dir=out, resume=mode == "resume", callbacks=[KillMidEpoch()] if mode == "kill" else [])
+    """
+)
+
+
+def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(RESUME_SCRIPT)
+
+    def run(out, mode):
+        return subprocess.run([sys.executable, str(script), str(tmp_path / out), mode], env=_env(),
+                              capture_output=True, text=True, timeout=300)
+
+    reference = run("reference", "plain")
+    assert reference.returncode == 0, reference.stderr
+    killed = run("interrupted", "kill")
+    assert killed.returncode == -signal.SIGKILL
+    assert len(_rows(tmp_path / "interrupted" / "metrics.jsonl")) == 1  # killed during epoch 2
+    assert [p.name for p in (tmp_path / "interrupted" / "checkpoints").iterdir()] == ["epoch_0001"]
+    resumed = run("interrupted", "resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stdout
+    assert _rows(tmp_path / "interrupted" / "metrics.jsonl") == _rows(tmp_path / "reference" / "metrics.jsonl")
+    final, expected = (load_file(tmp_path / d / "model.safetensors") for d in ("interrupted", "reference"))
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+def test_ddp_on_two_processes_matches_one_process_on_the_global_batch(tmp_path):
+    common = ["--model", "vit", "--data", "digits", *TINY_VIT, "--set", "model.dropout=0.0",
+              "--set", "train.epochs=2", "--set", "train.batch_size=64", "--set", "train.max_train_batches=4",
+              "--set", "train.max_eval_batches=2", "--set", "train.progress=false",
+              "--set", "train.optimizer=sgd", "--set", "train.lr=0.1"]  # SGD: updates linear in the gradients
+    ddp = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "sinkformer.cli", "train", *common, "--out", str(tmp_path / "ddp")],
+        env=_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert main(["train", *common, "--out", str(tmp_path / "single")]) == 0
+    assert "2 process(es)" in ddp.stdout
+    two, one = (load_file(tmp_path / d / "model.safetensors") for d in ("ddp", "single"))
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], atol=1e-5, rtol=1e-4, msg=key)
+    rows_two, rows_one = _rows(tmp_path / "ddp" / "metrics.jsonl"), _rows(tmp_path / "single" / "metrics.jsonl")
+    for a, b in zip(rows_two, rows_one):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+        assert a["test_acc"] == pytest.approx(b["test_acc"])
+
+
+def test_cli_train_help_and_errors(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for expected in ("--normalization", "--n-iters", "--config", "set_transformer [points]", "n_iters=5",
+                     "modelnet40_off [points, needs --data-path]", "milestones=[]", "record_attention=False"):
+        assert expected in text
+    assert main(["train", "--model", "vit", "--data", "shapes3d"]) == 2
+    assert "model 'vit' reads images but dataset 'shapes3d' gives points" in capsys.readouterr().err
+    assert main(["train", "--model", "vit", "--data", "digits", "--set", "train.epochs=many"]) == 2
+    assert "option epochs must be int" in capsys.readouterr().err
+    assert main(["train", "--model", "vit", "--data", "digits", "--set", "lr=1"]) == 2
+    assert "--set expects section.key=value" in capsys.readouterr().err
+    assert main(["train", "--resume"]) == 2
+    assert "--resume needs --out" in capsys.readouterr().err
+
+
+def test_config_files_yaml_and_toml(tmp_path):
+    (tmp_path / "a.yaml").write_text("model:\n  name: vit\n  dim: 16\ndata:\n  name: digits\ntrain:\n  lr: 1e-4\n")
+    (tmp_path / "a.toml").write_text('[model]\nname = "vit"\ndim = 16\n[data]\nname = "digits"\n[train]\nlr = 1e-4\n')
+    for file in ("a.yaml", "a.toml"):
+        config = resolve_config(tmp_path / file, normalization="softmax", sets=["model.dim=32"])
+        plan = check_config(config)
+        assert plan.model_options == {"dim": 32, "normalization": "softmax"} and plan.train.lr == 1e-4
+    (tmp_path / "bad.yaml").write_text("modle:\n  name: vit\n")
+    with pytest.raises(ValueError, match="unknown section 'modle'; valid sections: model, data, train"):
+        resolve_config(tmp_path / "bad.yaml")
+
+
+def test_shipped_configs_are_valid():
+    configs = sorted((Path(__file__).parents[2] / "configs").glob("*.[yt][ao]ml"))
+    assert len(configs) >= 6
+    for file in configs:
+        check_config(resolve_config(file))

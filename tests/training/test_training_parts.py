@@ -1,0 +1,165 @@
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from sinkformer.models import build_model
+from sinkformer.nn import MultiheadAttention
+from sinkformer.training import AttentionRecorder, TrainConfig
+from sinkformer.training.batches import epoch_batches, shard
+from sinkformer.training.checkpoint import (
+    capture_rng,
+    latest_checkpoint,
+    load_checkpoint,
+    load_weights,
+    restore_rng,
+    save_checkpoint,
+    save_weights,
+)
+from sinkformer.training.schedules import build_optimizer, learning_rate
+
+
+def test_step_decay_as_in_the_paper():
+    config = TrainConfig(lr=1e-3, milestones=(35, 41), gamma=0.1)  # the MNIST patch-size study
+    assert learning_rate(config, 0, 0) == pytest.approx(1e-3)
+    assert learning_rate(config, 34, 10_000) == pytest.approx(1e-3)
+    assert learning_rate(config, 35, 0) == pytest.approx(1e-4)
+    assert learning_rate(config, 44, 0) == pytest.approx(1e-5)
+
+
+def test_inverse_sqrt_with_warmup():
+    config = TrainConfig(lr=5e-4, schedule="inverse_sqrt", warmup_steps=4000)
+    assert learning_rate(config, 0, 0) == pytest.approx(5e-4 / 4000)
+    assert learning_rate(config, 0, 1999) == pytest.approx(5e-4 / 2)
+    assert learning_rate(config, 0, 3999) == pytest.approx(5e-4)
+    assert learning_rate(config, 3, 15_999) == pytest.approx(5e-4 * math.sqrt(4000 / 16_000))
+
+
+def test_train_config_mistakes_name_the_option():
+    with pytest.raises(ValueError, match="unknown option.*learning_rate.*valid options: epochs=10"):
+        TrainConfig.from_dict({"learning_rate": 1e-3})
+    with pytest.raises(TypeError, match="option epochs must be int"):
+        TrainConfig.from_dict({"epochs": "ten"})
+    with pytest.raises(ValueError, match="optimizer must be one of \\['adam', 'adamw', 'sgd'\\], got 'rmsprop'"):
+        TrainConfig.from_dict({"optimizer": "rmsprop"})
+    with pytest.raises(ValueError, match="milestones must be positive epoch numbers"):
+        TrainConfig.from_dict({"milestones": [0.5]})
+    config = TrainConfig.from_dict({"lr": "1e-4", "milestones": [200], "betas": [0.9, 0.98]})  # YAML's '1e-4'
+    assert config.lr == 1e-4 and config.milestones == (200,) and config.betas == (0.9, 0.98)
+    assert isinstance(build_optimizer([torch.nn.Parameter(torch.zeros(1))], TrainConfig(optimizer="sgd")),
+                      torch.optim.SGD)
+
+
+def test_epoch_batches_are_a_seeded_permutation():
+    batches = epoch_batches(10, 4, seed=1, epoch=2)
+    assert [len(b) for b in batches] == [4, 4, 2] and sorted(sum(batches, [])) == list(range(10))
+    assert batches == epoch_batches(10, 4, seed=1, epoch=2)
+    assert batches != epoch_batches(10, 4, seed=1, epoch=3)
+    assert epoch_batches(5, 2, seed=0, epoch=0, shuffle=False) == [[0, 1], [2, 3], [4]]
+
+
+@pytest.mark.parametrize("size,world", [(8, 2), (7, 3), (3, 3), (5, 1)])
+def test_shards_split_a_batch_exactly(size, world):
+    batch = list(range(100, 100 + size))
+    parts = [shard(batch, r, world) for r in range(world)]
+    assert sum(parts, []) == batch and max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_rng_capture_and_restore():
+    state = capture_rng()
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    torch.rand(5), np.random.rand(5), random.random()
+    restore_rng(state)
+    torch.testing.assert_close(torch.rand(3), expected[0])
+    np.testing.assert_array_equal(np.random.rand(3), expected[1])
+    assert random.random() == expected[2]
+
+
+def _tiny_pct():
+    info = {"kind": "points", "n_classes": 3, "in_features": 3}
+    return build_model("point_cloud_transformer", info, dim=8, n_samples=(8, 4), k_neighbors=2, n_attention_layers=1)
+
+
+def test_weights_round_trip_with_shared_tensors(tmp_path):
+    torch.manual_seed(0)
+    model, other = _tiny_pct(), _tiny_pct()
+    save_weights(model, tmp_path / "w.safetensors")
+    load_weights(other, tmp_path / "w.safetensors")
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
+        assert torch.equal(a, b), name
+    layer = other.attention[0]
+    assert layer.k_conv.weight is layer.q_conv.weight  # still one shared parameter
+    (tmp_path / "bad.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="cannot load weights from .*bad.safetensors"):
+        load_weights(other, tmp_path / "bad.safetensors")
+
+
+def test_checkpoints_are_atomic_folders_and_keep_the_newest(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    folder = tmp_path / "checkpoints"
+    for epoch in (1, 2):
+        save_checkpoint(folder, epoch, model, optimizer, {"global_step": 10 * epoch, "history": [{"epoch": epoch}],
+                                                          "rng": [capture_rng()]})
+    (folder / ".tmp-epoch_0003-99").mkdir()  # what a run killed while writing leaves behind
+    assert sorted(p.name for p in folder.iterdir()) == [".tmp-epoch_0003-99", "epoch_0002"]
+    assert latest_checkpoint(folder) == folder / "epoch_0002"
+    fresh = torch.nn.Linear(3, 2)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    state = load_checkpoint(folder / "epoch_0002", fresh, fresh_opt)
+    assert state["epoch"] == 2 and state["global_step"] == 20 and state["history"] == [{"epoch": 2}]
+    torch.testing.assert_close(fresh.weight, model.weight)
+    torch.testing.assert_close(fresh_opt.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    assert latest_checkpoint(tmp_path / "none") is None
+
+
+def test_checkpoint_state_is_loaded_without_arbitrary_unpickling(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (print, ("unpickled!",))
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {"payload": Evil()})
+    with pytest.raises(ValueError, match="cannot load training state from .*state.pt"):
+        load_checkpoint(path, model, optimizer)
+
+
+def test_attention_recorder_records_column_sums_and_leaves_no_hooks():
+    torch.manual_seed(0)
+    info = {"kind": "images", "n_classes": 3, "image_size": 8, "channels": 1}
+    model = build_model("vit", info, patch_size=2, dim=8, depth=2, num_heads=2, dim_feedforward=16,
+                        normalization="softmax").eval()
+    attention = [m for m in model.modules() if isinstance(m, MultiheadAttention)]
+    own_hooks = [dict(m._forward_pre_hooks) for m in attention]
+    x = torch.randn(3, 1, 8, 8)
+    with AttentionRecorder(model) as recorder:
+        out = model(x)
+    torch.testing.assert_close(out, model(x))  # recording does not change the output
+    sums = recorder.column_sums()
+    assert list(sums) == ["encoder.layers.0.self_attn", "encoder.layers.1.self_attn"]
+    h = model.patches(x)
+    h = torch.cat([model.cls_token.expand(3, -1, -1), h], 1) + model.positions
+    layer = model.encoder.layers[0]
+    _, weights = layer.self_attn(layer.norm1(h), layer.norm1(h), layer.norm1(h), average_attn_weights=False)
+    torch.testing.assert_close(sums["encoder.layers.0.self_attn"], weights.sum(-2).flatten())
+    assert recorder.coefficient_of_variation() > 0.01  # SoftMax: columns do not all sum to 1
+    assert all(not m._forward_hooks and dict(m._forward_pre_hooks).keys() == own.keys()
+               for m, own in zip(attention, own_hooks))
+
+
+def test_attention_recorder_sees_doubly_stochastic_sinkhorn_and_offset_attention():
+    torch.manual_seed(0)
+    info = {"kind": "images", "n_classes": 3, "image_size": 8, "channels": 1}
+    model = build_model("vit_attention_only", info, patch_size=2, dim=8, normalization="sinkhorn", n_iters=61)
+    with AttentionRecorder(model) as recorder:
+        model(torch.randn(2, 1, 8, 8))
+    assert recorder.coefficient_of_variation() < 1e-3
+    pct = _tiny_pct().eval()
+    with AttentionRecorder(pct) as recorder:
+        pct(torch.randn(2, 16, 3))
+    assert list(recorder.column_sums()) == ["attention.0"] and recorder.column_sums()["attention.0"].shape == (8,)
