@@ -75,6 +75,7 @@ def train(
     out_dir: str | Path | None = None,
     resume: bool = False,
     callbacks: tuple[Callback, ...] | list[Callback] = (),
+    task: Classification | None = None,
 ) -> TrainResult:
     """Train ``model`` on ``data`` (evaluating on ``data.test``) and return the history.
 
@@ -86,6 +87,8 @@ def train(
             (``None``: nothing is written and ``resume`` is impossible).
         resume: continue from the newest checkpoint in ``out_dir`` (from scratch if none).
         callbacks: :class:`Callback` objects.
+        task: what to optimise and measure (default: chosen by ``data.kind``, see
+            :mod:`sinkformer.training.tasks`); pass your own for a new kind of data.
 
     Runs on all processes of a ``torchrun`` launch (see :mod:`sinkformer.training.distributed`).
     """
@@ -95,7 +98,7 @@ def train(
     out_dir = Path(out_dir) if out_dir is not None else None
     ctx = setup_distributed(config.device)
     model.to(ctx.device)
-    task = task_for(data, config)
+    task = task if task is not None else task_for(data, config)
     _check_batch(model, data, ctx)
     optimizer = build_optimizer(model.parameters(), config)
 
@@ -106,9 +109,14 @@ def train(
         start_epoch, step, history = state["epoch"], state["global_step"], state["history"]
         if len(state["rng"]) == ctx.world_size:
             restore_rng(state["rng"][ctx.rank])
+        else:  # another number of processes: the data order is kept, dropout draws differ
+            torch.manual_seed(config.seed + ctx.rank + start_epoch)
         if ctx.is_main:
-            print(f"resuming from {checkpoint} (epoch {start_epoch}/{config.epochs})")
+            print(f"resuming from {checkpoint} (epoch {start_epoch}/{config.epochs}, "
+                  f"{len(state['rng'])} -> {ctx.world_size} process(es))")
     else:
+        if resume and ctx.is_main:
+            print(f"no checkpoint in {out_dir / 'checkpoints'}: starting from scratch")
         torch.manual_seed(config.seed + ctx.rank)
 
     ddp = model

@@ -7,7 +7,9 @@ r"""What the trainer optimises and measures, per kind of data.
 
 A task's :meth:`~Classification.sums` returns *sums* (loss, correct, count) over a batch, so
 that batches and processes of different sizes combine exactly: the mean is the total sum over
-the total count.
+the total count. A new kind of data needs a task with the same two methods, ``sums(model,
+inputs, targets)`` and ``evaluate(model, data, batches, ctx, config, with_bleu=...)``, passed
+as ``train(..., task=...)``.
 """
 
 from __future__ import annotations
