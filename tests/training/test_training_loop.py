@@ -62,7 +62,8 @@ def test_a_model_that_cannot_read_the_data_fails_before_training():
     data = load_dataset("digits")
     model = build_model("vit", {"n_classes": 10, "image_size": 16, "channels": 1}, patch_size=4, dim=8, depth=1,
                         num_heads=2)
-    with pytest.raises(ValueError, match=r"ViT cannot read a batch of this images dataset \(inputs images \(2, 1, 8, 8\)\)"):
+    message = r"ViT cannot read a batch of this images dataset \(inputs images \(2, 1, 8, 8\)\)"
+    with pytest.raises(ValueError, match=message):
         train(model, data, dict(epochs=1, progress=False))
 
 

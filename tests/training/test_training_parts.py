@@ -113,7 +113,8 @@ def test_checkpoints_are_atomic_folders_and_keep_the_newest(tmp_path):
     state = load_checkpoint(folder / "epoch_0002", fresh, fresh_opt)
     assert state["epoch"] == 2 and state["global_step"] == 20 and state["history"] == [{"epoch": 2}]
     torch.testing.assert_close(fresh.weight, model.weight)
-    torch.testing.assert_close(fresh_opt.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    moments = (opt.state_dict()["state"][0]["exp_avg"] for opt in (fresh_opt, optimizer))
+    torch.testing.assert_close(*moments)
     assert latest_checkpoint(tmp_path / "none") is None
 
 

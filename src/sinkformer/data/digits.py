@@ -22,7 +22,9 @@ def load_digits(*, test_fraction: float = 0.2, seed: int = 0) -> DataBundle:
     images = torch.tensor(raw.images, dtype=torch.float32).unsqueeze(1) / 16.0
     labels = torch.tensor(raw.target, dtype=torch.long)
     train, test = split_indices(len(labels), test_fraction, seed)
-    info = {"kind": "images", "n_classes": 10, "image_size": 8, "channels": 1, "class_names": [str(d) for d in range(10)]}
+    info = {"kind": "images", "n_classes": 10, "image_size": 8, "channels": 1,
+            "class_names": [str(d) for d in range(10)]}
     return DataBundle(
-        TensorDataset(images[train], labels[train]), TensorDataset(images[test], labels[test]), info, FixedCollate("images")
+        TensorDataset(images[train], labels[train]), TensorDataset(images[test], labels[test]), info,
+        FixedCollate("images"),
     )

@@ -1,8 +1,9 @@
 """IMDb movie reviews (Maas et al. 2011) from the ``aclImdb`` folder.
 
 Layout: ``aclImdb/{train,test}/{pos,neg}/*.txt``, one review per file (label 1 = positive).
-HTML line breaks (``<br />``) become spaces and runs of white space one space; a BPE tokenizer is trained on the training reviews
-(:func:`sinkformer.data.text.train_tokenizer`) and reviews are truncated to ``max_len`` tokens.
+HTML line breaks (``<br />``) become spaces and runs of white space one space; a BPE tokenizer
+is trained on the training reviews (:func:`sinkformer.data.text.train_tokenizer`) and reviews
+are truncated to ``max_len`` tokens.
 """
 
 from __future__ import annotations

@@ -89,5 +89,6 @@ def load_mnist(path: str | Path | None = None) -> DataBundle:
     root = require_path(path, "mnist", INSTRUCTIONS)
     train, test = _split(root, "train"), _split(root, "test")
     size = train.tensors[0].shape[-1]
-    info = {"kind": "images", "n_classes": 10, "image_size": size, "channels": 1, "class_names": [str(d) for d in range(10)]}
+    info = {"kind": "images", "n_classes": 10, "image_size": size, "channels": 1,
+            "class_names": [str(d) for d in range(10)]}
     return DataBundle(train, test, info, FixedCollate("images"))

@@ -82,7 +82,9 @@ def read_modelnet_h5(files: list[Path]) -> tuple[torch.Tensor, torch.Tensor]:
             with h5py.File(file, "r") as h5:
                 data, label = np.asarray(h5["data"], dtype=np.float32), np.asarray(h5["label"]).reshape(-1)
         except (OSError, KeyError) as err:
-            raise ValueError(f"corrupt ModelNet HDF5 file {file} (expected datasets 'data' and 'label'): {err}") from None
+            raise ValueError(
+                f"corrupt ModelNet HDF5 file {file} (expected datasets 'data' and 'label'): {err}"
+            ) from None
         if data.ndim != 3 or data.shape[-1] != 3 or len(data) != len(label):
             raise ValueError(f"corrupt ModelNet HDF5 file {file}: data {data.shape}, label {label.shape}")
         points.append(torch.from_numpy(data))
@@ -113,7 +115,9 @@ def load_modelnet40(
     root = require_path(path, "modelnet40", HDF5_INSTRUCTIONS)
     train, test = sorted(root.glob("ply_data_train*.h5")), sorted(root.glob("ply_data_test*.h5"))
     if not train or not test:
-        raise FileNotFoundError(f"dataset 'modelnet40': no ply_data_train*.h5 / ply_data_test*.h5 in {root}. {HDF5_INSTRUCTIONS}")
+        raise FileNotFoundError(
+            f"dataset 'modelnet40': no ply_data_train*.h5 / ply_data_test*.h5 in {root}. {HDF5_INSTRUCTIONS}"
+        )
     names_file = root / "shape_names.txt"
     names = names_file.read_text().split() if names_file.exists() else None
     return _bundle(train, test, names, n_points, augment, seed)
@@ -131,7 +135,9 @@ def meshes_to_hdf5(root: str | Path, split: str, n_points: int, out: str | Path,
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and (p / split).is_dir())
     files = [(f, c) for c, name in enumerate(classes) for f in sorted((root / name / split).glob("*.off"))]
     if not files:
-        raise FileNotFoundError(f"dataset 'modelnet40_off': no <class>/{split}/*.off meshes in {root}. {OFF_INSTRUCTIONS}")
+        raise FileNotFoundError(
+            f"dataset 'modelnet40_off': no <class>/{split}/*.off meshes in {root}. {OFF_INSTRUCTIONS}"
+        )
     data = np.empty((len(files), n_points, 3), dtype=np.float32)
     for i, (file, _) in enumerate(tqdm(files, desc=f"sampling {split} meshes", unit="mesh", leave=False)):
         vertices, faces = read_off(file)

@@ -147,7 +147,8 @@ def generate_shapes(n_per_class: int, n_points: int, *, seed: int = 0, split: in
 
 
 def load_shapes3d(
-    *, n_points: int = 256, n_train: int = 100, n_test: int = 25, noise: float = 0.02, augment: bool = True, seed: int = 0
+    *, n_points: int = 256, n_train: int = 100, n_test: int = 25, noise: float = 0.02, augment: bool = True,
+    seed: int = 0,
 ) -> DataBundle:
     """Generated shapes: ``n_train`` / ``n_test`` clouds per class of ``n_points`` points."""
     train_x, train_y = generate_shapes(n_train, n_points, seed=seed, split=0, noise=noise)

@@ -92,5 +92,7 @@ def build_model(name: str, info: dict[str, Any] | None = None, **options: Any) -
     kwargs.update(check_options(f"model {name!r}", options, params))
     missing = [key for key, default in params.items() if default is REQUIRED and key not in kwargs]
     if missing:
-        raise ValueError(f"model {name!r} needs {', '.join(missing)}: give it as an option or use a dataset that provides it")
+        raise ValueError(
+            f"model {name!r} needs {', '.join(missing)}: give it as an option or use a dataset that provides it"
+        )
     return cls(**kwargs)

@@ -56,7 +56,9 @@ def _check_type(owner: str, key: str, value: Any, default: Any) -> Any:
         ok, expected = isinstance(value, type(default)), (type(default),)
     if not ok:
         names = " or ".join(t.__name__ for t in expected)
-        raise TypeError(f"{owner}: option {key} must be {names} (default {default!r}), got {type(value).__name__} {value!r}")
+        raise TypeError(
+            f"{owner}: option {key} must be {names} (default {default!r}), got {type(value).__name__} {value!r}"
+        )
     return value
 
 

@@ -25,7 +25,9 @@ def _strip(ids: list[int], eos_id: int) -> list[int]:
 
 
 @torch.no_grad()
-def greedy_decode(model, src: Tensor, src_padding_mask: Tensor | None = None, *, max_len: int | None = None) -> list[list[int]]:
+def greedy_decode(
+    model, src: Tensor, src_padding_mask: Tensor | None = None, *, max_len: int | None = None
+) -> list[list[int]]:
     """Most likely next token at every step; returns one id list per sentence (no bos/eos)."""
     max_len = min(max_len or model.max_len, model.max_len)
     memory = model.encode(src, src_padding_mask)

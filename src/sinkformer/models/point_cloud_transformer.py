@@ -19,7 +19,6 @@ Architecture (widths for the default ``dim=64``):
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..nn.offset_attention import OffsetAttention

@@ -48,7 +48,8 @@ class PatchEmbedding(torch.nn.Module):
     def forward(self, images: Tensor) -> Tensor:
         expected = (self.channels, self.image_size, self.image_size)
         if tuple(images.shape[1:]) != expected:
-            raise ValueError(f"images must have shape (batch, {', '.join(map(str, expected))}), got {tuple(images.shape)}")
+            shape = ", ".join(map(str, expected))
+            raise ValueError(f"images must have shape (batch, {shape}), got {tuple(images.shape)}")
         p = self.patch_size
         return self.proj(rearrange(images, "b c (h p1) (w p2) -> b (h w) (p1 p2 c)", p1=p, p2=p))
 

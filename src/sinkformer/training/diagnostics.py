@@ -83,7 +83,7 @@ class AttentionRecorder:
 
     def coefficient_of_variation(self) -> float:
         """Mean over recorded matrices of std/mean of their column sums (0 = doubly stochastic)."""
-        values = [(s.std(-1, unbiased=False) / s.mean(-1).clamp_min(1e-12)) for sums in self._sums.values() for s in sums]
+        values = [s.std(-1, unbiased=False) / s.mean(-1).clamp_min(1e-12) for sums in self._sums.values() for s in sums]
         return float(torch.cat(values).mean()) if values else float("nan")
 
     def reset(self) -> None:

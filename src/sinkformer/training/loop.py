@@ -39,7 +39,7 @@ from .diagnostics import AttentionRecorder
 from .distributed import Distributed, all_gather_objects, all_reduce_sum, barrier, setup_distributed
 from .metrics import write_metrics
 from .schedules import build_optimizer, learning_rate, set_learning_rate
-from .tasks import Classification, task_for
+from .tasks import Classification, task_for, to_device
 
 __all__ = ["train", "TrainResult", "Callback"]
 
@@ -159,12 +159,12 @@ def _format_row(row: dict[str, Any], epochs: int) -> str:
 
 def _check_batch(model: torch.nn.Module, data: DataBundle, ctx: Distributed) -> None:
     """Run two test examples through the model, so shape mistakes fail before training starts."""
-    inputs, _ = data.collate([data.test[i] for i in range(min(2, len(data.test)))])
+    inputs, targets = data.collate([data.test[i] for i in range(min(2, len(data.test)))])
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            model(**{k: v.to(ctx.device) for k, v in inputs.items()})
+            model(**to_device(inputs, targets, ctx.device)[0])
     except (RuntimeError, ValueError, TypeError) as err:
         raise ValueError(
             f"{type(model).__name__} cannot read a batch of this {data.kind} dataset "
@@ -201,8 +201,7 @@ def _train_epoch(
             recorder.detach()
         lr = learning_rate(config, epoch, step)
         set_learning_rate(optimizer, lr)
-        inputs = {k: v.to(ctx.device, non_blocking=True) for k, v in inputs.items()}
-        sums = task.sums(model, inputs, targets.to(ctx.device, non_blocking=True))
+        sums = task.sums(model, *to_device(inputs, targets, ctx.device))
         # mean over the *global* batch: DDP averages gradients over processes, hence * world_size
         global_count = all_reduce_sum(sums["count"].double(), ctx)
         loss = sums["loss"] * (ctx.world_size / global_count.clamp_min(1))

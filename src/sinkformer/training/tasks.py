@@ -26,10 +26,11 @@ from ..models.decoding import beam_search, greedy_decode
 from .config import TrainConfig
 from .distributed import Distributed, all_gather_objects, all_reduce_sum
 
-__all__ = ["Classification", "Translation", "task_for"]
+__all__ = ["Classification", "Translation", "task_for", "to_device"]
 
 
-def _to(inputs: dict[str, Tensor], targets: Tensor, device: torch.device) -> tuple[dict[str, Tensor], Tensor]:
+def to_device(inputs: dict[str, Tensor], targets: Tensor, device: torch.device) -> tuple[dict[str, Tensor], Tensor]:
+    """A collated batch ``(inputs, targets)`` on ``device``."""
     return {k: v.to(device, non_blocking=True) for k, v in inputs.items()}, targets.to(device, non_blocking=True)
 
 
@@ -54,7 +55,7 @@ class Classification:
         """Mean loss and accuracy over this process's ``batches`` of ``data.test``, summed over processes."""
         totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)
         for batch in batches:
-            inputs, targets = _to(*data.collate([data.test[i] for i in batch]), ctx.device)
+            inputs, targets = to_device(*data.collate([data.test[i] for i in batch]), ctx.device)
             s = self.sums(model, inputs, targets)
             totals += torch.stack([s["loss"].double(), s["correct"].double(), s["count"].double()])
         loss, correct, count = all_reduce_sum(totals, ctx).tolist()
@@ -94,7 +95,7 @@ class Translation(Classification):
                 batch = [i for i in batch if i < config.bleu_samples]
             if not batch:
                 continue
-            inputs, _ = _to(*data.collate([data.test[i] for i in batch]), ctx.device)
+            inputs, _ = to_device(*data.collate([data.test[i] for i in batch]), ctx.device)
             if config.decode == "beam":
                 ids = beam_search(model, inputs["src"], inputs["src_padding_mask"], beam_size=config.beam_size)
             else:
