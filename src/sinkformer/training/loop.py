@@ -23,6 +23,7 @@ metrics and weights as a run that was never interrupted.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -248,8 +249,10 @@ def _save_attention(recorder: AttentionRecorder, out_dir: Path | None, epoch: in
     if out_dir is not None and ctx.is_main:
         from safetensors.torch import save_file
 
-        folder = out_dir / "attention"
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(recorder.column_sums(), str(folder / f"epoch_{epoch + 1:04d}.safetensors"))
+        path = out_dir / "attention" / f"epoch_{epoch + 1:04d}.safetensors"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        save_file(recorder.column_sums(), str(tmp))
+        os.replace(tmp, path)  # atomic, like every file the trainer writes
     recorder.reset()
     return cv
