@@ -16,13 +16,15 @@ Jacobian of :math:`X \mapsto (\Gamma(x_i))_i` is not symmetric (:func:`jacobian_
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from .._validation import check_tensor
 from ._linalg import sym_fn, sym_sqrt
 from ._streaming import log_weights
-from .params import Params
 from .velocity import velocity
 
 __all__ = ["f0", "t0_field", "f_inf", "f_inf_gaussian", "jacobian_asymmetry"]
@@ -31,7 +33,7 @@ __all__ = ["f0", "t0_field", "f_inf", "f_inf_gaussian", "jacobian_asymmetry"]
 def _log_w(x: Tensor, weights: Tensor | None) -> Tensor:
     n = x.shape[-2]
     if weights is None:
-        return x.new_full(x.shape[:-1], -torch.log(torch.tensor(float(n))).item())
+        return x.new_full(x.shape[:-1], -math.log(n))
     w = weights.to(x.dtype)
     return log_weights(w / w.sum(-1, keepdim=True))
 
@@ -82,14 +84,14 @@ def f_inf_gaussian(mean: Tensor, cov: Tensor, A: Tensor) -> Tensor:
     return 0.5 * mean @ A @ mean + 0.25 * (r - 1 + torch.log(2 / (1 + r))).sum(-1)
 
 
-def jacobian_asymmetry(x: Tensor, params: Params, kind: str = "softmax", **velocity_kwargs) -> float:
-    """:math:`\\|J - J^\\top\\|_F / \\|J\\|_F` for the ``Nd x Nd`` Jacobian :math:`J` of :math:`X \\mapsto (\\Gamma_{\\mu_X}(x_i))_i`.
+def jacobian_asymmetry(field: Callable[[Tensor], Tensor], x: Tensor) -> float:
+    """:math:`\\|J - J^\\top\\|_F / \\|J\\|_F` for the ``Nd x Nd`` Jacobian :math:`J` of :math:`X \\mapsto (T_{\\mu_X}(x_i))_i`.
 
-    Zero (up to rounding) for gradient fields: :math:`k_0` and Sinkhorn under Assumption 1; not for
-    SoftMax (Sinkformers Prop. 3). ``x (N, d)``; autograd through the attention (and Sinkhorn loop).
+    Zero (up to rounding) for gradient fields — :math:`k_0` (:func:`t0_field`) and Sinkhorn under
+    Assumption 1 — and not for SoftMax (Sinkformers Prop. 3). ``field(x (N, d)) -> (N, d)``, e.g.
+    ``lambda z: velocity(z, params, "softmax")``; differentiated by autograd (through the Sinkhorn loop).
     """
     check_tensor(x, "x", ndim=2, floating=True)
     n, d = x.shape
-    J = torch.autograd.functional.jacobian(lambda z: velocity(z, params, kind, **velocity_kwargs), x)
-    J = J.reshape(n * d, n * d)
+    J = torch.autograd.functional.jacobian(field, x).reshape(n * d, n * d)
     return float((J - J.T).norm() / J.norm())

@@ -35,7 +35,7 @@ from torch import Tensor
 from .._validation import check_choice, check_finite, check_positive_int, check_tensor, compute_dtype
 from ..attention.functional import attention
 from ._streaming import log_weights, sinkhorn_potentials
-from .params import Params, as_heads, stack_heads
+from .params import Params, as_heads, interaction, stack_heads
 
 __all__ = ["velocity", "FieldResult", "KINDS", "DEFAULT_BLOCK_ENTRIES"]
 
@@ -145,7 +145,8 @@ def velocity(
             if tuple(warm_start.shape) != batch + (H, n):
                 raise ValueError(f"warm_start must have shape {batch + (H, n)} (..., heads, N), got {tuple(warm_start.shape)}")
         _, g, iters, converged = sinkhorn_potentials(
-            k_queries, k, w_heads, scale=1.0 / eps, tol=tol, max_iters=max_iters, chunk=chunk, warm_start=warm_start
+            k_queries, k, w_heads, scale=1.0 / eps, tol=tol, max_iters=max_iters, chunk=chunk, warm_start=warm_start,
+            symmetric=_symmetric_psd(interaction(Q, K)),
         )
         if not converged:
             warnings.warn(f"Sinkhorn did not reach tol={tol} in max_iters={max_iters} normalisations", stacklevel=2)
@@ -199,3 +200,11 @@ def _positions(kind, token_positions, at_positions, at, batch, n, m, dtype):
     if at_positions is None or at_positions.shape[-1] != m:
         raise ValueError(f"kind='masked' with at needs at_positions of shape (..., {m})")
     return at_positions.to(dtype).expand(batch + (m,)).unsqueeze(-2), pos_k.unsqueeze(-2)
+
+
+def _symmetric_psd(A: Tensor) -> bool:
+    """Whether every head's :math:`A` is symmetric PSD (diffusive Sinkhorn: averaged updates converge fastest)."""
+    scale = float(A.abs().max()) or 1.0
+    if float((A - A.transpose(-1, -2)).abs().max()) > 1e-12 * scale:
+        return False
+    return bool((torch.linalg.eigvalsh(A) >= -1e-12 * scale).all())
