@@ -144,6 +144,7 @@ def test_riccati_closed_form_vs_integrator():
     closed = G.riccati(cov0, A, out.times)
     assert max(rel(c, r) for c, r in zip(out.cov, closed)) < 1e-8
     assert rel(out.mean[-1], G.riccati_mean(mean0, cov0, A, out.times[-1])) < 1e-8
+    assert rel(out.flow_map[-1], G.riccati_flow_map(cov0, A, out.times[-1])) < 1e-8
     # V symmetric, commuting with a non-symmetric A and with Sigma0: only sym(A) enters
     S = torch.diag(torch.tensor([1.0, 1.0, 2.0], dtype=D64))
     V = torch.diag(torch.tensor([0.7, 0.7, -0.4], dtype=D64))
@@ -205,6 +206,18 @@ def test_rank_deficient_limit_is_reached_and_has_the_kernel_rank():
     assert float(torch.linalg.eigvalsh(big.cov).min()) > -1e-9 * float(big.cov.abs().max())
     with pytest.raises(ValueError, match="blows up"):
         G.riccati_limit(cov0, -A)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "l2", "sinkhorn", "linear"])
+def test_batched_parameters_equal_a_loop(kind):
+    g = gen(10)
+    params = [rand_params(g=g) for _ in range(4)]
+    stacked = tuple(torch.stack(t) for t in zip(*params))
+    mean, cov = rand_gaussian(3, g)
+    b, L = G.field(kind, mean.expand(4, 3), cov.expand(4, 3, 3), stacked)
+    for i, p in enumerate(params):
+        bi, Li = G.field(kind, mean, cov, p)
+        torch.testing.assert_close((b[i], L[i]), (bi, Li), atol=1e-13, rtol=0)
 
 
 def test_flow_stops_when_converged_and_batches():

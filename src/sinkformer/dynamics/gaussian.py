@@ -86,7 +86,12 @@ def _check_moments(mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _heads64(params: Params, d: int) -> list[tuple[Tensor, Tensor, Tensor]]:
-    return [(_f64(Q), _f64(K), _f64(V)) for Q, K, V in as_heads(params, d)]
+    return [(_f64(Q), _f64(K), _f64(V)) for Q, K, V in as_heads(params, d, batched=True)]
+
+
+def _mv(M: Tensor, v: Tensor) -> Tensor:
+    """Batched matrix-vector product ``M (..., d, d) @ v (..., d)``."""
+    return (M @ v.unsqueeze(-1)).squeeze(-1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -124,17 +129,17 @@ def field(kind: str, mean: Tensor, cov: Tensor, params: Params, eps: float = 1.0
     for Q, K, V in _heads64(params, mean.shape[-1]):
         A = interaction(Q, K) / eps
         if kind == "softmax":
-            b, L = mean @ _T(V), V @ cov @ A
+            b, L = _mv(V, mean), V @ cov @ A
         elif kind == "linear":
             b, L = torch.zeros_like(mean), V @ (cov + mean.unsqueeze(-1) * mean.unsqueeze(-2)) @ A
         elif kind == "l2":
             G = _eye_like(cov) + cov @ (_T(K) @ K) / eps
-            b = torch.linalg.solve(G, mean.unsqueeze(-1)).squeeze(-1) @ _T(V)
+            b = _mv(V, torch.linalg.solve(G, mean.unsqueeze(-1)).squeeze(-1))
             L = V @ torch.linalg.solve(G, cov @ A)
         else:
             CtSinv = _sinkhorn_regression(cov, A)
             L = V @ CtSinv
-            b = (mean - (CtSinv @ mean.unsqueeze(-1)).squeeze(-1)) @ _T(V)
+            b = _mv(V, mean - _mv(CtSinv, mean))
         b_total = b_total + b
         L_total = L_total + L
     return b_total, L_total
@@ -152,7 +157,7 @@ def moments_rhs(kind: str, mean: Tensor, cov: Tensor, params: Params, eps: float
     """Right-hand side of the moment ODEs: :math:`(\\dot\\alpha, \\dot\\Sigma) = (b + L\\alpha, L\\Sigma + \\Sigma L^\\top)`."""
     mean, cov = _check_moments(mean, cov)
     b, L = field(kind, mean, cov, params, eps)
-    return b + (L @ mean.unsqueeze(-1)).squeeze(-1), L @ cov + cov @ _T(L)
+    return b + _mv(L, mean), L @ cov + cov @ _T(L)
 
 
 @dataclass
@@ -163,6 +168,8 @@ class GaussianFlow:
         times: ``(T,)`` recorded times.
         mean: ``(T, ..., d)``; cov: ``(T, ..., d, d)``. A member that blew up or converged keeps its
             last state in the later records.
+        flow_map: ``(T, ..., d, d)`` :math:`M(t)`, the particle flow map :math:`x(t) = \\alpha(t) + M(t)(x_0 - \\alpha_0)`
+            of the affine field (:math:`\\dot M = LM`, :math:`M(0) = I`; on the range of a singular :math:`\\Sigma_0`).
         blowup_time: ``(...)`` time at which the largest eigenvalue of :math:`\\Sigma` crossed the
             threshold (``inf``: never), interpolated linearly in :math:`1/\\lambda_{\\max}`.
         converged: ``(...)`` whether the velocity norm fell below ``stop_below``.
@@ -171,6 +178,7 @@ class GaussianFlow:
     times: Tensor
     mean: Tensor
     cov: Tensor
+    flow_map: Tensor
     blowup_time: Tensor
     converged: Tensor
 
@@ -202,16 +210,17 @@ def integrate_affine(
     batch = mean.shape[:-1]
     h = float(t1) / steps
     R = sym_sqrt(cov)
+    R0_inv = sym_pinv_sqrt(cov)
 
     def deriv(a: Tensor, R: Tensor) -> tuple[Tensor, Tensor]:
         b, L = field_fn(a, R @ _T(R))
-        return b + (L @ a.unsqueeze(-1)).squeeze(-1), L @ R
+        return b + _mv(L, a), L @ R
 
     active = torch.ones(batch, dtype=torch.bool)
     converged = torch.zeros(batch, dtype=torch.bool)
     blow = torch.full(batch, math.inf, dtype=torch.float64)
     lam = torch.linalg.eigvalsh(cov)[..., -1]
-    times, means, covs = [0.0], [mean], [cov]
+    times, means, covs, maps = [0.0], [mean], [cov], [R @ R0_inv]
     a = mean
     for step in range(steps):
         da, dR = deriv(a, R)
@@ -250,9 +259,10 @@ def integrate_affine(
             times.append((step + 1) * h)
             means.append(a)
             covs.append(R @ _T(R))
+            maps.append(R @ R0_inv)
         if not bool(active.any()):
             break
-    return GaussianFlow(_f64(times), torch.stack(means), torch.stack(covs), blow, converged)
+    return GaussianFlow(_f64(times), torch.stack(means), torch.stack(covs), torch.stack(maps), blow, converged)
 
 
 def flow(

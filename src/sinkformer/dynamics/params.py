@@ -26,10 +26,12 @@ def _is_triple(p: object) -> bool:
     return isinstance(p, (tuple, list)) and len(p) == 3 and all(isinstance(t, Tensor) for t in p)
 
 
-def as_heads(params: Params, d: int | None = None) -> list[tuple[Tensor, Tensor, Tensor]]:
+def as_heads(params: Params, d: int | None = None, *, batched: bool = False) -> list[tuple[Tensor, Tensor, Tensor]]:
     """Validate ``params`` and return it as a list of head triples ``[(Q, K, V), ...]``.
 
-    ``d``, if given, is the token dimension the heads must act on.
+    ``d``, if given, is the token dimension the heads must act on. With ``batched=True`` the
+    matrices may carry leading batch dimensions (``Q (..., k, d)``): one parameter set per member
+    of a batch of Gaussians (used by :mod:`~sinkformer.dynamics.gaussian`).
     """
     if _is_triple(params):
         heads = [tuple(params)]
@@ -43,9 +45,9 @@ def as_heads(params: Params, d: int | None = None) -> list[tuple[Tensor, Tensor,
     for h, (Q, K, V) in enumerate(heads):
         where = f"params head {h}" if len(heads) > 1 else "params"
         for name, t in (("Q", Q), ("K", K), ("V", V)):
-            check_tensor(t, f"{where} {name}", ndim=2, floating=True)
-        dim = Q.shape[1] if d is None else d
-        if Q.shape != K.shape or Q.shape[1] != dim or V.shape != (dim, dim):
+            check_tensor(t, f"{where} {name}", floating=True, **({"min_dim": 2} if batched else {"ndim": 2}))
+        dim = Q.shape[-1] if d is None else d
+        if Q.shape[-2:] != K.shape[-2:] or Q.shape[-1] != dim or V.shape[-2:] != (dim, dim):
             raise ValueError(
                 f"{where}: expected Q, K of shape (k, {dim}) and V of shape ({dim}, {dim}), "
                 f"got Q {tuple(Q.shape)}, K {tuple(K.shape)}, V {tuple(V.shape)}"
