@@ -50,7 +50,7 @@ def test_sinkhorn_field_with_rank_deficient_A_and_temperature():
     g = gen(11)
     params = rand_params(d=3, k=2, g=g)  # A = K^T Q has rank 2: no inverse anywhere
     mean, cov = rand_gaussian(3, g)
-    assert field_error("sinkhorn", params, mean, cov, 1500, 2, g, eps=0.7) < 0.06
+    assert field_error("sinkhorn", params, mean, cov, 1000, 2, g, eps=0.7) < 0.07
 
 
 def test_sinkhorn_coupling_algebra():
@@ -277,7 +277,7 @@ def test_drifting_closed_forms():
     tmean, tcov = rand_gaussian(2, g)
     out = G.drifting_flow(mean0, cov0, tmean, tcov, t1=3.0, steps=600, record_every=100)
     torch.testing.assert_close(out.mean, G.drifting_mean(out.times, mean0, tmean, tcov), atol=1e-12, rtol=0)
-    far = G.drifting_flow(mean0, cov0, tmean, tcov, t1=200.0, steps=4000)
+    far = G.drifting_flow(mean0, cov0, tmean, tcov, t1=200.0, steps=1000)
     assert rel(far.cov[-1], tcov) < 1e-8 and rel(far.mean[-1], tmean) < 1e-8
     # field of samples: m_q - m_p with both measures from 8000 samples
     p = sample(mean0, cov0, (8000,), g)

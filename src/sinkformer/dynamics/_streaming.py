@@ -1,19 +1,17 @@
-r"""Bistochastic Sinkhorn potentials of a point cloud, computed over blocks of the score matrix.
+r"""Bistochastic Sinkhorn potentials of a weighted point cloud, streamed over blocks of scores.
 
-For scores :math:`C_{ij} = \mathrm{scale}\,\langle q_i, k_j\rangle` and a weighted cloud
+For scores :math:`C_{ij} = \mathrm{scale}\,\langle q_i, k_j\rangle` and a cloud
 :math:`\mu = \sum_i w_i\delta_{x_i}`, this finds :math:`f, g` with
 
 .. math::
 
-    \pi_{ij} = e^{C_{ij} + \log w_j + f_i + g_j},\qquad \sum_j \pi_{ij} = w_i,\qquad \sum_i \pi_{ij} = w_j ,
+    \pi_{ij} = e^{C_{ij} + \log w_j + f_i + g_j},\qquad \sum_j \pi_{ij} = n w_i,\qquad \sum_i \pi_{ij} = n w_j ,
 
-i.e. :math:`k^\infty_{ij} = \pi_{ij}/(w_iw_j)` is bistochastic w.r.t. :math:`\mu\otimes\mu` (``FORMULAS.md`` §1.4,
-with :math:`f^{\rm F}_i = f_i - \log w_i`, :math:`g^{\rm F}_j = g_j`). The alternation is
-:func:`sinkformer.sinkhorn.log_sinkhorn_loop`; only the two log-sum-exps live here, each over
-blocks of ``chunk`` rows or columns, so memory is ``O(N * chunk)`` instead of ``O(N^2)``.
-
-The lead's ``attention/streaming.py`` (in progress when this was written) provides the same
-streamed log-sum-exps; the two should be merged when it lands.
+i.e. :math:`k^\infty_{ij} = \pi_{ij}/(n w_iw_j)` is bistochastic w.r.t. :math:`\mu\otimes\mu` (``FORMULAS.md`` §1.4, with
+:math:`f^{\rm F}_i = f_i - \log(n w_i)`, :math:`g^{\rm F}_j = g_j`). The marginals are scaled by ``n`` so that the
+tolerance is a relative marginal error. The sweeps are those of
+:func:`sinkformer.attention.streaming.streamed_potentials` (memory ``O(n * chunk)``); when a gradient is
+needed, the dense :func:`sinkformer.sinkhorn` is used instead (autograd through its iterations).
 """
 
 from __future__ import annotations
@@ -21,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..sinkhorn import log_sinkhorn_loop
+from ..attention.streaming import streamed_potentials
+from ..sinkhorn import sinkhorn
 
 __all__ = ["sinkhorn_potentials", "log_weights"]
 
@@ -29,20 +28,6 @@ __all__ = ["sinkhorn_potentials", "log_weights"]
 def log_weights(w: Tensor) -> Tensor:
     """:math:`\\log w`, with ``-inf`` (no mass) where ``w == 0``."""
     return torch.where(w > 0, w.clamp_min(torch.finfo(w.dtype).tiny).log(), torch.full_like(w, float("-inf")))
-
-
-def _blocked_lse(a: Tensor, b: Tensor, bias: Tensor, scale: float, chunk: int) -> Tensor:
-    """:math:`\\mathrm{out}_i = \\log\\sum_j e^{\\mathrm{scale}\\,a_i\\cdot b_j + \\mathrm{bias}_j}` over blocks of rows ``i``.
-
-    ``a (..., n, k)``, ``b (..., m, k)``, ``bias (..., m)`` -> ``(..., n)``.
-    """
-    a = a * scale  # scale the (n, k) factor, not the (n, m) scores
-    bt, bias = b.transpose(-1, -2), bias.unsqueeze(-2)
-    out = []
-    for s in range(0, a.shape[-2], chunk):
-        scores = a[..., s : s + chunk, :] @ bt + bias
-        out.append(torch.logsumexp(scores, dim=-1))
-    return torch.cat(out, dim=-1)
 
 
 def sinkhorn_potentials(
@@ -56,56 +41,57 @@ def sinkhorn_potentials(
     chunk: int,
     warm_start: Tensor | None = None,
     symmetric: bool = False,
-) -> tuple[Tensor, Tensor, int, bool]:
-    """Potentials ``(f, g)`` of the bistochastic coupling of ``mu = sum_i w_i delta_{x_i}``.
+) -> tuple[Tensor, int, bool]:
+    """Column potential ``g`` of the bistochastic coupling of ``mu = sum_i w_i delta_{x_i}``.
 
     Args:
         q, k: ``(..., n, k)`` queries and keys of the *same* points.
         w: ``(..., n)`` non-negative weights summing to 1 (zero weights take no part).
         scale: multiplies :math:`q\\cdot k` (``1/eps``).
-        tol: stop when :math:`\\max_j |\\sum_i \\pi_{ij}/w_j - 1| \\le` ``tol`` (relative marginal error).
-        max_iters: cap on log-sum-exp passes (normalisations).
-        chunk: rows/columns per block.
+        tol: stop when :math:`\\max_j |\\sum_i \\pi_{ij}/(n w_j) - 1| \\le` ``tol`` (relative marginal error).
+        max_iters: cap on normalisations.
+        chunk: query rows per block.
         warm_start: ``(..., n)`` a previous ``g``.
         symmetric: the scores are symmetric (:math:`A = K^\\top Q` symmetric); use the averaged update
-            :math:`g \\leftarrow \\tfrac12(g + f^{\\rm F})` between single normalisations (Feydy et al. 2019).
+            :math:`g \\leftarrow \\tfrac12(g + f^{\\rm F})` between single row normalisations (Feydy et al. 2019).
             Alternating updates flip the sign of the slow error mode at every step, so for a PSD
-            :math:`A` at small temperature they need :math:`O(1/\\varepsilon)` passes; averaging cancels
-            that mode (3911 vs 54 passes for 400 points, :math:`A = I/0.1`, tol 1e-8).
+            :math:`A` at small temperature they need :math:`O(1/\\varepsilon)` normalisations; averaging
+            cancels that mode (3911 vs 54 normalisations for 400 points, :math:`A = I/0.1`, tol 1e-8).
 
     Returns:
-        ``(f, g, passes, converged)``.
+        ``(g, normalisations, converged)``; the field uses :math:`\\mathrm{softmax}_j(C_{ij} + \\log w_j + g_j)`.
     """
-    valid = w > 0
+    batch, n = w.shape[:-1], w.shape[-1]
+    flat = lambda t: t.reshape((-1,) + t.shape[len(batch):])  # noqa: E731
+    q, k, w = flat(q), flat(k), flat(w)
+    marginals = n * w
     log_w = log_weights(w)
-    zero = torch.zeros_like(w)
-    all_valid = bool(valid.all())
-    mask = None if all_valid else valid
+    g = None if warm_start is None else torch.where(w > 0, flat(warm_start).to(w.dtype), 0.0)
 
-    def row_lse(g: Tensor) -> Tensor:  # log sum_j exp(C_ij + log w_j + g_j)
-        return _blocked_lse(q, k, log_w + g, scale, chunk)
+    # zero-weight points: their key column is -inf through the bias, their query row is masked
+    keep = None if bool((w > 0).all()) else (w > 0).unsqueeze(-1)
 
-    def col_lse(f: Tensor) -> Tensor:  # log sum_i exp(C_ij + f_i): the column sum relative to w_j
-        lse = _blocked_lse(k, q, torch.where(valid, f, torch.full_like(f, float("-inf"))), scale, chunk)
-        return lse if all_valid else torch.where(valid, lse, zero)
-
-    # Columns: target b_j = w_j, written relatively (log b = 0 against a column lse without log w_j),
-    # so that the stopping test of the loop is the relative marginal error.
-    def loop(g: Tensor | None, passes: int) -> tuple[Tensor, Tensor, int, bool]:
-        return log_sinkhorn_loop(
-            row_lse, col_lse, torch.where(valid, log_w, zero), zero, n_iters=None, tol=tol, max_iters=passes,
-            b=valid.to(w.dtype), row_valid=mask, col_valid=mask, g=g,
+    def solve(g: Tensor | None, passes: int) -> tuple[Tensor, Tensor, int, bool]:
+        return streamed_potentials(
+            q, k, scale=scale, tol=tol, max_iters=passes, row_marginals=marginals, col_marginals=marginals,
+            bias=log_w.unsqueeze(-2), keep=keep, warm_start=g, chunk_size=chunk,
         )
 
-    g = None if warm_start is None else torch.where(valid, warm_start.to(w.dtype), zero)
-    if not symmetric:
-        f, g, done, converged = loop(g, max_iters)
-        return f, g, done, bool(converged)
-    g = zero if g is None else g
-    done = 0
-    while True:
-        f, _, _, converged = loop(g, 1)  # one row update + the column test
-        done += 2
-        if converged or done >= max_iters:
-            return f, g, done, bool(converged)
-        g = torch.where(valid, 0.5 * (g + f - log_w), zero)  # f - log w = f^F, the symmetric potential
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        # differentiable: the dense core Sinkhorn, autograd through its unrolled iterations (small N)
+        scores = scale * (q @ k.transpose(-1, -2)) + log_w.unsqueeze(-2)
+        res = sinkhorn(scores, None, tol=tol, max_iters=max_iters, row_marginals=marginals, col_marginals=marginals,
+                       warm_start=g, return_result=True)
+        g, done, converged = res.g, res.n_iters, res.converged
+    elif symmetric:
+        g = torch.zeros_like(w) if g is None else g
+        done = 0
+        while True:
+            f, _, _, converged = solve(g, 1)  # one row normalisation and the column test
+            done += 1
+            if converged or done >= max_iters:
+                break
+            g = torch.where(w > 0, 0.5 * (g + f - marginals.clamp_min(1e-300).log()), 0.0)  # average with f^F
+    else:
+        _, g, done, converged = solve(g, max_iters)
+    return g.reshape(batch + (n,)), done, bool(converged)

@@ -18,8 +18,8 @@ temperature :math:`\varepsilon` (scores :math:`\langle Qx, Ky\rangle/\varepsilon
 =============  ======================================================================================
 
 A list of head triples sums the head fields (multi-head, §1.7). Every field is computed by
-:func:`sinkformer.attention` (and the Sinkhorn potentials by
-:func:`sinkformer.sinkhorn.log_sinkhorn_loop`); queries are processed in chunks, so that memory
+:func:`sinkformer.attention` (and the Sinkhorn potentials by the streamed sweeps of
+:mod:`sinkformer.attention.streaming`); queries are processed in chunks, so that memory
 stays ``O(N * chunk)`` and ``N = 50,000`` particles never build an ``N x N`` matrix.
 """
 
@@ -144,7 +144,7 @@ def velocity(
             check_tensor(warm_start, "warm_start", floating=True)
             if tuple(warm_start.shape) != batch + (H, n):
                 raise ValueError(f"warm_start must have shape {batch + (H, n)} (..., heads, N), got {tuple(warm_start.shape)}")
-        _, g, iters, converged = sinkhorn_potentials(
+        g, iters, converged = sinkhorn_potentials(
             k_queries, k, w_heads, scale=1.0 / eps, tol=tol, max_iters=max_iters, chunk=chunk, warm_start=warm_start,
             symmetric=_symmetric_psd(interaction(Q, K)),
         )
