@@ -15,13 +15,17 @@ from sinkformer.data.text_lm import BYTE_OFFSET, LMCollate, LMDataset, load_text
 # --- sorting ---------------------------------------------------------------------------------------
 
 
-def test_generated_sorting_trains_at_l_and_tests_at_2l():
-    data = load_sorting(length=8, n_train=20, n_test=5, n_symbols=10)
+def test_generated_sorting_trains_up_to_l_and_tests_up_to_2l():
+    data = load_sorting(length=8, n_train=200, n_test=100, n_symbols=10)
+    train_lengths = {len(data.train[i][0]) for i in range(200)}
+    test_lengths = {len(data.test[i][0]) for i in range(100)}
+    assert min(train_lengths) == 1 and max(train_lengths) == 8 and max(test_lengths) == 16 and len(test_lengths) > 10
+    fixed = load_sorting(length=8, n_train=5, n_test=5, variable_length=False)
+    assert {len(fixed.test[i][0]) for i in range(5)} == {16}
     src, tgt = data.train[3]
-    assert len(src) == 8 and len(data.test[0][0]) == 16
     assert tgt[0] == data.info["bos_id"] and tgt[-1] == data.info["eos_id"]
     assert tgt[1:-1].tolist() == sorted(src.tolist()) and int(src.min()) >= OFFSET
-    inputs, targets = data.collate([data.train[0], data.train[1]])
+    inputs, targets = fixed.collate([fixed.train[0], fixed.train[1]])
     assert inputs["tgt"].shape == targets.shape == (2, 9)
 
 
@@ -41,7 +45,7 @@ def test_sorting_tsv_round_trip_and_errors(tmp_path):
 def test_edit_distance_and_sequence_metrics():
     assert edit_distance("kitten", "sitting") == 3 and edit_distance([], [1, 2]) == 2
     metrics = sequence_metrics([[1, 2, 3], [1, 2]], [[1, 2, 3], [1, 2, 4, 5]])
-    assert metrics == {"exact_match": 50.0, "edit_distance": 0.25}
+    assert metrics == {"exact_match": 50.0, "edit_distance": 2 / 7}
 
 
 # --- language-model text -------------------------------------------------------------------------

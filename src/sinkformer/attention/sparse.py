@@ -285,8 +285,8 @@ def sparse_sinkhorn_attention(
                     generator=generator, block_mask=block_mask)
     # sorted block p = sum_i S_ip (block i); SortCut needs only the first positions
     mix = (S if sortcut_budget is None else S[..., : min(sortcut_budget, nb)]).transpose(-1, -2).to(kb.dtype)
-    ks = torch.einsum("...pi,...isd->...psd", mix, kb)
-    vs = torch.einsum("...pi,...isd->...psd", mix, vb)
+    ks = (mix @ kb.flatten(-2)).unflatten(-1, kb.shape[-2:])  # (..., positions, b, d)
+    vs = (mix @ vb.flatten(-2)).unflatten(-1, vb.shape[-2:])
     sorted_valid = None if valid_blocks is None else (mix @ valid_blocks.to(mix.dtype)) > 0  # (..., positions, b)
 
     if sortcut_budget is not None:

@@ -1,11 +1,12 @@
 r"""Algorithmic sorting as sequence transduction (Sparse Sinkhorn Attention §5.1, Table 1).
 
-The input is a sequence of :math:`\ell` integers drawn uniformly (with repeats) from
-``n_symbols`` values, the target the same integers in increasing order — Tensor2Tensor's
-``algorithmic_sort_problem``. Models are trained at length :math:`\ell` and tested at
-:math:`2\ell` (``test_length``), so that memorising positions does not suffice. Metrics: exact
-match (percentage of test sequences entirely right) and edit distance (Levenshtein distance
-divided by the target length, averaged; lower is better).
+The input is a sequence of integers drawn uniformly (with repeats) from ``n_symbols`` values,
+the target the same integers in increasing order — Tensor2Tensor's ``algorithmic_sort_problem``,
+whose sequence lengths are drawn uniformly from 1 to the maximum length. Models are trained with
+lengths up to :math:`\ell` and tested with lengths up to :math:`2\ell` (``test_length``), so that
+memorising positions does not suffice. Metrics: exact
+match (percentage of test sequences entirely right) and edit distance (summed Levenshtein
+distances over summed target lengths; lower is better).
 
 Ids follow :mod:`sinkformer.data.text`: 0–3 are ``<pad> <bos> <eos> <unk>``, symbol ``s`` is id
 ``4 + s``. Items are ``(src, <bos> sorted <eos>)`` — the ``translation`` kind of
@@ -55,10 +56,13 @@ class SortingDataset(Dataset):
         return self.src[index], self.tgt[index]
 
 
-def generate_sort_examples(n: int, length: int, n_symbols: int, seed: int) -> list[list[int]]:
-    """``n`` sequences of ``length`` integers in ``[0, n_symbols)``, seeded."""
+def generate_sort_examples(n: int, max_length: int, n_symbols: int, seed: int, *,
+                           variable_length: bool = True) -> list[list[int]]:
+    """``n`` sequences of integers in ``[0, n_symbols)``, of lengths uniform in ``[1, max_length]``
+    (or all ``max_length`` with ``variable_length=False``), seeded."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, n_symbols, (n, length), generator=gen).tolist()
+    lengths = torch.randint(1, max_length + 1, (n,), generator=gen).tolist() if variable_length else [max_length] * n
+    return [torch.randint(0, n_symbols, (k,), generator=gen).tolist() for k in lengths]
 
 
 def _bundle(train: SortingDataset, test: SortingDataset, n_symbols: int, max_len: int) -> DataBundle:
@@ -68,15 +72,15 @@ def _bundle(train: SortingDataset, test: SortingDataset, n_symbols: int, max_len
 
 
 def load_sorting(*, length: int = 32, test_length: int | None = None, n_train: int = 5000, n_test: int = 200,
-                 n_symbols: int = 32, seed: int = 0) -> DataBundle:
-    """Generated sorting: train at ``length``, test at ``test_length`` (default ``2 * length``)."""
+                 n_symbols: int = 16, variable_length: bool = True, seed: int = 0) -> DataBundle:
+    """Generated sorting: train with lengths up to ``length``, test up to ``test_length`` (default ``2 * length``)."""
     test_length = test_length or 2 * length
     for name, value in (("length", length), ("test_length", test_length), ("n_train", n_train), ("n_test", n_test),
                         ("n_symbols", n_symbols)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    train = generate_sort_examples(n_train, length, n_symbols, seed)
-    test = generate_sort_examples(n_test, test_length, n_symbols, seed + 1)
+    train = generate_sort_examples(n_train, length, n_symbols, seed, variable_length=variable_length)
+    test = generate_sort_examples(n_test, test_length, n_symbols, seed + 1, variable_length=variable_length)
     return _bundle(SortingDataset(train, [sorted(s) for s in train]), SortingDataset(test, [sorted(s) for s in test]),
                    n_symbols, max(length, test_length) + 2)
 
@@ -128,9 +132,10 @@ def edit_distance(a: Sequence, b: Sequence) -> int:
 
 
 def sequence_metrics(predictions: Sequence[Sequence[int]], targets: Sequence[Sequence[int]]) -> dict[str, float]:
-    """``exact_match`` (% of sequences entirely right) and ``edit_distance`` (mean distance / target length)."""
+    """``exact_match`` (% of sequences entirely right) and ``edit_distance`` (summed Levenshtein
+    distances over summed target lengths, Tensor2Tensor's sequence edit distance)."""
     if len(predictions) != len(targets) or not targets:
         raise ValueError(f"need as many predictions as targets (> 0), got {len(predictions)} and {len(targets)}")
     exact = sum(list(p) == list(t) for p, t in zip(predictions, targets))
-    dist = sum(edit_distance(p, t) / max(len(t), 1) for p, t in zip(predictions, targets))
-    return {"exact_match": 100.0 * exact / len(targets), "edit_distance": dist / len(targets)}
+    dist = sum(edit_distance(p, t) for p, t in zip(predictions, targets))
+    return {"exact_match": 100.0 * exact / len(targets), "edit_distance": dist / max(sum(len(t) for t in targets), 1)}
