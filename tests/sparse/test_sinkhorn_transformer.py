@@ -20,6 +20,18 @@ def small(kind, **kw):
     return dict(dim=16, depth=2, heads=2, max_len=40, attention=AttentionConfig(kind, block_size=4, stride=2), **kw)
 
 
+def test_attention_config_parses_specs_dicts_and_configs():
+    sortcut = AttentionConfig.parse("sortcut:2x8", temperature=0.5)
+    assert (sortcut.kind, sortcut.sortcut_budget, sortcut.block_size, sortcut.temperature) == ("sortcut", 2, 8, 0.5)
+    assert AttentionConfig.parse("local:32").label == "Local Attention (32)"
+    assert AttentionConfig.parse({"kind": "fixed", "stride": 4}) == AttentionConfig("fixed", stride=4)
+    assert AttentionConfig.parse(sortcut, block_size=4).block_size == 4 and AttentionConfig.parse(None) == AttentionConfig()
+    with pytest.raises(ValueError, match="attention spec must look like"):
+        AttentionConfig.parse("sinkhorn:big")
+    with pytest.raises(TypeError, match="attention must be"):
+        AttentionConfig.parse(16)
+
+
 def test_attention_config_builds_the_right_module_and_labels():
     assert isinstance(AttentionConfig("local").build(8, 2, max_len=16, causal=False), BaselineSelfAttention)
     m = AttentionConfig("sortcut", block_size=8, sortcut_budget=2).build(8, 2, max_len=16, causal=False)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from sinkformer.data.sorting import load_sorting
-from sinkformer.experiments._sparse_common import TokenLevel, attention_from_spec, fit
+from sinkformer.experiments._sparse_common import TokenLevel, fit
 from sinkformer.experiments.registry import registry, run_experiment
 from sinkformer.experiments.sortcut import read_sst_trees
-from sinkformer.models.sinkhorn_transformer import SinkhornTransformerLM
+from sinkformer.models.sinkhorn_transformer import AttentionConfig, SinkhornTransformerLM
 
 NAMES = ["sort", "charlm", "pixels", "sortcut", "nli", "sparse-ablations"]
 TINY = {"dim": 16, "depth": 1, "heads": 2, "epochs": 1, "max_train_batches": 2}
@@ -61,15 +61,11 @@ def test_language_model_learns_a_repeating_text():
     ids = encode_bytes("abcdefgh" * 300)
     data = DataBundle(LMDataset(ids, 32), LMDataset(ids[:400], 32), {"kind": "lm", "vocab_size": 260, "max_len": 32},
                       LMCollate())
-    model = SinkhornTransformerLM(260, dim=32, depth=1, heads=2, max_len=32, attention=attention_from_spec("sinkhorn:8"))
+    model = SinkhornTransformerLM(260, dim=32, depth=1, heads=2, max_len=32, attention=AttentionConfig.parse("sinkhorn:8"))
     final, _ = fit(model, data, {"epochs": 6, "batch_size": 8, "lr": 3e-3}, seed=0, sequence=True)
     assert final["test_loss"] / math.log(2) < 1.0
 
 
-def test_attention_specs():
-    assert attention_from_spec("sortcut:2x8").sortcut_budget == 2 and attention_from_spec("sortcut:2x8").block_size == 8
-    assert attention_from_spec("local:32").label == "Local Attention (32)"
-    assert attention_from_spec("vanilla").kind == "vanilla"
 
 
 def test_sst_trees_binary_labels(tmp_path):
@@ -88,7 +84,7 @@ def test_sorting_decoding_metrics_after_training_the_copy_of_short_sequences():
 
     data = load_sorting(length=4, test_length=4, n_train=1500, n_test=50, n_symbols=4)
     model = SinkhornSeq2Seq(data.info["vocab_size"], dim=32, depth=1, heads=2, max_len=data.info["max_len"],
-                            attention=attention_from_spec("vanilla"))
+                            attention=AttentionConfig.parse("vanilla"))
     fit(model, data, {"epochs": 2, "batch_size": 32, "lr": 3e-3}, seed=0, sequence=True)
     metrics = decode_metrics(model, data, 50)
     assert metrics["exact_match"] > 60 and metrics["edit_distance"] < 0.2

@@ -32,6 +32,7 @@ from .image_folder import load_image_folder
 from .imdb import load_imdb
 from .mnist import load_mnist
 from .modelnet import load_modelnet40, load_modelnet40_off
+from .nli import load_generated_nli, load_nli  # Sparse Sinkhorn Attention (issue 7)
 from .parallel_text import bleu, load_parallel_text
 from .sentiment import load_sentiment
 from .shapes3d import load_shapes3d
@@ -64,6 +65,8 @@ DATASETS: dict[str, DatasetSpec] = {
         DatasetSpec("modelnet40_off", "points", load_modelnet40_off, False, "ModelNet40 .off meshes"),
         DatasetSpec("imdb", "tokens", load_imdb, False, "IMDb aclImdb folder"),
         DatasetSpec("iwslt14", "translation", load_parallel_text, False, "IWSLT'14 De-En parallel text"),
+        DatasetSpec("nli_generated", "tokens", load_generated_nli, True, "generated entailment, premise <eos> hypothesis"),
+        DatasetSpec("nli", "tokens", load_nli, False, "SNLI / MultiNLI JSONL release"),
     ]
 }
 

@@ -1,7 +1,5 @@
 """Pieces shared by the Sparse Sinkhorn Attention experiments (sort, charlm, pixels, sortcut, nli, ablations).
 
-* :func:`attention_from_spec` — ``"sinkhorn:16"``, ``"sortcut:2x8"``, ``"vanilla"`` -> an
-  :class:`~sinkformer.models.sinkhorn_transformer.AttentionConfig`;
 * :func:`fit` — train a model with the one trainer (:func:`sinkformer.training.train`);
   sequence models (language models, sorting) with the per-token task :class:`TokenLevel`;
 * :func:`train_language_model`, :func:`train_classifier` — one model of a comparison, trained
@@ -25,7 +23,7 @@ from ..plotting import pyplot
 from ..training import TrainConfig, train
 from ..training.tasks import Classification, Translation
 
-__all__ = ["attention_from_spec", "short_label", "TokenLevel", "fit", "train_language_model", "train_classifier",
+__all__ = ["short_label", "TokenLevel", "fit", "train_language_model", "train_classifier",
            "markdown_table", "bar_figure", "LN2"]
 
 LN2 = math.log(2.0)
@@ -33,17 +31,6 @@ IGNORE = -100  # torch's cross-entropy ignore_index
 
 #: Experiment configuration keys passed on to :class:`~sinkformer.training.TrainConfig`.
 TRAIN_KEYS = ("epochs", "batch_size", "lr", "warmup_steps", "grad_clip", "max_train_batches", "max_eval_batches")
-
-
-def attention_from_spec(spec: str, **options: Any) -> AttentionConfig:
-    """``KIND[:BLOCK]`` or ``sortcut:BUDGETxBLOCK`` (e.g. ``"local:32"``, ``"sortcut:2x8"``) plus options."""
-    kind, _, size = spec.partition(":")
-    if kind == "sortcut" and "x" in size:
-        budget, _, size = size.partition("x")
-        options["sortcut_budget"] = int(budget)
-    if size:
-        options["block_size"] = int(size)
-    return AttentionConfig(kind, **options)
 
 
 def short_label(attention: AttentionConfig) -> str:

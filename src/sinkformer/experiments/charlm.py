@@ -19,7 +19,8 @@ import statistics
 import torch
 
 from ..data.text_lm import BYTE_OFFSET, load_text_lm
-from ._sparse_common import attention_from_spec, bar_figure, markdown_table, train_language_model
+from ..models.sinkhorn_transformer import AttentionConfig
+from ._sparse_common import bar_figure, markdown_table, train_language_model
 from .registry import Run, register
 
 __all__ = ["PAPER_CHAR", "PAPER_WORD", "run", "decode_sample"]
@@ -84,7 +85,7 @@ def run(ctx: Run) -> None:
     labels, sinkhorn_model, n_params = {}, None, 0
     for seed in range(cfg["seed"], cfg["seed"] + ctx.seeds):
         for spec in cfg["models"]:
-            attention = attention_from_spec(spec, sort_iters=cfg["sort_iters"], temperature=cfg["temperature"],
+            attention = AttentionConfig.parse(spec, sort_iters=cfg["sort_iters"], temperature=cfg["temperature"],
                                             stride=cfg["fixed_stride"])
             labels[spec] = attention.label
             model, scores = train_language_model(data, attention, cfg, seed=seed)

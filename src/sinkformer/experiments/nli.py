@@ -15,7 +15,8 @@ from __future__ import annotations
 import statistics
 
 from ..data.nli import load_generated_nli, load_nli
-from ._sparse_common import attention_from_spec, bar_figure, markdown_table, short_label, train_classifier
+from ..models.sinkhorn_transformer import AttentionConfig
+from ._sparse_common import bar_figure, markdown_table, short_label, train_classifier
 from .registry import Run, register
 
 __all__ = ["PAPER", "run"]
@@ -64,7 +65,7 @@ def run(ctx: Run) -> None:
     lengths = [len(data.test[i][0]) for i in range(len(data.test))]
     rows = []
     for spec in cfg["models"]:
-        attention = attention_from_spec(spec, sort_iters=cfg["sort_iters"], temperature=cfg["temperature"])
+        attention = AttentionConfig.parse(spec, sort_iters=cfg["sort_iters"], temperature=cfg["temperature"])
         scores = [train_classifier(data, attention, cfg, seed=seed) for seed in range(cfg["seed"], cfg["seed"] + ctx.seeds)]
         for seed, score in zip(range(cfg["seed"], cfg["seed"] + ctx.seeds), scores):
             ctx.log(model=attention.label, spec=spec, seed=seed, **score)

@@ -16,7 +16,8 @@ import math
 import statistics
 
 from ..data.cifar10 import load_cifar10_pixels, load_digit_pixels
-from ._sparse_common import attention_from_spec, bar_figure, markdown_table, train_language_model
+from ..models.sinkhorn_transformer import AttentionConfig
+from ._sparse_common import bar_figure, markdown_table, train_language_model
 from .registry import Run, register
 
 __all__ = ["PAPER", "run"]
@@ -59,7 +60,7 @@ def run(ctx: Run) -> None:
     labels = {}
     for seed in range(cfg["seed"], cfg["seed"] + ctx.seeds):
         for spec in cfg["models"]:
-            attention = attention_from_spec(spec, sort_iters=cfg["sort_iters"], temperature=cfg["temperature"],
+            attention = AttentionConfig.parse(spec, sort_iters=cfg["sort_iters"], temperature=cfg["temperature"],
                                             stride=cfg["fixed_stride"])
             labels[spec] = attention.label
             _, scores = train_language_model(data, attention, cfg, seed=seed)

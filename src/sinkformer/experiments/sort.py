@@ -18,8 +18,8 @@ import torch
 
 from ..data.sorting import load_sorting, load_sorting_tsv, sequence_metrics
 from ..models.decoding import greedy_decode
-from ..models.sinkhorn_transformer import SinkhornSeq2Seq
-from ._sparse_common import attention_from_spec, bar_figure, fit, markdown_table
+from ..models.sinkhorn_transformer import AttentionConfig, SinkhornSeq2Seq
+from ._sparse_common import bar_figure, fit, markdown_table
 from .registry import Run, register
 
 __all__ = ["PAPER", "decode_metrics", "run"]
@@ -78,7 +78,7 @@ def run(ctx: Run) -> None:
     labels: dict[str, str] = {}
     for seed in range(cfg["seed"], cfg["seed"] + ctx.seeds):
         for spec in cfg["models"]:
-            attention = attention_from_spec(spec, sort_iters=cfg["sort_iters"], temperature=cfg["temperature"],
+            attention = AttentionConfig.parse(spec, sort_iters=cfg["sort_iters"], temperature=cfg["temperature"],
                                             stride=cfg["fixed_stride"])
             labels[spec] = attention.label
             torch.manual_seed(seed)

@@ -24,7 +24,8 @@ from ..data.imdb import load_imdb, read_imdb_split
 from ..data.sentiment import generate_reviews, load_sentiment
 from ..data.text import PAD_ID, UNK_ID, TextClassificationDataset, text_classification_bundle
 from ..data.text_lm import BYTE_VOCAB, encode_bytes
-from ._sparse_common import attention_from_spec, bar_figure, markdown_table, short_label, train_classifier
+from ..models.sinkhorn_transformer import AttentionConfig
+from ._sparse_common import bar_figure, markdown_table, short_label, train_classifier
 from .registry import Run, register
 
 __all__ = ["PAPER", "read_sst_trees", "byte_classification_bundle", "run"]
@@ -133,7 +134,7 @@ def run(ctx: Run) -> None:
         data, name = load_data(ctx.data, level, cfg)
         names.add(name)
         for spec in cfg[f"{level}_models"]:
-            attention = attention_from_spec(spec, sort_iters=cfg["sort_iters"], temperature=cfg["temperature"])
+            attention = AttentionConfig.parse(spec, sort_iters=cfg["sort_iters"], temperature=cfg["temperature"])
             scores = [train_classifier(data, attention, cfg, seed=seed)
                       for seed in range(cfg["seed"], cfg["seed"] + ctx.seeds)]
             for seed, score in zip(range(cfg["seed"], cfg["seed"] + ctx.seeds), scores):

@@ -19,7 +19,8 @@ import statistics
 
 from ..data.text_lm import load_text_lm
 from ..plotting import pyplot
-from ._sparse_common import attention_from_spec, markdown_table, train_language_model
+from ..models.sinkhorn_transformer import AttentionConfig
+from ._sparse_common import markdown_table, train_language_model
 from .registry import Run, register
 
 __all__ = ["SORT_NET_ROWS", "PAPER", "variants", "run"]
@@ -83,7 +84,7 @@ def run(ctx: Run) -> None:
         if key not in trained:
             scores = []
             for seed in range(cfg["seed"], cfg["seed"] + ctx.seeds):
-                attention = attention_from_spec(f"sinkhorn:{cfg['block_size']}", **options)
+                attention = AttentionConfig.parse(f"sinkhorn:{cfg['block_size']}", **options)
                 _, score = train_language_model(data, attention, cfg, seed=seed)
                 ctx.log(variant=label, group=group, seed=seed, **options, **score)
                 scores.append(score[metric])

@@ -30,7 +30,7 @@ Decoder cross-attention is always vanilla (the paper sparsifies self-attention).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -76,6 +76,28 @@ class AttentionConfig:
     def __post_init__(self) -> None:
         check_choice(self.kind, "attention kind", ATTENTION_KINDS)
         check_positive_int(self.block_size, "block_size")
+
+    @classmethod
+    def parse(cls, value: "AttentionConfig | str | dict | None" = None, **options) -> "AttentionConfig":
+        """An ``AttentionConfig`` from itself, a dict of its fields, ``None`` (the default), or a spec
+        string ``KIND[:BLOCK]`` / ``sortcut:BUDGETxBLOCK`` (``"local:32"``, ``"sortcut:2x8"``);
+        ``options`` set further fields (e.g. ``temperature=0.5``)."""
+        if isinstance(value, cls):
+            return replace(value, **options) if options else value
+        if value is None or isinstance(value, dict):
+            return cls(**{**(value or {}), **options})
+        if not isinstance(value, str):
+            raise TypeError(f"attention must be an AttentionConfig, a dict, a spec string or None, got {type(value).__name__}")
+        kind, _, size = value.partition(":")
+        try:
+            if kind == "sortcut" and "x" in size:
+                budget, _, size = size.partition("x")
+                options["sortcut_budget"] = int(budget)
+            if size:
+                options["block_size"] = int(size)
+        except ValueError:
+            raise ValueError(f"attention spec must look like 'sinkhorn:16' or 'sortcut:2x8', got {value!r}") from None
+        return cls(kind, **options)
 
     @property
     def label(self) -> str:
@@ -183,9 +205,9 @@ class SinkhornTransformerEncoder(_Stack):
     """Bidirectional encoder: ``tokens (B, n)`` (``padding_mask`` True = pad) -> ``(B, n, dim)``."""
 
     def __init__(self, vocab_size: int, *, dim: int = 128, depth: int = 2, heads: int = 4, max_len: int = 512,
-                 attention: AttentionConfig | None = None, ff_mult: int = 4, dropout: float = 0.0, pad_id: int = 0) -> None:
+                 attention: AttentionConfig | str | dict | None = None, ff_mult: int = 4, dropout: float = 0.0, pad_id: int = 0) -> None:
         super().__init__(vocab_size, dim=dim, depth=depth, heads=heads, max_len=max_len,
-                         attention=attention or AttentionConfig(), causal=False, cross_attention=False,
+                         attention=AttentionConfig.parse(attention), causal=False, cross_attention=False,
                          ff_mult=ff_mult, dropout=dropout, pad_id=pad_id)
 
     def forward(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
@@ -196,9 +218,9 @@ class SinkhornTransformerDecoder(_Stack):
     """Causal decoder with vanilla cross-attention: ``tokens (B, T)``, ``memory (B, S, dim)`` -> ``(B, T, dim)``."""
 
     def __init__(self, vocab_size: int, *, dim: int = 128, depth: int = 2, heads: int = 4, max_len: int = 512,
-                 attention: AttentionConfig | None = None, ff_mult: int = 4, dropout: float = 0.0, pad_id: int = 0) -> None:
+                 attention: AttentionConfig | str | dict | None = None, ff_mult: int = 4, dropout: float = 0.0, pad_id: int = 0) -> None:
         super().__init__(vocab_size, dim=dim, depth=depth, heads=heads, max_len=max_len,
-                         attention=attention or AttentionConfig(), causal=True, cross_attention=True,
+                         attention=AttentionConfig.parse(attention), causal=True, cross_attention=True,
                          ff_mult=ff_mult, dropout=dropout, pad_id=pad_id)
 
 
@@ -213,12 +235,12 @@ class SinkhornTransformerLM(nn.Module):
     input_kind = "lm"
 
     def __init__(self, vocab_size: int, *, dim: int = 128, depth: int = 2, heads: int = 4, max_len: int = 512,
-                 attention: AttentionConfig | None = None, ff_mult: int = 4, dropout: float = 0.0,
+                 attention: AttentionConfig | str | dict | None = None, ff_mult: int = 4, dropout: float = 0.0,
                  pad_id: int | None = None) -> None:
         super().__init__()
         self.vocab_size, self.max_len = vocab_size, max_len
         self.body = _Stack(vocab_size, dim=dim, depth=depth, heads=heads, max_len=max_len,
-                           attention=attention or AttentionConfig(), causal=True, cross_attention=False,
+                           attention=AttentionConfig.parse(attention), causal=True, cross_attention=False,
                            ff_mult=ff_mult, dropout=dropout, pad_id=pad_id)
 
     def forward(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
@@ -272,14 +294,15 @@ class SinkhornSeq2Seq(nn.Module):
     input_kind = "translation"
 
     def __init__(self, vocab_size: int, *, dim: int = 128, depth: int = 2, heads: int = 4, max_len: int = 512,
-                 attention: AttentionConfig | None = None, decoder_attention: AttentionConfig | None = None,
+                 attention: AttentionConfig | str | dict | None = None, decoder_attention: AttentionConfig | str | dict | None = None,
                  ff_mult: int = 4, dropout: float = 0.0, pad_id: int = 0, bos_id: int = 1, eos_id: int = 2) -> None:
         super().__init__()
-        attention = attention or AttentionConfig()
+        attention = AttentionConfig.parse(attention)
         self.pad_id, self.bos_id, self.eos_id, self.max_len = pad_id, bos_id, eos_id, max_len
         shape = dict(dim=dim, depth=depth, heads=heads, max_len=max_len, ff_mult=ff_mult, dropout=dropout, pad_id=pad_id)
         self.encoder = SinkhornTransformerEncoder(vocab_size, attention=attention, **shape)
-        self.decoder = SinkhornTransformerDecoder(vocab_size, attention=decoder_attention or attention, **shape)
+        decoder_attention = attention if decoder_attention is None else AttentionConfig.parse(decoder_attention)
+        self.decoder = SinkhornTransformerDecoder(vocab_size, attention=decoder_attention, **shape)
         self.decoder.embedding = self.encoder.embedding
 
     def encode(self, src: Tensor, src_padding_mask: Tensor | None = None) -> Tensor:
@@ -301,7 +324,7 @@ class SinkhornClassifier(nn.Module):
     input_kind = "tokens"
 
     def __init__(self, vocab_size: int, n_classes: int = 2, *, dim: int = 128, depth: int = 2, heads: int = 4,
-                 max_len: int = 512, attention: AttentionConfig | None = None, ff_mult: int = 4, dropout: float = 0.0,
+                 max_len: int = 512, attention: AttentionConfig | str | dict | None = None, ff_mult: int = 4, dropout: float = 0.0,
                  pad_id: int = 0) -> None:
         super().__init__()
         check_positive_int(n_classes, "n_classes", minimum=2)
