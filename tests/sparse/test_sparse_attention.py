@@ -41,6 +41,7 @@ def test_sort_iterations_are_the_papers_fc_of_fr_in_exp_domain():
         S = S / S.sum(-2, keepdim=True)
     torch.testing.assert_close(sort_matrix(R, sort_iters=4, temperature=0.5), S)
     torch.testing.assert_close(sort_matrix(R, sort_iters=0, temperature=0.5), torch.exp(R / 0.5))
+    assert torch.isfinite(sort_matrix(1e4 * R.float(), sort_iters=0)).all()  # no overflow without balancing
 
 
 def test_balanced_block_matrix_is_doubly_stochastic():

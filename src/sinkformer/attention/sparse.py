@@ -69,6 +69,10 @@ __all__ = [
 #: F2∘σ∘F1 (2); ``"relu_linear_relu_linear"`` σ∘F2∘σ∘F1 (1, eq. 4).
 SORT_NETS = ("linear", "relu_linear", "linear_relu_linear", "relu_linear_relu_linear")
 
+#: Without balancing (``sort_iters=0``) :math:`e^{R/\tau}` is taken with :math:`R/\tau` clamped at
+#: this value, so that it stays finite in float32 (which overflows at 88).
+EXP_MAX = 30.0
+
 
 def n_blocks(length: int, block_size: int) -> int:
     """Number of blocks :math:`N_B = \\lceil \\ell / b \\rceil` (the last one may be partial)."""
@@ -182,7 +186,8 @@ def sort_matrix(
     Args:
         logits: ``(..., N_B, N_B)`` SortNet output :math:`R` (row :math:`i` from block :math:`i`).
         sort_iters: :math:`N_k`, iterations of :math:`F_c \circ F_r` (a row then a column
-            normalisation each); 0 returns :math:`e^{R}` unnormalised.
+            normalisation each); 0 returns :math:`e^{R/\tau}` unnormalised (exponent clamped
+            at :data:`EXP_MAX`).
         temperature: :math:`\tau > 0`; low temperatures push :math:`S` towards a permutation.
         causal: block :math:`i` only goes to positions :math:`p \ge i` (eq. 6), balanced prefix
             by prefix (see the module docstring): column :math:`p` depends on rows
@@ -207,8 +212,8 @@ def sort_matrix(
     if block_mask is not None:
         pair = block_mask.unsqueeze(-1) & block_mask.unsqueeze(-2)
         keep = pair if keep is None else keep & pair
-    if sort_iters == 0:
-        s = torch.exp(x)
+    if sort_iters == 0:  # S^0 = e^R, finite: the (cumulative) sums fed to the SortNet can be large
+        s = torch.exp(x.clamp(max=EXP_MAX))
         return s if keep is None else s.masked_fill(~keep, 0.0)
     if not causal:
         return sinkhorn(x, 2 * sort_iters, mask=keep)
