@@ -13,7 +13,7 @@ velocity field :math:`\\Gamma_\\mu`; conventions are those of ``FORMULAS.md`` (:
 """
 
 from . import distances, energies, gaussian, heat
-from .params import as_heads, from_multihead, interaction
+from .params import as_heads, from_multihead, interaction, split_heads
 from .simulate import ParticleField, Trajectory, integrate, simulate
 from .velocity import KINDS, FieldResult, velocity
 
@@ -28,6 +28,7 @@ __all__ = [
     "as_heads",
     "from_multihead",
     "interaction",
+    "split_heads",
     "gaussian",
     "heat",
     "energies",

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .._validation import check_tensor
 
-__all__ = ["Params", "as_heads", "stack_heads", "interaction", "from_multihead"]
+__all__ = ["Params", "as_heads", "stack_heads", "interaction", "split_heads", "from_multihead"]
 
 #: ``(Q, K, V)`` or a list of such triples (multi-head).
 Params = tuple[Tensor, Tensor, Tensor] | Sequence[tuple[Tensor, Tensor, Tensor]]
@@ -76,6 +76,31 @@ def stack_heads(heads: list[tuple[Tensor, Tensor, Tensor]], dtype: torch.dtype) 
 def interaction(Q: Tensor, K: Tensor) -> Tensor:
     """:math:`A = K^\\top Q` (``(..., d, d)``), so that :math:`\\langle Qx, Ky\\rangle = y^\\top A x`."""
     return K.transpose(-1, -2) @ Q
+
+
+def split_heads(Q: Tensor, K: Tensor, V: Tensor, n_heads: int) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Concatenated heads with output projection :math:`W^O = I` (``FORMULAS.md`` §1.7).
+
+    The rows of ``Q``, ``K`` (``(k, d)``) and ``V`` (``(d, d)``) are cut into ``n_heads`` consecutive
+    blocks; head :math:`h` is :math:`(Q_h, K_h, E_h^\top\tilde V_h)` with :math:`\tilde V_h` the value rows of
+    block :math:`h` and :math:`E_h^\top` their embedding back into :math:`\mathbb R^d`. A block may be empty
+    (``k < n_heads``): that head has :math:`A_h = 0`.
+    """
+    d = V.shape[0]
+    q_rows = -(-Q.shape[0] // n_heads)  # ceil: rows of Q, K per head
+    v_rows = d // n_heads
+    if d % n_heads:
+        raise ValueError(f"n_heads must divide d = {d}, got {n_heads}")
+    heads = []
+    for h in range(n_heads):
+        rows = slice(h * q_rows, (h + 1) * q_rows)
+        Qh, Kh = Q[rows], K[rows]
+        if Qh.shape[0] == 0:
+            Qh = Kh = Q.new_zeros(1, Q.shape[1])
+        Vh = torch.zeros_like(V)
+        Vh[h * v_rows : (h + 1) * v_rows] = V[h * v_rows : (h + 1) * v_rows]
+        heads.append((Qh, Kh, Vh))
+    return heads
 
 
 def from_multihead(mha: torch.nn.MultiheadAttention) -> list[tuple[Tensor, Tensor, Tensor]]:
