@@ -36,13 +36,31 @@ def _cmd_experiments(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .experiments.registry import get, parse_overrides, run_experiment
+    import torch
 
-    exp = get(args.name)
-    overrides = parse_overrides(args.set or [], exp.defaults)
-    ctx = run_experiment(
-        args.name, full=args.full, data=args.data, seeds=args.seeds, overrides=overrides, runs_dir=args.runs_dir
-    )
+    from .experiments.registry import get, parse_overrides, run_experiment
+    from .experiments.suite import run_suite
+
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.name is None:  # the summary suite: every experiment, quick form
+        given = [flag for flag, value in (("--full", args.full), ("--data", args.data), ("--set", args.set)) if value]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply to a single experiment: sinkformer run NAME {' '.join(given)} ...")
+    else:
+        overrides = parse_overrides(args.set or [], get(args.name).defaults)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or (threads if args.full else 1))
+    try:
+        if args.name is None:
+            path = run_suite(args.runs_dir, seeds=args.seeds)
+            print(f"summary report: {path.resolve()}\n                {path.with_suffix('.html').resolve()}")
+            return 0
+        ctx = run_experiment(
+            args.name, full=args.full, data=args.data, seeds=args.seeds, overrides=overrides, runs_dir=args.runs_dir
+        )
+    finally:
+        torch.set_num_threads(threads)
     print(f"report: {(ctx.out_dir / 'report.md').resolve()}")
     return 0
 
@@ -111,10 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser(
         "run",
-        help="run one experiment and write runs/NAME/<timestamp>/ (config, metrics, results, figures, report)",
+        help="run one experiment (runs/NAME/<timestamp>/: config, metrics, results, figures, report), "
+             "or with no NAME the quick form of all of them and a summary report (runs/summary/<timestamp>/)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    run.add_argument("name", help="experiment name (see `sinkformer experiments`)")
+    run.add_argument("name", nargs="?", default=None,
+                     help="experiment name (see `sinkformer experiments`); none = every experiment, quick form")
     mode = run.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", default=True, help="small configuration on embedded data")
     mode.add_argument("--full", action="store_true", default=False, help="the paper's configuration")
@@ -122,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seeds", type=int, default=None, help="number of seeds (default: the experiment's)")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a configuration key (YAML value)")
     run.add_argument("--runs-dir", default="runs", help="where run folders go")
+    run.add_argument("--threads", type=int, default=None,
+                     help="torch CPU threads; None = 1 for quick runs (their small models gain little from more "
+                          "threads and slow down sharply when other processes share the cores), torch's default "
+                          "for --full")
     run.set_defaults(func=_cmd_run)
 
     train = sub.add_parser(

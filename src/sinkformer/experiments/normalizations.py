@@ -17,6 +17,7 @@ import torch
 
 from ..plotting import pyplot, save_png
 from ..sinkhorn import sinkhorn
+from ._sinkformers import finding
 from .registry import Run, register
 
 __all__ = ["NormalizationsResult", "compute", "format_table", "figure", "plot", "run", "LINK_THRESHOLD"]
@@ -148,8 +149,19 @@ def run(ctx: Run) -> None:
         if same
         else "Unlike the paper, SoftMax reaches every key in this configuration (try another seed)."
     )
+    this_run = (
+        f"K¹ gives links of at least 1e-12 to {by_name['K1']['keys_used']} of the {n} keys; K^∞ (doubly stochastic "
+        f"after {result.sinkhorn_iters} normalisations, column sums {by_name['Kinf']['col_sum_min']:.6f} .. "
+        f"{by_name['Kinf']['col_sum_max']:.6f}) links every query to {by_name['Kinf']['keys_used']} keys; entropies "
+        f"{by_name['Kinf']['entropy']:.3f} (K^∞) vs {by_name['K1']['entropy']:.3f} (K¹) nats. {verdict}"
+    )
+    paper = ("For K⁰ one interaction dominates; for K¹ (SoftMax) one cluster is ignored; for K^∞ (Sinkhorn) all "
+             "points are involved in an interaction.")
     ctx.write_report(
         f"""# Normalisations of the attention matrix (Sinkformers, Figure 1)
+
+Two clouds of {n} points, queries W_Q x_i and keys W_K x_j, C_ij = ⟨W_Q x_i, W_K x_j⟩; line width ∝ K_ij,
+links of at least 1e-12 drawn.
 
 ![K0, K1 and Kinf](normalizations.png)
 
@@ -157,13 +169,5 @@ def run(ctx: Run) -> None:
 {format_table(result)}
 ```
 
-**Paper.** For K⁰ one interaction dominates; for K¹ (SoftMax) one cluster is ignored; for K^∞
-(Sinkhorn) all points are involved in an interaction.
-
-**This run.** K¹ gives links of at least 1e-12 to {by_name["K1"]["keys_used"]} of the {n} keys;
-K^∞ (doubly stochastic after {result.sinkhorn_iters} normalisations, column sums
-{by_name["Kinf"]["col_sum_min"]:.6f} .. {by_name["Kinf"]["col_sum_max"]:.6f}) links every query to
-{by_name["Kinf"]["keys_used"]} keys; entropies {by_name["Kinf"]["entropy"]:.3f} (K^∞) vs
-{by_name["K1"]["entropy"]:.3f} (K¹) nats. {verdict}
-"""
+{finding(ctx, paper=paper, this_run=this_run, reproduced=same)}"""
     )

@@ -10,20 +10,25 @@ Modules of :mod:`sinkformer.experiments` are discovered automatically: adding a 
 must import heavy dependencies (matplotlib, datasets) inside functions, so that listing stays fast.
 
 Each run writes ``runs/NAME/<timestamp>/``: ``config.yaml``, ``metrics.csv``, ``results.json``,
-PNG figures and ``report.md``.
+PNG figures, ``report.md`` and ``report.html`` (the same report, figures embedded).
+:func:`markdown_table` formats a report's tables; :func:`render_html` turns a report into one
+self-contained page.
 """
 
 from __future__ import annotations
 
+import base64
 import csv
 import datetime as _dt
+import html
 import importlib
 import json
 import math
 import os
 import pkgutil
+import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +37,10 @@ import yaml
 
 from ..plotting import save_png
 
-__all__ = ["Experiment", "Run", "register", "registry", "get", "parse_overrides", "run_experiment"]
+__all__ = [
+    "Experiment", "Run", "register", "registry", "get", "parse_overrides", "run_experiment", "markdown_table",
+    "render_html",
+]
 
 
 @dataclass(frozen=True)
@@ -114,17 +122,32 @@ def get(name: str) -> Experiment:
 
 
 def parse_overrides(pairs: Iterable[str], defaults: dict[str, Any]) -> dict[str, Any]:
-    """``["lr=1e-3", "n_iters=[1,3]"]`` -> dict, values parsed as YAML, keys checked against ``defaults``."""
+    """``["lr=1e-3", "n_iters=[1,3]", "train.epochs=5"]`` -> dict, values parsed as YAML, keys checked
+    against ``defaults``. ``KEY.SUB=value`` sets one entry of a mapping option (kept as the dotted
+    key; :func:`run_experiment` merges it into the mapping)."""
     out: dict[str, Any] = {}
     for pair in pairs:
         if "=" not in pair:
             raise ValueError(f"--set expects key=value, got {pair!r}")
         key, raw = pair.split("=", 1)
         key = key.strip()
-        if key not in defaults:
+        top, dot, sub = key.partition(".")
+        if top not in defaults:
             raise ValueError(f"--set {key}: unknown option; valid keys: {', '.join(sorted(defaults))}")
+        if dot and not (sub and isinstance(defaults[top], dict)):
+            raise ValueError(f"--set {key}: {top} is not a mapping option; use --set {top}=VALUE")
         out[key] = yaml.safe_load(raw)
     return out
+
+
+def _apply_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """``config.update(overrides)``, where a dotted key ``"train.epochs"`` updates one mapping entry."""
+    for key, value in overrides.items():
+        top, dot, sub = key.partition(".")
+        if dot:
+            config[top] = {**config[top], sub: value}
+        else:
+            config[key] = value
 
 
 @dataclass
@@ -165,8 +188,57 @@ class Run:
         return path
 
     def write_report(self, markdown: str) -> Path:
-        """Write ``report.md``; figures are referenced by relative path (``![..](name.png)``)."""
+        """Write ``report.md`` and ``report.html``; figures are referenced by relative path (``![..](name.png)``)."""
+        title = next((line.lstrip("# ") for line in markdown.splitlines() if line.startswith("# ")), self.name)
+        _atomic_write(self.out_dir / "report.html", render_html(markdown, self.out_dir, title))
         return _atomic_write(self.out_dir / "report.md", markdown)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 4) -> str:
+    """A GitHub markdown table; floats get ``digits`` significant digits, ``None`` and NaN a dash."""
+
+    def cell(x: Any) -> str:
+        if x is None or (isinstance(x, float) and math.isnan(x)):
+            return "—"
+        return f"{x:.{digits}g}" if isinstance(x, float) else str(x)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+_HTML_STYLE = """body{font-family:system-ui,sans-serif;max-width:62rem;margin:2rem auto;padding:0 1rem;line-height:1.45}
+img{max-width:100%}table{border-collapse:collapse;margin:.8rem 0}th,td{border:1px solid #ccc;padding:.25rem .6rem}
+th{background:#f3f3f3}pre{background:#f6f6f6;padding:.6rem;overflow-x:auto}code{font-size:90%}"""
+
+
+def render_html(markdown_text: str, base_dir: str | os.PathLike, title: str) -> str:
+    """``markdown_text`` as one self-contained HTML page: PNGs referenced by a path relative to
+    ``base_dir`` are embedded as base64 data, so the page can be mailed or opened anywhere."""
+    import markdown  # Python-Markdown, imported lazily (listing experiments stays fast)
+
+    def embed(match: re.Match) -> str:
+        path = Path(base_dir) / html.unescape(match.group(2))
+        if path.suffix.lower() != ".png" or not path.is_file():
+            return match.group(0)
+        data = base64.b64encode(path.read_bytes()).decode("ascii")
+        return f"{match.group(1)}data:image/png;base64,{data}{match.group(3)}"
+
+    body = markdown.markdown(markdown_text, extensions=["tables", "fenced_code"])
+    body = re.sub(r'(<img\b[^>]*?\bsrc=")([^"]+)(")', embed, body)
+    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+            f"<style>{_HTML_STYLE}</style></head>\n<body>\n{body}\n</body></html>\n")
+
+
+def _new_run_dir(parent: Path) -> Path:
+    """A new folder ``parent/<timestamp>`` (``-2``, ``-3``, ... appended if it exists)."""
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir, suffix = parent / stamp, 1
+    while out_dir.exists():
+        suffix += 1
+        out_dir = parent / f"{stamp}-{suffix}"
+    out_dir.mkdir(parents=True)
+    return out_dir
 
 
 def _atomic_write(path: Path, text: str) -> Path:
@@ -206,7 +278,7 @@ def run_experiment(
     config = dict(exp.defaults)
     if full:
         config.update(exp.full)
-    config.update(overrides or {})
+    _apply_overrides(config, overrides or {})
     if seeds is not None:
         if seeds < 1:
             raise ValueError(f"--seeds must be >= 1, got {seeds}")
@@ -215,13 +287,7 @@ def run_experiment(
         data = Path(data)
         if not data.exists():
             raise FileNotFoundError(f"--data {data}: no such file or folder")
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out_dir = Path(runs_dir) / name / stamp
-    suffix = 1
-    while out_dir.exists():
-        suffix += 1
-        out_dir = Path(runs_dir) / name / f"{stamp}-{suffix}"
-    out_dir.mkdir(parents=True)
+    out_dir = _new_run_dir(Path(runs_dir) / name)
     ctx = Run(name, config, out_dir, quick=not full, data=data, seeds=int(config.get("seeds", 1)))
     meta = {"experiment": name, "mode": "full" if full else "quick", "data": str(data) if data else "embedded"}
     _atomic_write(out_dir / "config.yaml", yaml.safe_dump({**meta, **_jsonable(config)}, sort_keys=False))

@@ -15,11 +15,12 @@
 from .checkpoint import load_checkpoint, load_weights, save_weights
 from .config import TrainConfig
 from .diagnostics import AttentionRecorder
-from .loop import Callback, TrainResult, train
+from .loop import Callback, TrainResult, evaluate, train
 
 __all__ = [
     "TrainConfig",
     "train",
+    "evaluate",
     "TrainResult",
     "Callback",
     "AttentionRecorder",

@@ -42,7 +42,7 @@ from .metrics import write_metrics
 from .schedules import build_optimizer, learning_rate, set_learning_rate
 from .tasks import Classification, task_for, to_device
 
-__all__ = ["train", "TrainResult", "Callback"]
+__all__ = ["train", "evaluate", "TrainResult", "Callback"]
 
 
 class Callback:
@@ -149,6 +149,22 @@ def train(
     if out_dir is not None and ctx.is_main:
         save_weights(model, out_dir / "model.safetensors")
     return TrainResult(model, history, out_dir)
+
+
+def evaluate(
+    model: torch.nn.Module,
+    data: DataBundle,
+    config: TrainConfig | dict[str, Any] | None = None,
+    *,
+    task: Classification | None = None,
+) -> dict[str, Any]:
+    """Test metrics of ``model`` on ``data.test`` without training: the ``test_*`` entries of a
+    :func:`train` row (BLEU included for translation), with ``config``'s evaluation options."""
+    config = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
+    ctx = setup_distributed(config.device)
+    model.to(ctx.device)
+    task = task if task is not None else task_for(data, config)
+    return _evaluate(model, data, task, config, ctx, with_bleu=True)
 
 
 def _format_row(row: dict[str, Any], epochs: int) -> str:

@@ -1,0 +1,173 @@
+"""Pieces shared by the Sinkformers-paper experiments (column-sums, modelnet, sentiment, translation,
+vit, patch-size).
+
+Every experiment compares a Transformer with its Sinkformer, everything else equal:
+
+* :func:`variant` — ``n_iters = 1`` is the Transformer (``normalization="softmax"``, PyTorch's
+  fused kernel; one Sinkhorn normalisation *is* SoftMax), ``n_iters > 1`` the Sinkformer;
+* :func:`build` — the model, seeded, so both variants of one seed start from identical weights;
+* :func:`fit` — :func:`sinkformer.training.train` with one progress bar per run, every epoch
+  logged to the run's ``metrics.csv``;
+* :func:`load_data` — the experiment's dataset: embedded by default, the real one under
+  ``--full`` (path from ``--data``);
+* :func:`seed_summary`, :func:`median_curve` — statistics over seeds (best/median/mean/worst,
+  median curve with its min–max band);
+* :func:`finding` — the "paper found / this run found" table every report ends with; it also
+  stores ``results["finding"]`` for the summary report; :func:`mode_line`, :func:`describe`,
+  :func:`training_line` — how a run was made, in words.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..data import DataBundle, get_dataset, load_dataset
+from ..models import build_model
+from ..training import Callback, TrainConfig, TrainResult, train
+from .registry import Run
+
+__all__ = [
+    "TRANSFORMER", "SINKFORMER", "COLORS", "variant", "model_label", "load_data", "build", "fit", "seed_summary",
+    "median_curve", "finding", "mode_line", "describe", "training_line",
+]
+
+TRANSFORMER, SINKFORMER = "Transformer", "Sinkformer"
+COLORS = {TRANSFORMER: "tab:blue", SINKFORMER: "tab:orange"}
+
+
+def variant(n_iters: int) -> tuple[str, int]:
+    """``(normalization, n_iters)`` of a model: SoftMax for ``n_iters == 1``, else Sinkhorn."""
+    if n_iters < 1:
+        raise ValueError(f"n_iters must be >= 1, got {n_iters}")
+    return ("softmax", 1) if n_iters == 1 else ("sinkhorn", n_iters)
+
+
+def model_label(n_iters: int) -> str:
+    return TRANSFORMER if n_iters == 1 else SINKFORMER
+
+
+def load_data(ctx: Run, dataset: str, options: dict[str, Any] | None = None) -> DataBundle:
+    """Dataset ``dataset`` with loader ``options``; a real dataset reads ``--data`` (``ctx.data``).
+
+    A real dataset without ``--data`` raises the loader's ``FileNotFoundError``, which says
+    what to download and where to put it.
+    """
+    spec = get_dataset(dataset)
+    if spec.embedded and ctx.data is not None:
+        raise ValueError(
+            f"--data {ctx.data} is for a real dataset, but this run uses the embedded {dataset!r}: "
+            f"add --full (the paper's configuration) or --set dataset=NAME"
+        )
+    try:
+        return load_dataset(dataset, None if spec.embedded else ctx.data, **(options or {}))
+    except FileNotFoundError as err:
+        if ctx.data is not None:
+            raise
+        raise FileNotFoundError(f"`sinkformer run {ctx.name}` needs --data PATH here: {err}") from None
+
+
+def build(model: str, data: DataBundle, n_iters: int, seed: int, options: dict[str, Any]) -> torch.nn.Module:
+    """Model ``model`` for ``data``, Transformer or Sinkformer by ``n_iters``, weights drawn from ``seed``.
+
+    The two variants have the same parameters, so for one seed they start from identical weights.
+    """
+    normalization, n_iters = variant(n_iters)
+    torch.manual_seed(seed)
+    return build_model(model, data.info, normalization=normalization, n_iters=n_iters, **options)
+
+
+class _EpochBar(Callback):
+    """One progress bar per training run, advanced per epoch, showing the latest test metrics."""
+
+    def __init__(self, label: str, epochs: int) -> None:
+        self.bar = tqdm(total=epochs, desc=label, unit="epoch", leave=True, dynamic_ncols=True)
+
+    def on_epoch_end(self, row: dict[str, Any]) -> None:
+        shown = {k: v for k, v in row.items() if k in ("train_loss", "test_acc", "test_bleu")}
+        self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
+        self.bar.update(1)
+
+
+def fit(
+    ctx: Run,
+    module: torch.nn.Module,
+    data: DataBundle,
+    train_options: dict[str, Any],
+    *,
+    seed: int,
+    label: str,
+    out_dir=None,
+    **fields: Any,
+) -> TrainResult:
+    """Train ``module`` with :func:`sinkformer.training.train`; log every epoch with ``fields``.
+
+    ``label`` names the run on its progress bar (prefixed by the experiment's name); ``fields``
+    (``model=``, ``n_iters=``, ...) are prepended to each epoch's row in ``metrics.csv``.
+    """
+    config = TrainConfig.from_dict({**train_options, "seed": seed, "progress": False})
+    bar = _EpochBar(f"{ctx.name} | {label} (seed {seed})", config.epochs)
+    try:
+        result = train(module, data, config, out_dir=out_dir, callbacks=[bar])
+    finally:
+        bar.bar.close()
+    for row in result.history:
+        ctx.log(**fields, seed=seed, **row)
+    return result
+
+
+def seed_summary(values: Sequence[float]) -> dict[str, float]:
+    """Best, median, mean and worst of one metric over seeds (higher is better)."""
+    values = [float(v) for v in values]
+    return {"best": max(values), "median": statistics.median(values), "mean": statistics.fmean(values),
+            "worst": min(values), "runs": len(values)}
+
+
+def median_curve(histories: Sequence[Sequence[dict[str, Any]]], key: str):
+    """``(epochs, median, low, high)`` of ``key`` over several runs' histories (per epoch)."""
+    epochs = [row["epoch"] for row in histories[0] if key in row]
+    values = torch.tensor([[row[key] for row in history if key in row] for history in histories], dtype=torch.float64)
+    return epochs, values.median(0).values.tolist(), values.min(0).values.tolist(), values.max(0).values.tolist()
+
+
+def mode_line(ctx: Run, dataset: str, seeds: int) -> str:
+    """One line saying how this run was made (mode, data, seeds, date)."""
+    mode = "full (the paper's configuration)" if not ctx.quick else "quick"
+    data = f"`{dataset}` from {ctx.data}" if ctx.data else f"embedded `{dataset}`"
+    date = _dt.date.today().isoformat()
+    return f"*{mode} run on {data}, {seeds} seed(s), {date}; produced by `sinkformer run {ctx.name}`.*"
+
+
+def describe(options: dict[str, Any]) -> str:
+    """``{"dim": 32, "depth": 2}`` -> ``"dim 32, depth 2"`` (a model's options, for reports)."""
+    return ", ".join(f"{k} {v}" for k, v in options.items()) or "defaults"
+
+
+def training_line(train_options: dict[str, Any]) -> str:
+    """The optimisation of a run in words, e.g. ``"10 epochs, batch 32, adam lr 0.002, ×0.1 after epoch(s) 8"``."""
+    c = TrainConfig.from_dict(train_options)
+    line = f"{c.epochs} epochs, batch {c.batch_size}, {c.optimizer} lr {c.lr:g}"
+    if c.schedule == "inverse_sqrt":
+        return f"{line}, inverse square-root schedule ({c.warmup_steps} warm-up steps)"
+    return f"{line}, ×{c.gamma:g} after epoch(s) {', '.join(map(str, c.milestones))}" if c.milestones else line
+
+
+def finding(ctx: Run, *, paper: str, this_run: str, reproduced: bool | None) -> str:
+    """The report's closing table, paper and this run side by side; stored in ``results["finding"]``.
+
+    ``reproduced`` says whether this run goes in the direction of the paper's finding
+    (``None``: cannot tell, e.g. a tie).
+    """
+    verdict = {True: "yes", False: "no", None: "undecided (a tie)"}[reproduced]
+    ctx.results["finding"] = {"paper": paper, "this_run": this_run, "reproduced": reproduced}
+    return (
+        "## Paper vs this run\n\n"
+        "| the paper found | this run found |\n|---|---|\n"
+        f"| {paper} | {this_run} |\n\n"
+        f"**Direction of the paper's finding reproduced:** {verdict}.\n"
+    )

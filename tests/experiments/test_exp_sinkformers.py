@@ -1,0 +1,200 @@
+"""The Sinkformers-paper experiments, each run in a tiny configuration; their shared pieces."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+from sinkformer.data import load_dataset
+from sinkformer.experiments import _sinkformers as common
+from sinkformer.experiments.registry import Run, get, parse_overrides, run_experiment
+
+EXPERIMENTS = ["column-sums", "modelnet", "sentiment", "translation", "vit", "patch-size"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one thread is fastest and does not fight other processes for the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+TINY_VIT = {"patch_size": 4, "dim": 16, "depth": 1, "num_heads": 2, "dim_feedforward": 16}
+TINY = {
+    "column-sums": {"panels": [{"title": "tiny ViT", "model": "vit", "dataset": "digits", "model_options": TINY_VIT,
+                                "train": {"epochs": 3, "batch_size": 32, "max_train_batches": 2,
+                                          "max_eval_batches": 2}}]},
+    "modelnet": {"set_n_iters": [1, 3], "set_data": {"n_points": 16, "n_train": 4, "n_test": 2},
+                 "pct_data": {"n_points": 16, "n_train": 4, "n_test": 2},
+                 "set_model": {"dim": 8, "num_heads": 2, "num_inducing": 2, "dropout": 0.0},
+                 "set_train": {"epochs": 2, "batch_size": 16}, "pct_train": {"epochs": 1, "batch_size": 16},
+                 "pct_model": {"dim": 8, "n_samples": [8, 4], "k_neighbors": 4, "n_attention_layers": 1,
+                               "dropout": 0.0}},
+    "sentiment": {"data_options": {"n_train": 64, "n_test": 32},
+                  "model_options": {"dim": 8, "depth": 1, "num_heads": 2, "dim_feedforward": 8, "dropout": 0.0},
+                  "train": {"epochs": 2, "batch_size": 32}},
+    "translation": {"data_options": {"n_train": 64, "n_test": 8}, "finetune_epochs": 1,
+                    "model_options": {"dim": 8, "encoder_layers": 1, "decoder_layers": 1, "num_heads": 2,
+                                      "dim_feedforward": 8, "dropout": 0.0},
+                    "train": {"epochs": 1, "batch_size": 32, "lr": 2e-3, "bleu_every": 1000}},
+    "vit": {"seeds": 2, "model_options": TINY_VIT, "train": {"epochs": 2, "batch_size": 64, "max_train_batches": 2}},
+    "patch-size": {"patch_sizes": [4, 8], "seeds": 2,
+                   "train": {"epochs": 2, "batch_size": 64, "max_train_batches": 2, "eval_every": 2}},
+}
+
+
+def _check_run_folder(ctx, figure: str) -> tuple[dict, str]:
+    files = {p.name for p in ctx.out_dir.iterdir()}
+    assert {"config.yaml", "metrics.csv", "results.json", "report.md", "report.html", f"{figure}.png"} <= files
+    assert (ctx.out_dir / f"{figure}.png").stat().st_size > 10_000  # a real plot, not an empty canvas
+    results = json.loads((ctx.out_dir / "results.json").read_text())
+    report = (ctx.out_dir / "report.md").read_text()
+    assert f"![" in report and f"({figure}.png)" in report
+    assert results["finding"]["this_run"] in report and results["finding"]["paper"] in report
+    assert results["finding"]["reproduced"] in (True, False, None)
+    html = (ctx.out_dir / "report.html").read_text()
+    assert "data:image/png;base64," in html and "<table>" in html
+    rows = list(csv.DictReader((ctx.out_dir / "metrics.csv").open()))
+    assert rows and all(row["epoch"] for row in rows)
+    return results, report
+
+
+def test_patch_size(tmp_path):
+    ctx = run_experiment("patch-size", overrides=TINY["patch-size"], runs_dir=tmp_path)
+    results, report = _check_run_folder(ctx, "patch_size")
+    for name in ("Transformer", "Sinkformer"):
+        accuracy = results["accuracy"][name]
+        assert set(accuracy) == {"4", "8"} and all(len(v) == 2 and 0 <= min(v) <= max(v) <= 1 for v in accuracy.values())
+        assert results["median_accuracy"][name]["4"] == pytest.approx(sum(accuracy["4"]) / 2)  # median of 2 seeds
+    assert f"{100 * results['median_accuracy']['Sinkformer']['4']:.1f}" in report
+    assert "| 4 | 5 |" in report  # 4x4 patches of an 8x8 image: 4 tokens + the class token
+
+
+def test_vit(tmp_path):
+    ctx = run_experiment("vit", overrides=TINY["vit"], runs_dir=tmp_path)
+    results, report = _check_run_folder(ctx, "vit_accuracy")
+    for name in ("Transformer", "Sinkformer"):
+        stats = results["test_acc"][name]
+        assert stats["runs"] == 2 and stats["worst"] <= stats["median"] <= stats["best"]
+        assert f"{100 * stats['median']:.1f}" in report and f"{results['epoch_seconds'][name]:.2f}" in report
+
+
+def test_sentiment(tmp_path):
+    ctx = run_experiment("sentiment", overrides=TINY["sentiment"], runs_dir=tmp_path)
+    results, report = _check_run_folder(ctx, "sentiment_curves")
+    for name in ("Transformer", "Sinkformer"):
+        assert f"{100 * results['final_test_acc'][name]['median']:.1f}" in report
+        assert results["epoch_seconds"][name] > 0
+
+
+def test_translation_reuses_the_trained_weights(tmp_path):
+    ctx = run_experiment("translation", overrides=TINY["translation"], runs_dir=tmp_path)
+    results, report = _check_run_folder(ctx, "translation_bleu")
+    assert results["converted_attention_modules"] == 1  # the encoder's self-attention only
+    for name in ("Transformer", "Sinkformer"):
+        for stage in ("trained", "finetuned"):
+            assert 0 <= results["median_bleu"][name][stage] <= 100
+            assert f"{results['median_bleu'][name][stage]:.2f}" in report
+    rows = list(csv.DictReader((ctx.out_dir / "metrics.csv").open()))
+    assert [r["phase"] for r in rows] == ["train", "converted", "finetune", "finetune"]
+    finetune = [r for r in rows if r["phase"] == "finetune"]
+    assert all(float(r["lr"]) == pytest.approx(2e-3 / 10) for r in finetune)  # lr divided by 10
+    converted = next(r for r in rows if r["phase"] == "converted")
+    assert float(converted["test_bleu"]) == pytest.approx(results["bleu"]["Sinkformer"]["trained"][0])
+
+
+def test_modelnet(tmp_path):
+    ctx = run_experiment("modelnet", overrides=TINY["modelnet"], runs_dir=tmp_path)
+    results, report = _check_run_folder(ctx, "modelnet_set")
+    assert set(results["test_acc"]) == {"Set Transformer", "Set Sinkformer (3 it.)", "Point Cloud Transformer",
+                                        "Point Cloud Sinkformer (3 it.)"}
+    for name, stats in results["test_acc"].items():
+        assert f"| {name} | {100 * stats['best']:.1f} | {100 * stats['median']:.1f} |" in report
+
+
+def test_column_sums(tmp_path):
+    ctx = run_experiment("column-sums", overrides=TINY["column-sums"], runs_dir=tmp_path)
+    results, report = _check_run_folder(ctx, "column_sums")
+    panel = results["panels"]["tiny ViT"]
+    assert len(panel["std_by_epoch"]) == 4  # after 0, 1, 2 epochs (trainer) and after 3 (final record)
+    assert f"{panel['start']['std']:.3f}" in report and f"{panel['rows_shuffled']['std']:.3f}" in report
+    attention = sorted(p.name for p in (ctx.out_dir / "training").glob("*/attention/*.safetensors"))
+    assert attention == ["epoch_0001.safetensors", "epoch_0002.safetensors", "epoch_0003.safetensors"]
+
+
+def test_shuffled_rows_keep_row_sums_and_move_column_sums():
+    from sinkformer.experiments.column_sums import SHUFFLED, ShuffledRowsRecorder, relative, spread
+
+    attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    x = 3 * torch.randn(4, 6, 8)
+    with ShuffledRowsRecorder(attn) as recorder:
+        attn(x, x, x)
+    sums = recorder.column_sums()
+    assert set(sums) == {"", SHUFFLED}
+    # each shuffled matrix is a row-wise permutation: its total mass (= number of rows) is kept
+    assert sums[SHUFFLED].view(-1, 6).sum(-1) == pytest.approx(torch.full((8,), 6.0), abs=1e-5)
+    assert not torch.allclose(sums[""], sums[SHUFFLED])
+    values = relative({"a": torch.tensor([0.5, 1.5]), "b": torch.tensor([2.0, 2.0])})
+    assert values.tolist() == [0.5, 1.5, 1.0, 1.0]
+    assert spread(values)["near_one"] == 0.5
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_full_without_data_says_what_to_download(tmp_path, name):
+    with pytest.raises(FileNotFoundError, match=rf"sinkformer run {name}` needs --data PATH here: dataset '\w+' .*https?://"):
+        run_experiment(name, full=True, runs_dir=tmp_path)
+
+
+def test_data_path_with_an_embedded_dataset_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="is for a real dataset, but this run uses the embedded 'digits'"):
+        run_experiment("vit", data=tmp_path, runs_dir=tmp_path)
+
+
+def test_full_configurations_are_the_papers():
+    vit, patch, modelnet = get("vit").full, get("patch-size").full, get("modelnet").full
+    assert vit["train"]["lr"] == 5e-5 and vit["train"]["milestones"] == [250] and vit["model_options"]["depth"] == 6
+    assert (patch["transformer_lr"], patch["sinkformer_lr"]) == (1e-3, 2e-3)
+    assert modelnet["set_train"]["epochs"] == 300 and modelnet["pct_train"]["optimizer"] == "sgd"
+    assert get("sentiment").full["train"] == {"epochs": 15, "batch_size": 32, "lr": 1e-4, "milestones": [12]}
+
+
+def test_dotted_overrides_set_one_entry_of_a_mapping(tmp_path):
+    defaults = get("vit").defaults
+    assert parse_overrides(["train.epochs=1", "seeds=1"], defaults) == {"train.epochs": 1, "seeds": 1}
+    with pytest.raises(ValueError, match="seeds is not a mapping option"):
+        parse_overrides(["seeds.x=1"], defaults)
+    ctx = run_experiment("vit", overrides={"train.epochs": 1, "train.max_train_batches": 1, "seeds": 1,
+                                           "model_options": TINY_VIT}, runs_dir=tmp_path)
+    assert ctx.config["train"] == {**defaults["train"], "epochs": 1, "max_train_batches": 1}
+    assert get("vit").defaults["train"]["epochs"] == 12  # the registered defaults are untouched
+
+
+def test_both_variants_start_from_identical_weights():
+    data = load_dataset("digits")
+    transformer = common.build("vit", data, 1, seed=3, options=TINY_VIT)
+    sinkformer = common.build("vit", data, 3, seed=3, options=TINY_VIT)
+    a, b = transformer.state_dict(), sinkformer.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert common.variant(1) == ("softmax", 1) and common.variant(21) == ("sinkhorn", 21)
+    with pytest.raises(ValueError, match="n_iters must be >= 1, got 0"):
+        common.variant(0)
+
+
+def test_seed_statistics():
+    assert common.seed_summary([0.8, 0.9, 0.7, 1.0]) == pytest.approx(
+        {"best": 1.0, "median": 0.85, "mean": 0.85, "worst": 0.7, "runs": 4})
+    histories = [[{"epoch": 1, "acc": 0.1}, {"epoch": 2, "acc": 0.5}], [{"epoch": 1, "acc": 0.3}, {"epoch": 2, "acc": 0.4}],
+                 [{"epoch": 1, "acc": 0.2}, {"epoch": 2, "acc": 0.9}]]
+    epochs, median, low, high = common.median_curve(histories, "acc")
+    assert epochs == [1, 2] and median == pytest.approx([0.2, 0.5]) and low == pytest.approx([0.1, 0.4])
+    assert high == pytest.approx([0.3, 0.9])
+
+
+def test_finding_is_stored_and_rendered(tmp_path):
+    ctx = Run("x", {}, tmp_path)
+    text = common.finding(ctx, paper="P found", this_run="we found", reproduced=False)
+    assert ctx.results["finding"] == {"paper": "P found", "this_run": "we found", "reproduced": False}
+    assert "| P found | we found |" in text and "reproduced:** no." in text

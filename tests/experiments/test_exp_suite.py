@@ -1,0 +1,110 @@
+"""The summary suite (`sinkformer run` with no name), its HTML report and the `run` command."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from sinkformer.cli import main
+from sinkformer.experiments import registry as registry_module
+from sinkformer.experiments import suite
+from sinkformer.experiments.registry import Experiment, registry, render_html
+
+TINY_PATCH = {"patch_sizes": [8], "seeds": 1, "train": {"epochs": 1, "batch_size": 64, "max_train_batches": 2}}
+
+
+def _boom(ctx):
+    raise RuntimeError("the disk is full (on purpose)")
+
+
+@pytest.fixture
+def failing_experiment(monkeypatch):
+    registry()  # discover the real experiments first
+    exp = Experiment("boom", "always fails", "no paper", 0.01, None, {}, {}, _boom)
+    monkeypatch.setitem(registry_module._REGISTRY, "boom", exp)
+    return exp
+
+
+def test_suite_reports_every_experiment_and_survives_a_failure(tmp_path, failing_experiment):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    lines = []
+    try:
+        path = suite.run_suite(tmp_path, names=["normalizations", "boom", "patch-size"],
+                               overrides={"patch-size": TINY_PATCH}, echo=lines.append)
+    finally:
+        torch.set_num_threads(threads)
+    assert path.parent.parent == tmp_path / "summary" and path.name == "report.md"
+    report = path.read_text()
+    # overview: one row per experiment, the failure marked, measured times
+    assert re.search(r"\| \[normalizations\]\(\.\./\.\./normalizations/[\d-]+/report\.md\) \| Sinkformers, Figure 1 \|", report)
+    assert "| boom | no paper | — |" in report and "**failed**" in report
+    assert "RuntimeError: the disk is full (on purpose)" in report  # the error, in the Failures section
+    patch_dir = next((tmp_path / "patch-size").iterdir())
+    assert "| [patch-size](../../patch-size/" in report  # the experiment after the failure still ran
+    # the experiments' own reports, one heading level down, with figure links that resolve from the summary
+    assert "\n## Normalisations of the attention matrix" in report and "\n## Accuracy vs patch size" in report
+    figures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report)
+    assert len(figures) == 2 and all((path.parent / f).is_file() for f in figures)
+    assert any(str(Path(f).parent.name) == patch_dir.name for f in figures)
+    # findings side by side, with the numbers the experiment measured
+    finding = (patch_dir / "results.json").read_text()
+    assert "## Paper vs these runs" in report and "patch-size" in report.split("## Paper vs these runs")[1]
+    assert '"reproduced"' in finding
+    html = (path.parent / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 2 and "<table>" in html
+    # progress: a line before and after each experiment, and the total
+    assert any(line.startswith("\n[2/3] boom") for line in lines)
+    assert any("[2/3] boom: FAILED after" in line for line in lines)
+    assert any("[3/3] patch-size: done in" in line for line in lines)
+    assert lines[-1].strip().startswith("2 of 3 experiments done in") and lines[-1].endswith("failed: boom")
+
+
+def test_suite_refuses_unknown_names(tmp_path):
+    with pytest.raises(ValueError, match="unknown experiment\\(s\\) nope; valid names: "):
+        suite.run_suite(tmp_path, names=["nope"])
+
+
+def test_run_without_a_name_runs_the_suite(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def fake_suite(runs_dir, *, seeds=None):
+        calls.append((runs_dir, seeds, torch.get_num_threads()))
+        out = Path(runs_dir) / "summary" / "x" / "report.md"
+        out.parent.mkdir(parents=True)
+        out.write_text("# summary")
+        return out
+
+    monkeypatch.setattr(suite, "run_suite", fake_suite)
+    threads = torch.get_num_threads()
+    assert main(["run", "--runs-dir", str(tmp_path), "--seeds", "2"]) == 0
+    assert calls == [(str(tmp_path), 2, 1)]  # quick runs use one thread ...
+    assert torch.get_num_threads() == threads  # ... and the caller's setting comes back
+    out = capsys.readouterr().out
+    assert f"summary report: {tmp_path.resolve()}/summary/x/report.md" in out and "report.html" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--full"], "--full only apply to a single experiment"),
+    (["run", "--set", "seed=1"], "--set only apply to a single experiment"),
+    (["run", "normalizations", "--threads", "0"], "--threads must be >= 1, got 0"),
+    (["run", "normalizations", "--set", "nope=1"], "--set nope: unknown option"),
+])
+def test_run_errors_are_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_render_html_embeds_png_figures(tmp_path):
+    from sinkformer.plotting import pyplot, save_png
+
+    plt = pyplot()
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    save_png(fig, tmp_path / "sub" / "fig.png")
+    markdown = "# Title\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n![plot](sub/fig.png)\n\n![missing](nope.png)\n"
+    html = render_html(markdown, tmp_path, "T & co")
+    assert "<title>T &amp; co</title>" in html and "<td>1</td>" in html
+    assert html.count("data:image/png;base64,iVBOR") == 1  # the PNG signature, base64-encoded
+    assert 'src="nope.png"' in html  # a missing file stays a link
