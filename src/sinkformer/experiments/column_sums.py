@@ -116,7 +116,7 @@ def _figure(panels: list[dict], outcomes: list[tuple]):
     "column-sums",
     description="column sums of a Transformer's attention matrices at several epochs of training",
     paper="Sinkformers, Figure 2",
-    quick_minutes=0.4,
+    quick_minutes=0.45,
     full_minutes=120.0,
     defaults={
         "seed": 0,

@@ -75,9 +75,9 @@ def _train_family(ctx: Run, data, model: str, family: str, iterations, seeds, mo
         "dataset": "shapes3d", "seeds": 1, "set_n_iters": [1, 3, 5, 9, 21], "pct_n_iters": 3, "pct": True,
         "set_data": {"n_points": 64}, "pct_data": {"n_points": 32},
         "set_model": {"dim": 64, "num_heads": 4, "num_inducing": 8, "dropout": 0.0},
-        "set_train": {"epochs": 8, "batch_size": 64, "lr": 3e-3, "milestones": [6]},
+        "set_train": {"epochs": 6, "batch_size": 64, "lr": 3e-3, "milestones": [5]},
         "pct_model": {"dim": 32, "n_samples": [16, 8], "k_neighbors": 8, "n_attention_layers": 2, "dropout": 0.0},
-        "pct_train": {"epochs": 5, "batch_size": 64, "lr": 3e-3},
+        "pct_train": {"epochs": 4, "batch_size": 64, "lr": 3e-3},
     },
     full={
         "dataset": "modelnet40_off", "seeds": 4, "set_data": {"n_points": 5000}, "pct_data": {"n_points": 1024},

@@ -46,12 +46,12 @@ def _figure(image_size: int, patch_sizes, accuracy: dict[str, dict[int, list[flo
     "patch-size",
     description="one-layer one-head attention-only ViT, Transformer vs Sinkformer accuracy vs patch size",
     paper="Sinkformers, Figure 6",
-    quick_minutes=0.7,
+    quick_minutes=0.8,
     full_minutes=600.0,
     defaults={
         "dataset": "digits", "data_options": {}, "patch_sizes": [1, 2, 4, 8], "n_iters": 3, "seeds": 3,
         "model_options": {"dim": 32},
-        "train": {"epochs": 15, "batch_size": 100, "milestones": [12], "eval_every": 15},
+        "train": {"epochs": 12, "batch_size": 100, "milestones": [10], "eval_every": 12},
         "transformer_lr": 2e-3, "sinkformer_lr": 2e-3,
     },
     full={

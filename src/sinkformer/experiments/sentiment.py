@@ -53,7 +53,7 @@ def _figure(histories: dict[str, list[list[dict]]], seconds: dict[str, float], d
     "sentiment",
     description="text classifier Transformer vs Sinkformer: learning curves and training time per epoch",
     paper="Sinkformers, Figure 4 and §6.2",
-    quick_minutes=0.6,
+    quick_minutes=0.5,
     full_minutes=300.0,
     defaults={
         "dataset": "sentiment", "data_options": {}, "n_iters": 3, "seeds": 1,

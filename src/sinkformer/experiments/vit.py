@@ -45,12 +45,12 @@ def _figure(histories: dict[str, list[list[dict]]], dataset: str):
     "vit",
     description="Vision Transformer vs Sinkformer: train/test accuracy curves and time per epoch",
     paper="Sinkformers, Figure 5",
-    quick_minutes=0.6,
+    quick_minutes=0.55,
     full_minutes=6000.0,
     defaults={
         "dataset": "digits", "data_options": {}, "n_iters": 3, "seeds": 3,
         "model_options": {"patch_size": 2, "dim": 32, "depth": 2, "num_heads": 4, "dim_feedforward": 64},
-        "train": {"epochs": 12, "batch_size": 64, "lr": 2e-3, "milestones": [10]},
+        "train": {"epochs": 10, "batch_size": 64, "lr": 2e-3, "milestones": [8]},
     },
     full={
         "dataset": "image_folder", "data_options": {"image_size": 224}, "seeds": 5,
