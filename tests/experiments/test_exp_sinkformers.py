@@ -36,7 +36,7 @@ TINY = {
     "sentiment": {"data_options": {"n_train": 64, "n_test": 32},
                   "model_options": {"dim": 8, "depth": 1, "num_heads": 2, "dim_feedforward": 8, "dropout": 0.0},
                   "train": {"epochs": 2, "batch_size": 32}},
-    "translation": {"data_options": {"n_train": 64, "n_test": 8}, "finetune_epochs": 1,
+    "translation": {"data_options": {"n_train": 64, "n_test": 8}, "finetune_epochs": 1, "seeds": 1,
                     "model_options": {"dim": 8, "encoder_layers": 1, "decoder_layers": 1, "num_heads": 2,
                                       "dim_feedforward": 8, "dropout": 0.0},
                     "train": {"epochs": 1, "batch_size": 32, "lr": 2e-3, "bleu_every": 1000}},
