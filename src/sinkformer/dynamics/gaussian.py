@@ -290,7 +290,7 @@ def flow(
         0.5...
     """
     check_choice(kind, "kind", GAUSSIAN_KINDS)
-    as_heads(params, mean0.shape[-1])
+    as_heads(params, mean0.shape[-1], batched=True)
     return integrate_affine(
         lambda m, c: field(kind, m, c, params, eps), mean0, cov0, t1, steps,
         method=method, record_every=record_every, blowup=blowup, stop_below=stop_below,
