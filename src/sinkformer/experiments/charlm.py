@@ -97,7 +97,7 @@ def run(ctx: Run) -> None:
 
     mean = lambda spec, key: statistics.mean(r[key] for r in results[spec])  # noqa: E731
     unit = "bits per character" if char else "perplexity per subword token"
-    rows = [[labels[s], mean(s, metric), mean(s, "accuracy"), mean(s, "train_seconds")] for s in cfg["models"]]
+    rows = [[labels[s], mean(s, metric), mean(s, "accuracy"), round(mean(s, "train_seconds"))] for s in cfg["models"]]
     ctx.results["unit"] = unit
     ctx.results["models"] = {labels[s]: mean(s, metric) for s in cfg["models"]}
     ctx.save_figure(bar_figure([r[0] for r in rows], {f"{unit} ↓": [r[1] for r in rows]},

@@ -68,7 +68,7 @@ def run(ctx: Run) -> None:
             results.setdefault(spec, []).append(scores)
 
     mean = lambda spec, key: statistics.mean(r[key] for r in results[spec])  # noqa: E731
-    rows = [[labels[s], mean(s, "bits"), mean(s, "train_seconds")] for s in cfg["models"]]
+    rows = [[labels[s], mean(s, "bits"), round(mean(s, "train_seconds"))] for s in cfg["models"]]
     ctx.results["bits_per_dimension"] = {labels[s]: mean(s, "bits") for s in cfg["models"]}
     ctx.save_figure(bar_figure([r[0] for r in rows], {"bits per dimension ↓": [r[1] for r in rows]},
                                f"Pixel-by-pixel generation ({data.info['source']}, {data.info['max_len']} dimensions)"),

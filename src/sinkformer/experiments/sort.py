@@ -94,7 +94,7 @@ def run(ctx: Run) -> None:
             results.setdefault(spec, []).append(row)
 
     mean = lambda spec, key: statistics.mean(r[key] for r in results[spec])  # noqa: E731
-    table_rows = [[labels[s], mean(s, "edit_distance"), mean(s, "exact_match"), mean(s, "train_seconds")]
+    table_rows = [[labels[s], mean(s, "edit_distance"), mean(s, "exact_match"), round(mean(s, "train_seconds"))]
                   for s in cfg["models"]]
     ctx.results["models"] = {labels[s]: {"edit_distance": mean(s, "edit_distance"), "exact_match": mean(s, "exact_match")}
                              for s in cfg["models"]}

@@ -140,7 +140,7 @@ def run(ctx: Run) -> None:
             for seed, score in zip(range(cfg["seed"], cfg["seed"] + ctx.seeds), scores):
                 ctx.log(level=level, model=attention.label, spec=spec, seed=seed, **score)
             accuracy = statistics.mean(s["accuracy"] for s in scores)
-            seconds = statistics.mean(s["train_seconds"] for s in scores)
+            seconds = round(statistics.mean(s["train_seconds"] for s in scores))
             table.append([level, short_label(attention), accuracy, seconds])
     ctx.results["accuracy"] = {f"{row[0]}/{row[1]}": row[2] for row in table}
     for level in cfg["levels"]:

@@ -30,7 +30,7 @@ Decoder cross-attention is always vanilla (the paper sparsifies self-attention).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -128,9 +128,6 @@ class AttentionConfig:
             mixture=self.kind == "mixture", share_kv=self.share_kv, dropout=dropout,
         )
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 class SinkhornTransformerLayer(nn.Module):
     """One pre-norm layer: self-attention (``attention``), optional vanilla cross-attention, feed-forward."""
@@ -175,7 +172,7 @@ class _Stack(nn.Module):
             check_positive_int(value, name)
         if dim % heads:
             raise ValueError(f"dim must be divisible by heads, got dim={dim}, heads={heads}")
-        self.max_len, self.pad_id, self.scale = max_len, pad_id, math.sqrt(dim)
+        self.max_len, self.scale = max_len, math.sqrt(dim)
         self.embedding = nn.Embedding(vocab_size, dim, padding_idx=pad_id)
         nn.init.normal_(self.embedding.weight, 0.0, dim**-0.5)
         if pad_id is not None:
