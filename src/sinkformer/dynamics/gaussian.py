@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .._validation import check_choice, check_positive_int, check_tensor
-from ._linalg import sym_fn, sym_inv_sqrt, sym_pinv_sqrt, sym_sqrt
+from ._linalg import single_threaded, sym_fn, sym_inv_sqrt, sym_pinv_sqrt, sym_sqrt
 from .params import Params, as_heads, interaction
 
 __all__ = [
@@ -82,7 +82,7 @@ def _check_moments(mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
         raise ValueError(f"cov must have shape (..., {d}, {d}) to match mean {tuple(mean.shape)}, got {tuple(cov.shape)}")
     mean, cov = _f64(mean), _f64(cov)
     batch = torch.broadcast_shapes(mean.shape[:-1], cov.shape[:-2])
-    return mean.expand(batch + (d,)), cov.expand(batch + (d, d))
+    return mean.expand(batch + (d,)).contiguous(), cov.expand(batch + (d, d)).contiguous()  # LAPACK is slow on stride 0
 
 
 def _heads64(params: Params, d: int) -> list[tuple[Tensor, Tensor, Tensor]]:
@@ -206,9 +206,14 @@ def integrate_affine(
     check_choice(method, "method", ("rk4", "euler"))
     check_positive_int(steps, "steps")
     check_positive_int(record_every, "record_every")
+    with single_threaded():  # tiny matrices: thread wake-ups would dominate
+        return _integrate_affine(field_fn, mean0, cov0, float(t1), steps, method, record_every, blowup, stop_below)
+
+
+def _integrate_affine(field_fn, mean0, cov0, t1, steps, method, record_every, blowup, stop_below) -> GaussianFlow:
     mean, cov = _check_moments(mean0, cov0)
     batch = mean.shape[:-1]
-    h = float(t1) / steps
+    h = t1 / steps
     R = sym_sqrt(cov)
     R0_inv = sym_pinv_sqrt(cov)
 

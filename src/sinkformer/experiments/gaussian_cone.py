@@ -186,7 +186,7 @@ def _summary(name: str, out: G.GaussianFlow, q: torch.Tensor) -> dict:
     quick_minutes=1.0,
     full_minutes=4.0,
     defaults={"grid": 9, "grid_diverge": 11, "seed": 36, "max_time": 300.0, "max_time_diverge": 60.0,
-              "blowup": 1e3, "stop_below": 1e-5},
+              "blowup": 1e3, "stop_below": 1e-5, "n_particles_check": 1000},
     full={"grid": 14, "grid_diverge": 25},
 )
 def run(ctx: Run) -> None:
@@ -205,7 +205,7 @@ def run(ctx: Run) -> None:
             ratio = far.blowup_time[both] / out.blowup_time[both]
             results[name]["time_ratio_squared_threshold"] = float(ratio.median()) if bool(both.any()) else math.inf
         ctx.log(panel=name, **{k: v for k, v in results[name].items() if k != "flow"})
-    check = sinkhorn_particle_check(spec["10a Sinkhorn, A = -QᵀQ (as 2a)"][1], cfg["seed"])
+    check = sinkhorn_particle_check(spec["10a Sinkhorn, A = -QᵀQ (as 2a)"][1], cfg["seed"], cfg["n_particles_check"])
     ctx.results["sinkhorn_particles_vs_ode"] = check
     u = torch.tensor([-q[0, 1], q[0, 0]], dtype=D64)  # u ⊥ q: the predicted limit line uu^T
     line = to_cone(torch.outer(u, u))
@@ -248,7 +248,7 @@ steps (Σ ← (I + hL)Σ(I + hL)ᵀ, which cannot leave the cone), stopping at �
   unlike Softmax, does not converge to zero here; our trajectories do (largest final trace ratio
   {s10['max_final_trace_ratio']:.1e}). Near the apex this is forced: as Σ → 0, P → I in the Gaussian EOT
   coupling and the Sinkhorn field VΣA(Σ^½PΣ^-½) tends to the Softmax field VΣA, so both collapse
-  alike (same final ratio). The Sinkhorn moment ODE was checked against 1000 Sinkhorn particles in
+  alike (same final ratio). The Sinkhorn moment ODE was checked against {cfg['n_particles_check']} Sinkhorn particles in
   this very setting: covariance error {ctx.results['sinkhorn_particles_vs_ode']:.1e} at t = 2 (Monte-Carlo level).
 * *Figure 3 / 10(b) divergence* (sym(A) ≻ 0, V = I): the normalised trajectories Σ/tr Σ run to the
   boundary circle (rank-1 directions). Softmax and multi-head blow up in finite time: λmax passes

@@ -73,7 +73,7 @@ def limit_ranks(kind: str, params, cov0: torch.Tensor, horizon: float, steps_per
 
 def figure(hists: dict, dims: list[int], kind_label: str):
     plt = pyplot()
-    fig, axes = plt.subplots(2, len(dims), figsize=(3.4 * len(dims), 5.6), sharey="row")
+    fig, axes = plt.subplots(2, len(dims), figsize=(3.4 * len(dims), 5.6), sharey="row", squeeze=False)
     for row, v_kind in enumerate(("identity", "random")):
         for col, d in enumerate(dims):
             ax = axes[row, col]
