@@ -1,6 +1,7 @@
 """The summary suite (`sinkformer run` with no name), its HTML report and the `run` command."""
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,22 @@ def test_suite_reports_every_experiment_and_survives_a_failure(tmp_path, failing
     assert any("[2/3] boom: FAILED after" in line for line in lines)
     assert any("[3/3] patch-size: done in" in line for line in lines)
     assert lines[-1].strip().startswith("2 of 3 experiments done in") and lines[-1].endswith("failed: boom")
+
+
+def _sleep(ctx):
+    time.sleep(30)
+
+
+def test_an_experiment_past_its_time_limit_is_stopped_and_reported(tmp_path, monkeypatch):
+    registry()
+    monkeypatch.setitem(registry_module._REGISTRY, "sleepy", Experiment("sleepy", "sleeps", "no paper", 0.001, None,
+                                                                        {}, {}, _sleep))
+    start = time.perf_counter()
+    path = suite.run_suite(tmp_path, names=["sleepy", "normalizations"], min_limit=0.5, echo=lambda line: None)
+    assert time.perf_counter() - start < 15
+    report = path.read_text()
+    assert "ExperimentTimeout: stopped after 0.5 s, the suite's time limit for this experiment" in report
+    assert "| [normalizations](" in report  # the next experiment ran
 
 
 def test_suite_refuses_unknown_names(tmp_path):

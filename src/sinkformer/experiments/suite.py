@@ -10,7 +10,9 @@ in its quick configuration on embedded data (one after the other, with its progr
   (figures linked by relative path);
 * ``report.html`` — the same page with the figures embedded, to open in a browser.
 
-An experiment that fails is recorded with its error and the suite goes on with the next one.
+An experiment that fails is recorded with its error and the suite goes on with the next one; so
+is one that runs past its time limit (``limit_factor`` × its expected quick run time, at least
+``min_limit`` seconds), which keeps the suite's total bounded.
 """
 
 from __future__ import annotations
@@ -18,15 +20,20 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import re
+import signal
+import threading
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..plotting import pyplot
 from .registry import _atomic_write, _new_run_dir, markdown_table, registry, render_html, run_experiment
 
-__all__ = ["SuiteEntry", "run_suite", "summary_markdown"]
+__all__ = ["SuiteEntry", "ExperimentTimeout", "run_suite", "summary_markdown"]
 
 
 @dataclass
@@ -52,6 +59,8 @@ def run_suite(
     names: list[str] | None = None,
     seeds: int | None = None,
     overrides: dict[str, dict[str, Any]] | None = None,
+    limit_factor: float | None = 3.0,
+    min_limit: float = 120.0,
     echo=print,
 ) -> Path:
     """Run the quick form of the experiments ``names`` (default: all registered) and write the summary.
@@ -60,6 +69,8 @@ def run_suite(
         runs_dir: where run folders go (``runs_dir/NAME/<timestamp>/``, ``runs_dir/summary/<timestamp>/``).
         seeds: number of seeds for every experiment (default: each experiment's own).
         overrides: per experiment name, configuration overrides (as ``run_experiment(overrides=)``).
+        limit_factor, min_limit: an experiment is stopped (and reported as failed) after
+            ``max(min_limit, limit_factor * 60 * quick_minutes)`` seconds; ``None``: no limit.
         echo: where progress lines go.
 
     Returns the path of the summary ``report.md``.
@@ -78,8 +89,10 @@ def run_suite(
         exp = experiments[name]
         echo(f"\n[{i}/{len(names)}] {name} — {exp.paper}: {exp.description} (expected {exp.quick_minutes:g} min)")
         start = time.perf_counter()
+        limit = None if limit_factor is None else max(min_limit, limit_factor * 60 * exp.quick_minutes)
         try:
-            ctx = run_experiment(name, seeds=seeds, overrides=(overrides or {}).get(name), runs_dir=runs_dir)
+            with _time_limit(limit):
+                ctx = run_experiment(name, seeds=seeds, overrides=(overrides or {}).get(name), runs_dir=runs_dir)
         except Exception as err:  # one failing experiment must not stop the others
             entry = SuiteEntry(name, exp.paper, exp.quick_minutes, time.perf_counter() - start,
                                error=f"{type(err).__name__}: {err}\n\n{traceback.format_exc(limit=-6)}")
@@ -159,6 +172,29 @@ def _embedded_report(out_dir: Path, summary_dir: Path) -> str:
     return f"{body}\n\n*Run folder: `{out_dir}`*"
 
 
+class ExperimentTimeout(Exception):
+    """An experiment of the suite ran past its time limit."""
+
+
+@contextmanager
+def _time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise :class:`ExperimentTimeout` in the block after ``seconds`` (Unix main thread; else no limit)."""
+    if seconds is None or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise ExperimentTimeout(f"stopped after {seconds:g} s, the suite's time limit for this experiment")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def _rel(path: Path, start: Path) -> str:
     return Path(os.path.relpath(path, start)).as_posix()
 
@@ -169,7 +205,4 @@ def _minutes(seconds: float) -> str:
 
 def _close_figures() -> None:
     """Close figures an experiment left open (after a failure), so they do not pile up."""
-    import sys
-
-    if "matplotlib.pyplot" in sys.modules:
-        sys.modules["matplotlib.pyplot"].close("all")
+    pyplot().close("all")
