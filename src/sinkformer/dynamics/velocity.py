@@ -124,9 +124,9 @@ def velocity(
     pos_q, pos_k = _positions(kind, token_positions, at_positions, at, batch, n, xq.shape[-2], dtype)
 
     # (..., H, points, k) queries/keys and (..., H, N, d) values of every head.
-    q = torch.einsum("...nd,hkd->...hnk", xq, Q)
-    k = torch.einsum("...nd,hkd->...hnk", xs, K)
-    v = torch.einsum("...nd,hed->...hne", xs, V)
+    q = xq.unsqueeze(-3) @ Q.transpose(-1, -2)
+    k = xs.unsqueeze(-3) @ K.transpose(-1, -2)
+    v = xs.unsqueeze(-3) @ V.transpose(-1, -2)
     H = Q.shape[0]
     rows_per_block = max(1, DEFAULT_BLOCK_ENTRIES // max(1, math.prod(batch) * H * n))
     chunk = chunk_size if chunk_size is not None else rows_per_block
@@ -138,7 +138,7 @@ def velocity(
     key_weights = None if normalization == "softmax" else w
     g, iters, converged = None, 0, True
     if kind == "sinkhorn":
-        k_queries = q if at is None else torch.einsum("...nd,hkd->...hnk", xs, Q)  # queries of the particles
+        k_queries = q if at is None else xs.unsqueeze(-3) @ Q.transpose(-1, -2)  # queries of the particles
         w_heads = (xs.new_full(batch + (1, n), 1.0 / n) if w is None else w.unsqueeze(-2)).expand(batch + (H, n))
         if warm_start is not None:
             check_tensor(warm_start, "warm_start", floating=True)
