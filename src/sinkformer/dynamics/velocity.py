@@ -25,6 +25,8 @@ stays ``O(N * chunk)`` and ``N = 50,000`` particles never build an ``N x N`` mat
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from torch import Tensor
 
 from .._validation import check_choice, check_finite, check_positive_int, check_tensor, compute_dtype
 from ..attention.functional import attention
+from ._linalg import single_threaded
 from ._streaming import log_weights, sinkhorn_potentials
 from .params import Params, as_heads, interaction, stack_heads
 
@@ -43,6 +46,8 @@ KINDS = ("softmax", "l2", "linear", "sigmoid", "relu", "sinkhorn", "masked")
 
 #: Score entries (batch x heads x queries x keys) computed at once; above this, queries are chunked.
 DEFAULT_BLOCK_ENTRIES = 2**24
+#: Up to this many (batch x queries x keys) entries a field is computed in one thread.
+SMALL_ENTRIES = 2**16
 
 _NORMALIZATION = {"softmax": ("softmax", "dot"), "l2": ("softmax", "l2"), "masked": ("softmax", "dot"),
                   "sinkhorn": ("softmax", "dot"), "linear": ("linear", "dot"), "sigmoid": ("sigmoid", "dot"),
@@ -67,6 +72,21 @@ class FieldResult:
     converged: bool = True
 
 
+def _single_threaded_when_small(fn):
+    """Run ``fn`` in one torch thread for small clouds, where waking the thread pool costs more than the work."""
+
+    @functools.wraps(fn)
+    def wrapper(x, *args, at=None, **kwargs):
+        small = isinstance(x, Tensor) and x.dim() >= 2 and (
+            x[..., 0, 0].numel() * x.shape[-2] * (x.shape[-2] if at is None else at.shape[-2]) <= SMALL_ENTRIES
+        )
+        with single_threaded() if small else contextlib.nullcontext():
+            return fn(x, *args, at=at, **kwargs)
+
+    return wrapper
+
+
+@_single_threaded_when_small
 def velocity(
     x: Tensor,
     params: Params,
