@@ -47,7 +47,7 @@ KINDS = ("softmax", "l2", "linear", "sigmoid", "relu", "sinkhorn", "masked")
 #: Score entries (batch x heads x queries x keys) computed at once; above this, queries are chunked.
 DEFAULT_BLOCK_ENTRIES = 2**24
 #: Up to this many (batch x queries x keys) entries a field is computed in one thread.
-SMALL_ENTRIES = 2**16
+SMALL_ENTRIES = 2**18
 
 _NORMALIZATION = {"softmax": ("softmax", "dot"), "l2": ("softmax", "l2"), "masked": ("softmax", "dot"),
                   "sinkhorn": ("softmax", "dot"), "linear": ("linear", "dot"), "sigmoid": ("sigmoid", "dot"),
