@@ -32,7 +32,6 @@ from .decoding import beam_search, greedy_decode
 from .point_cloud_transformer import PointCloudTransformer
 from .seq2seq import Seq2SeqTransformer
 from .set_transformer import SetTransformerClassifier
-from .sinkhorn_transformer import SinkhornClassifier, SinkhornSeq2Seq  # Sparse Sinkhorn Attention (issue 7)
 from .text_classifier import TextClassifier
 from .vit import AttentionOnlyViT, ViT
 
@@ -58,8 +57,6 @@ MODELS: dict[str, type[torch.nn.Module]] = {
     "vit": ViT,
     "vit_attention_only": AttentionOnlyViT,
     "seq2seq": Seq2SeqTransformer,
-    "sinkhorn_classifier": SinkhornClassifier,  # attention="sinkhorn:16", "sortcut:2x8", ... (issue 7)
-    "sinkhorn_seq2seq": SinkhornSeq2Seq,
 }
 
 
