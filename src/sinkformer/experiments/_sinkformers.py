@@ -33,7 +33,7 @@ from ..training import Callback, TrainConfig, TrainResult, train
 from .registry import Run
 
 __all__ = [
-    "TRANSFORMER", "SINKFORMER", "COLORS", "variant", "model_label", "load_data", "build", "fit", "seed_summary",
+    "TRANSFORMER", "SINKFORMER", "COLORS", "variant", "load_data", "build", "fit", "seed_summary",
     "median_curve", "finding", "mode_line", "describe", "training_line",
 ]
 
@@ -46,10 +46,6 @@ def variant(n_iters: int) -> tuple[str, int]:
     if n_iters < 1:
         raise ValueError(f"n_iters must be >= 1, got {n_iters}")
     return ("softmax", 1) if n_iters == 1 else ("sinkhorn", n_iters)
-
-
-def model_label(n_iters: int) -> str:
-    return TRANSFORMER if n_iters == 1 else SINKFORMER
 
 
 def load_data(ctx: Run, dataset: str, options: dict[str, Any] | None = None) -> DataBundle:
