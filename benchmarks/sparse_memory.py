@@ -12,9 +12,12 @@ block-sorted attention (that of local attention) and :math:`O(\\ell)` for SortCu
 * ``sinkhorn``: Sparse Sinkhorn Attention (sort logits as a parameter, 5 Sinkhorn iterations);
 * ``sortcut``: SortCut with a budget of 2 blocks.
 
-Each (method, length) runs in a fresh subprocess; its peak memory is the rise of the process's
-resident-set high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``) over the
-resident set after the inputs exist, and its time the median of ``--repeats`` passes. Lengths go
+Each (method, length) runs in a fresh subprocess. Two memory figures: the *peak* is the rise of
+the process's resident-set high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``)
+over the resident set after the inputs exist (includes allocator slack, a few MiB of noise); the
+*saved* memory is the exact size of the distinct storages autograd keeps for the backward pass
+(counted with ``torch.autograd.graph.saved_tensors_hooks``), the part that grows with the
+attention pattern. Time is the median of ``--repeats`` passes. Lengths go
 from 1k up to 32k while the extrapolated peak stays under ``--limit-gib`` (and the free memory).
 
     python benchmarks/sparse_memory.py            # writes benchmarks/results/sparse_memory.{json,md,png}
@@ -43,7 +46,7 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _pass(method: str, q, k, v, logits, block_size: int, budget: int) -> None:
+def _forward(method: str, q, k, v, logits, block_size: int, budget: int):
     import torch
     import torch.nn.functional as F
 
@@ -51,15 +54,29 @@ def _pass(method: str, q, k, v, logits, block_size: int, budget: int) -> None:
     from sinkformer.attention.sparse_baselines import local_attention
 
     if method == "vanilla":
-        out = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v
-    elif method == "vanilla-sdpa":
-        out = F.scaled_dot_product_attention(q, k, v)
-    elif method == "local":
-        out = local_attention(q, k, v, block_size=block_size)
-    else:
-        out = sparse_sinkhorn_attention(q, k, v, logits, block_size=block_size,
-                                        sortcut_budget=budget if method == "sortcut" else None)
+        return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v
+    if method == "vanilla-sdpa":
+        return F.scaled_dot_product_attention(q, k, v)
+    if method == "local":
+        return local_attention(q, k, v, block_size=block_size)
+    return sparse_sinkhorn_attention(q, k, v, logits, block_size=block_size,
+                                     sortcut_budget=budget if method == "sortcut" else None)
+
+
+def _pass(method: str, inputs, args: argparse.Namespace) -> int:
+    """One forward + backward; returns the bytes of the distinct storages autograd kept for backward."""
+    import torch
+
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = _forward(method, *inputs, args.block_size, args.budget)
     out.sum().backward()
+    return sum(storages.values())
 
 
 def _inputs(length: int, args: argparse.Namespace):
@@ -76,20 +93,20 @@ def worker(method: str, length: int, args: argparse.Namespace) -> dict:
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    _pass(method, *_inputs(min(length, 1024), args), args.block_size, args.budget)
+    _pass(method, _inputs(min(length, 1024), args), args)
     inputs = _inputs(length, args)
-    times = []
-    peak = 0
+    times, peak, saved = [], 0, 0
     for _ in range(args.repeats):
         for t in inputs:
             t.grad = None
         Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark
         base = _status_kib("VmRSS")
         start = time.perf_counter()
-        _pass(method, *inputs, args.block_size, args.budget)
+        saved = _pass(method, inputs, args)
         times.append(time.perf_counter() - start)
         peak = max(peak, _status_kib("VmHWM") - base)
-    return {"method": method, "length": length, "peak_mib": peak / 1024, "seconds": statistics.median(times)}
+    return {"method": method, "length": length, "peak_mib": peak / 1024, "saved_mib": saved / 2**20,
+            "seconds": statistics.median(times)}
 
 
 def _available_gib() -> float:
@@ -150,8 +167,9 @@ def _shared_flags(args: argparse.Namespace) -> list[str]:
 def write_results(rows: list[dict], args: argparse.Namespace, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     measured = [r for r in rows if "peak_mib" in r]
-    slopes = {m: {"memory": slope([r for r in measured if r["method"] == m], "peak_mib"),
-                  "time": slope([r for r in measured if r["method"] == m], "seconds")} for m in args.methods}
+    slopes = {m: {key: slope([r for r in measured if r["method"] == m], field)
+                  for key, field in (("memory", "peak_mib"), ("saved", "saved_mib"), ("time", "seconds"))}
+              for m in args.methods}
     config = {k: getattr(args, k) for k in ("batch", "heads", "head_dim", "block_size", "budget", "repeats", "threads")}
     payload = {"config": config, "rows": rows, "loglog_slopes_last3": slopes,
                "machine": {"cpus": os.cpu_count(), "torch_threads": args.threads}}
@@ -159,33 +177,37 @@ def write_results(rows: list[dict], args: argparse.Namespace, out: Path) -> None
 
     lengths = sorted({r["length"] for r in rows})
     cell = {(r["method"], r["length"]): r for r in rows}
-    head = "| method | " + " | ".join(f"{n // 1024}k" for n in lengths) + " | slope (memory) | slope (time) |"
+    head = ("| method | " + " | ".join(f"{n // 1024}k" for n in lengths)
+            + " | slope: peak | slope: saved | slope: time |")
     lines = [
-        f"Peak memory (MiB) / time (s) of one forward + backward pass; batch {args.batch}, {args.heads} head(s) of "
-        f"dimension {args.head_dim}, blocks of {args.block_size}, SortCut budget {args.budget} blocks, "
-        f"{args.threads} CPU thread(s). Slopes: log-log fit over the last three measured lengths (1 = linear, 2 = quadratic).",
+        f"Peak memory rise (MiB) / memory kept for backward (MiB) / time (s) of one forward + backward pass; "
+        f"batch {args.batch}, {args.heads} head(s) of dimension {args.head_dim}, blocks of {args.block_size}, SortCut "
+        f"budget {args.budget} blocks, {args.threads} CPU thread(s). Slopes: log-log fit over the last three measured "
+        "lengths (1 = linear, 2 = quadratic).",
         "",
         head,
-        "|" + "---|" * (len(lengths) + 3),
+        "|" + "---|" * (len(lengths) + 4),
     ]
     for m in args.methods:
         cells = []
         for n in lengths:
             r = cell.get((m, n))
-            cells.append("—" if r is None or "peak_mib" not in r else f"{r['peak_mib']:.0f} / {r['seconds']:.2f}")
-        lines.append(f"| {m} | " + " | ".join(cells) + f" | {slopes[m]['memory']:.2f} | {slopes[m]['time']:.2f} |")
+            ok = r is not None and "peak_mib" in r
+            cells.append(f"{r['peak_mib']:.0f} / {r['saved_mib']:.0f} / {r['seconds']:.2f}" if ok else "—")
+        fits = slopes[m]
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {fits['memory']:.2f} | {fits['saved']:.2f} | {fits['time']:.2f} |")
     (out / "sparse_memory.md").write_text("\n".join(lines) + "\n")
 
     from sinkformer.plotting import pyplot, save_png
 
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     for m in args.methods:
         pts = [r for r in measured if r["method"] == m]
-        if pts:
-            axes[0].loglog([p["length"] for p in pts], [p["peak_mib"] for p in pts], "o-", label=m, base=2)
-            axes[1].loglog([p["length"] for p in pts], [p["seconds"] for p in pts], "o-", label=m, base=2)
-    for ax, what in zip(axes, ("peak memory (MiB)", "time (s)")):
+        for ax, key in zip(axes, ("peak_mib", "saved_mib", "seconds")):
+            if pts:
+                ax.loglog([p["length"] for p in pts], [max(p[key], 1e-3) for p in pts], "o-", label=m, base=2)
+    for ax, what in zip(axes, ("peak memory rise (MiB)", "memory kept for backward (MiB)", "time (s)")):
         ax.set_xlabel("sequence length")
         ax.set_ylabel(what)
         ax.grid(True, which="both", alpha=0.3)
