@@ -97,7 +97,7 @@ def velocity(
     eps: float = 1.0,
     token_positions: Tensor | None = None,
     at_positions: Tensor | None = None,
-    tol: float = 1e-9,
+    tol: float | None = None,
     max_iters: int = 10_000,
     warm_start: Tensor | None = None,
     chunk_size: int | None = None,
@@ -114,7 +114,8 @@ def velocity(
         eps: temperature; the scores are :math:`\\langle Qx, Ky\\rangle/\\varepsilon`.
         token_positions: ``(..., N)`` positions :math:`s_j` for ``kind="masked"``.
         at_positions: ``(..., M)`` positions of ``at`` (masked kind only).
-        tol: Sinkhorn stopping rule, relative marginal error :math:`\\max_j|\\sum_i\\pi_{ij}/w_j-1|`.
+        tol: Sinkhorn stopping rule, relative marginal error :math:`\\max_j|\\sum_i\\pi_{ij}/w_j-1|`;
+            default 1e-9 in float64, 1e-5 in float32.
         max_iters: cap on Sinkhorn normalisations (a warning is raised if reached).
         warm_start: ``(..., H, N)`` Sinkhorn potential ``g`` of a previous call.
         chunk_size: queries (and Sinkhorn rows/columns) per block; default from a budget of
@@ -158,6 +159,7 @@ def velocity(
     key_weights = None if normalization == "softmax" else w
     g, iters, converged = None, 0, True
     if kind == "sinkhorn":
+        tol = tol if tol is not None else (1e-9 if dtype == torch.float64 else 1e-5)
         k_queries = q if at is None else xs.unsqueeze(-3) @ Q.transpose(-1, -2)  # queries of the particles
         w_heads = (xs.new_full(batch + (1, n), 1.0 / n) if w is None else w.unsqueeze(-2)).expand(batch + (H, n))
         if warm_start is not None:
