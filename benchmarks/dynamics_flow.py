@@ -61,7 +61,6 @@ def _problem(case: str, n: int, seed: int):
 
 def run_ours(case: str, args: argparse.Namespace, store: Path) -> dict:
     import numpy as np
-    import torch
 
     from sinkformer.dynamics import ParticleField
 

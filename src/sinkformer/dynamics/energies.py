@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .._validation import check_tensor
-from ._linalg import sym_fn, sym_sqrt
+from ._linalg import sym_sqrt
 from ._streaming import log_weights
 from .velocity import velocity
 

@@ -225,6 +225,7 @@ def _integrate_affine(field_fn, mean0, cov0, t1, steps, method, record_every, bl
     converged = torch.zeros(batch, dtype=torch.bool)
     blow = torch.full(batch, math.inf, dtype=torch.float64)
     lam = torch.linalg.eigvalsh(cov)[..., -1]
+    inv_older = 1.0 / lam  # 1/lambda_max one accepted step back
     times, means, covs, maps = [0.0], [mean], [cov], [R @ R0_inv]
     a = mean
     for step in range(steps):

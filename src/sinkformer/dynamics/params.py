@@ -79,7 +79,7 @@ def interaction(Q: Tensor, K: Tensor) -> Tensor:
 
 
 def split_heads(Q: Tensor, K: Tensor, V: Tensor, n_heads: int) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """Concatenated heads with output projection :math:`W^O = I` (``FORMULAS.md`` §1.7).
+    r"""Concatenated heads with output projection :math:`W^O = I` (``FORMULAS.md`` §1.7).
 
     The rows of ``Q``, ``K`` (``(k, d)``) and ``V`` (``(d, d)``) are cut into ``n_heads`` consecutive
     blocks; head :math:`h` is :math:`(Q_h, K_h, E_h^\top\tilde V_h)` with :math:`\tilde V_h` the value rows of

@@ -46,8 +46,9 @@ class Trajectory:
 class ParticleField:
     """``rhs(t, x) = velocity(x, params(t), kind, ...)``, remembering the Sinkhorn potential.
 
-    Each Sinkhorn solve starts from the potential of the previous evaluation (warm start), which
-    cuts the number of normalisations per step several-fold along a flow.
+    Each Sinkhorn solve starts from the potential of the previous evaluation (warm start): along a
+    flow this saves the normalisations that bring the potential from scratch to the previous
+    solution (for 10,000 particles of the heat-flow Sinkformer, 8 instead of 15 per step).
     """
 
     def __init__(self, params: Params | Callable[[float], Params], kind: str = "softmax", **velocity_kwargs):

@@ -76,7 +76,7 @@ def figure(results: dict):
         t = r1["times"].numpy()
         ax.plot(t, r1["closed"][:, 0, 0].numpy(), "k-", lw=2, label="closed form")
         ax.plot(t[::10], r1["ode"][::10, 0, 0].numpy(), "o", mfc="none", color="tab:red", label="ODE (RK4)")
-        ax.plot(t[::5], r1["particles"][::5, 0, 0].numpy(), ".", color="tab:blue", label=f"particles")
+        ax.plot(t[::5], r1["particles"][::5, 0, 0].numpy(), ".", color="tab:blue", label="particles")
         if math.isfinite(r1["t_star"]):
             ax.axvline(r1["t_star"], color="gray", ls="--", label=f"t* = {r1['t_star']:.3g}")
         ax.set_yscale("log")
@@ -98,7 +98,7 @@ def figure(results: dict):
         ax.legend(fontsize=8)
         ax = axes[row, 2]
         snaps, T = r2["snapshots"], len(r2["times"]) - 1
-        for j, (idx, c) in enumerate(zip((0, T // 2, T), ("tab:gray", "tab:green", "tab:purple"))):
+        for idx, c in zip((0, T // 2, T), ("tab:gray", "tab:green", "tab:purple")):
             pts = snaps[idx].double()
             ax.scatter(pts[:, 0].numpy(), pts[:, 1].numpy(), s=2, color=c, alpha=0.25)
             ell = _ellipse(r2["closed"][idx], pts.mean(0))
