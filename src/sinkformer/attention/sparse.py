@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from .._validation import check_choice, check_positive_int, check_tensor
+from .._validation import broadcastable, check_choice, check_positive_int, check_tensor
 from ..sinkhorn import sinkhorn
 from .functional import _check_qkv, attention
 from .masks import align_to_batch
@@ -273,7 +273,7 @@ def sparse_sinkhorn_attention(
     batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     nb = n_blocks(n, block_size)
     check_tensor(sort_logits, "sort_logits", floating=True)
-    if sort_logits.shape[-2:] != (nb, nb) or not _broadcasts(sort_logits.shape[:-2], batch):
+    if sort_logits.shape[-2:] != (nb, nb) or not broadcastable(sort_logits.shape[:-2], batch):
         raise ValueError(
             f"sort_logits must have shape (*batch, N_B, N_B) = (*{tuple(batch)}, {nb}, {nb}) for n={n} and "
             f"block_size={block_size}, got shape {tuple(sort_logits.shape)}"
@@ -307,13 +307,6 @@ def sparse_sinkhorn_attention(
         out = out + attention(q, k, v, normalization="softmax", is_causal=causal, key_padding_mask=key_padding_mask,
                               scale=scale, dropout_p=dropout_p)
     return (out, S) if return_sort else out
-
-
-def _broadcasts(shape: tuple[int, ...], batch: tuple[int, ...]) -> bool:
-    try:
-        return torch.broadcast_shapes(shape, batch) == batch
-    except RuntimeError:
-        return False
 
 
 def _block_keep(sorted_valid: Tensor | None, valid_blocks: Tensor | None, b: int, causal: bool, device) -> Tensor | None:
