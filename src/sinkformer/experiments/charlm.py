@@ -58,7 +58,7 @@ def decode_sample(data, ids: list[int]) -> str:
     "charlm",
     description="language modelling in bits per character (or subword perplexity with level=word), incl. Sinkhorn mixture",
     paper="Sparse Sinkhorn Attention, Tables 2-4",
-    quick_minutes=2.0,
+    quick_minutes=1.5,
     full_minutes=20000.0,
     defaults={
         "level": "char", "seq_len": 128, "max_chars": 300_000, "vocab_size": 2000, "max_files": 1,

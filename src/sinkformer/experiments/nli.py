@@ -37,7 +37,7 @@ PAPER = {
     "nli",
     description="natural language inference with premise and hypothesis in one sequence: vanilla, Sinkhorn, SortCut",
     paper="Sparse Sinkhorn Attention, Table 7",
-    quick_minutes=2.0,
+    quick_minutes=2.5,
     full_minutes=30000.0,
     defaults={
         "models": ["vanilla", "sinkhorn:8", "sortcut:2x8"],

@@ -36,7 +36,7 @@ PAPER = {
     "pixels",
     description="pixel-by-pixel image generation in bits per dimension (digits 8x8 embedded, CIFAR-10 binary real)",
     paper="Sparse Sinkhorn Attention, Table 5",
-    quick_minutes=1.5,
+    quick_minutes=2.0,
     full_minutes=30000.0,
     defaults={
         "models": ["vanilla", "local:8", "fixed:8", "sinkhorn:8", "mixture:8"],

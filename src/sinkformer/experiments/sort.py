@@ -52,7 +52,7 @@ def decode_metrics(model: SinkhornSeq2Seq, data, n: int, batch_size: int = 50) -
     "sort",
     description="seq2seq sorting trained up to length l, tested up to 2l: vanilla, local, Sparse Transformer, Sinkhorn",
     paper="Sparse Sinkhorn Attention, Table 1",
-    quick_minutes=2.0,
+    quick_minutes=2.5,
     full_minutes=6000.0,
     defaults={
         "length": 32, "test_length": 64, "n_symbols": 16, "n_train": 3000, "n_test": 100,

@@ -109,7 +109,7 @@ def load_data(path: Path | None, level: str, cfg: dict) -> tuple[DataBundle, str
     "sortcut",
     description="document classification with Sinkhorn and SortCut encoders, word and character level",
     paper="Sparse Sinkhorn Attention, Table 6",
-    quick_minutes=2.0,
+    quick_minutes=2.5,
     full_minutes=3000.0,
     defaults={
         "levels": ["word", "char"],

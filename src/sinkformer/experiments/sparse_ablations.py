@@ -58,7 +58,7 @@ def variants(cfg: dict) -> list[tuple[str, str, dict]]:
     "sparse-ablations",
     description="SortNet variants, K = V, no Sinkhorn, Gumbel temperature and sorting iterations",
     paper="Sparse Sinkhorn Attention, Table 8 and Figures 3-4",
-    quick_minutes=2.0,
+    quick_minutes=1.5,
     full_minutes=40000.0,
     defaults={
         "level": "char", "seq_len": 64, "max_chars": 150_000, "vocab_size": 2000, "block_size": 8,
