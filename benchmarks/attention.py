@@ -9,13 +9,14 @@ Methods, all on ``(b, h, n, d) = (4, 8, n, 64)`` float32, forward and forward+ba
 * ``paper-reference`` — the Sinkformers paper's implementation (Appendix B): log-domain
   iterations unrolled through autograd, every iterate stored;
 * ``ours`` — ``sinkformer.attention`` (custom autograd, tiled);
-* ``ours-chunked`` — ``sinkformer.attention(..., chunk_size=128)`` (streamed, no ``n × n`` matrix).
+* ``ours-chunked`` — ``sinkformer.attention(..., chunk_size=c)`` (streamed, no ``n × n`` matrix;
+  ``c`` rows per block so that a block holds about 2^20 scores).
 
-Each configuration runs in its own subprocess (fresh allocator, ``MALLOC_MMAP_THRESHOLD_`` fixed so
-that freed blocks return to the system): peak memory is the peak resident set size during one
+Each configuration runs in two fresh subprocesses. Memory: with ``MALLOC_MMAP_THRESHOLD_`` fixed so
+that freed blocks return to the system at once, the peak resident set size during one
 forward+backward minus the resident size just before it (inputs already allocated), read from
-``/proc/self/status`` after resetting the high-water mark; times are medians over repeats after a
-warm-up. ``--long`` adds the chunked mode on one head with n = 8k ... 64k.
+``/proc/self/status`` after resetting the high-water mark. Time (allocator defaults): medians over
+repeats after a warm-up. ``--long`` adds the chunked mode on one head with n = 8k ... 64k.
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ from pathlib import Path
 METHODS = ["sdpa", "naive-softmax", "paper-reference", "ours", "ours-chunked"]
 SOFTMAX_METHODS = {"sdpa", "naive-softmax"}  # independent of n_iters
 B, H, D = 4, 8, 64
-CHUNK = 128
-MEMORY_LIMIT_GIB = 16.0
+MEMORY_LIMIT_GIB = 12.0
 
 
 # ----------------------------------------------------------------------------- the methods
@@ -75,9 +75,15 @@ def make_fn(method: str, n_iters: int):
         return lambda q, k, v: paper_reference(q, k, v, n_iters)
     if method == "ours":
         return lambda q, k, v: sinkformer.attention(q, k, v, n_iters=n_iters)
-    if method == "ours-chunked":
-        return lambda q, k, v: sinkformer.attention(q, k, v, n_iters=n_iters, chunk_size=CHUNK)
+    if method == "ours-chunked":  # forced chunked mode, tiles of about 2^20 scores
+        return lambda q, k, v: sinkformer.attention(q, k, v, n_iters=n_iters, chunk_size=_chunk(q, k))
     raise ValueError(f"unknown method {method!r}; valid: {METHODS}")
+
+
+def _chunk(q, k) -> int:
+    """Query rows per block so that one (batch*heads, rows, n_k) tile holds about 2^20 scores."""
+    slices = q.numel() // (q.shape[-2] * q.shape[-1])
+    return max(1, (1 << 20) // (slices * k.shape[-2]))
 
 
 def estimated_gib(method: str, b: int, h: int, n: int, n_iters: int) -> float:
@@ -100,12 +106,21 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def measure(method: str, b: int, h: int, n: int, d: int, n_iters: int, repeats: int) -> dict:
+def measure(method: str, b: int, h: int, n: int, d: int, n_iters: int, repeats: int, what: str) -> dict:
+    """``what="memory"``: peak RSS rise of one forward+backward; ``what="time"``: median times;
+    ``what="single"`` (long sequences): one forward+backward, its time and its peak, no warm-up."""
     import torch
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
     fn = make_fn(method, n_iters)
+    if what == "single":
+        base, _ = _rss_mib()
+        _reset_peak()
+        start = time.perf_counter()
+        fn(q, k, v).sum().backward()
+        elapsed = time.perf_counter() - start
+        return {"forward_backward_ms": 1e3 * elapsed, "peak_mib": _rss_mib()[1] - base}
 
     def forward():
         with torch.no_grad():
@@ -117,13 +132,14 @@ def measure(method: str, b: int, h: int, n: int, d: int, n_iters: int, repeats: 
         fn(q, k, v).sum().backward()
 
     forward_backward()  # warm-up (and first allocations)
-    for t in (q, k, v):
-        t.grad = None
-    base, _ = _rss_mib()
-    _reset_peak()
-    fn(q, k, v).sum().backward()
-    _, peak = _rss_mib()
-    memory = peak - base
+    if what == "memory":
+        for t in (q, k, v):
+            t.grad = None
+        base, _ = _rss_mib()
+        _reset_peak()
+        fn(q, k, v).sum().backward()
+        _, peak = _rss_mib()
+        return {"peak_mib": peak - base}
 
     def median_time(step) -> float:
         times = []
@@ -134,23 +150,26 @@ def measure(method: str, b: int, h: int, n: int, d: int, n_iters: int, repeats: 
         return sorted(times)[len(times) // 2]
 
     forward()
-    return {
-        "forward_ms": 1e3 * median_time(forward),
-        "forward_backward_ms": 1e3 * median_time(forward_backward),
-        "peak_mib": memory,
-    }
+    return {"forward_ms": 1e3 * median_time(forward), "forward_backward_ms": 1e3 * median_time(forward_backward)}
 
 
 # ----------------------------------------------------------------------------- the driver
 
 
 def _run_worker(config: dict) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
-    cmd = [sys.executable, "-m", "benchmarks.attention", "--worker", json.dumps(config)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent.parent)
-    if proc.returncode != 0:
-        return {"error": (proc.stderr.strip().splitlines() or ["killed"])[-1]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """Two fresh processes: memory with large blocks returned to the system at once (so the
+    resident-set peak sees every allocation), time with the allocator's defaults."""
+    result = {}
+    malloc = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+    modes = [("single", malloc)] if config.get("single") else [("memory", malloc), ("time", {})]
+    for what, extra in modes:
+        cmd = [sys.executable, "-m", "benchmarks.attention", "--worker", json.dumps({**config, "what": what})]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **extra),
+                              cwd=Path(__file__).resolve().parent.parent)
+        if proc.returncode != 0:
+            return {"error": (proc.stderr.strip().splitlines() or ["killed"])[-1]}
+        result.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return result
 
 
 def grid(quick: bool) -> list[dict]:
@@ -166,7 +185,8 @@ def grid(quick: bool) -> list[dict]:
 
 
 def long_grid() -> list[dict]:
-    return [dict(method="ours-chunked", b=1, h=1, n=n, d=D, n_iters=5, repeats=1) for n in (8192, 16384, 32768, 65536)]
+    return [dict(method="ours-chunked", b=1, h=1, n=n, d=D, n_iters=5, repeats=1, single=True)
+            for n in (8192, 16384, 32768, 65536)]
 
 
 def run(configs: list[dict]) -> list[dict]:
@@ -188,8 +208,8 @@ def _row_text(row: dict) -> str:
     head = f"{row['method']:>16} n={row['n']:<6} iters={row['n_iters']:<3}"
     if "error" in row:
         return f"{head} {row['error']}"
-    return (f"{head} fwd {row['forward_ms']:9.1f} ms   fwd+bwd {row['forward_backward_ms']:9.1f} ms   "
-            f"peak {row['peak_mib']:8.1f} MiB")
+    forward = f"fwd {row['forward_ms']:9.1f} ms   " if "forward_ms" in row else ""
+    return f"{head} {forward}fwd+bwd {row['forward_backward_ms']:9.1f} ms   peak {row['peak_mib']:8.1f} MiB"
 
 
 def _find(rows, method, n, n_iters=1):
@@ -303,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         config = json.loads(args.worker)
+        config.pop("single", None)
         print(json.dumps(measure(**config)))
         return 0
     configs = grid(args.quick) + (long_grid() if args.long else [])

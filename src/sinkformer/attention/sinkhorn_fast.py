@@ -199,7 +199,7 @@ class _SinkhornAttention(torch.autograd.Function):
             if _trustworthy(us, vs):
                 if drop is not None:
                     K.mul_(drop)
-                out[start:end] = u.unsqueeze(-1) * torch.bmm(K, vt.unsqueeze(-1) * v[start:end])
+                torch.bmm(K, vt.unsqueeze(-1) * v[start:end], out=out[start:end]).mul_(u.unsqueeze(-1))
                 states.append((row_shift, col_shift, us, vs, done))
             else:  # extreme scores: log-domain reference for this group
                 del K
@@ -241,9 +241,9 @@ class _SinkhornAttention(torch.autograd.Function):
                 dP.mul_(drop)
                 D = _mtv_matrix(drop.mul_(K), uO)
                 del drop
-            dv[sl] = vt.unsqueeze(-1) * D
-            du = _ratio_rows((dO * out[sl]).sum(-1), u)  # sum_j K_ij v_j dP_ij
             dvt = (V * D).sum(-1)  # sum_i u_i K_ij dP_ij
+            dv[sl] = D.mul_(vt.unsqueeze(-1))
+            du = _ratio_rows((dO * out[sl]).sum(-1), u)  # sum_j K_ij v_j dP_ij
             if backward == "implicit":  # dS = P * (dP - alpha ⊕ beta)
                 alpha, beta = _implicit_duals(K, u, vt, du * u, dvt * vt)
                 X, Y = torch.stack([u * alpha, u], -1), torch.stack([vt, vt * beta], -1)
@@ -253,8 +253,8 @@ class _SinkhornAttention(torch.autograd.Function):
                 X, Y = _reverse_recursion(K, a, b, us, vs, done, du, dvt)
                 dP.baddbmm_(X, Y.transpose(1, 2))
             dS = dP.mul_(K)
-            dq[sl] = torch.bmm(dS, k[sl]).mul_(scale)
-            dk[sl] = torch.bmm(dS.transpose(1, 2), q[sl]).mul_(scale)
+            torch.bmm(dS, k[sl], out=dq[sl]).mul_(scale)
+            torch.bmm(dS.transpose(1, 2), q[sl], out=dk[sl]).mul_(scale)
         return dq, dk, dv, None, None, None
 
 

@@ -40,7 +40,7 @@ from torch import Tensor
 __all__ = ["streamed_sinkhorn_attention", "streamed_potentials", "streamed_softmax", "BLOCK_ELEMENTS"]
 
 #: Elements of one ``(B, chunk, m)`` score tile when ``chunk_size`` is not given.
-BLOCK_ELEMENTS = 1 << 22
+BLOCK_ELEMENTS = 1 << 20
 #: Largest potential change across iterations for the one-exponential rank-L backward.
 _MAX_LOG_RATIO = 80.0
 
@@ -92,10 +92,18 @@ class Streamed:
     def keep_of(self, start: int, end: int) -> Tensor | None:
         return self._rows(self.keep, start, end)
 
-    def scores(self, start: int, end: int) -> Tensor:
-        """``(B, end-start, m)`` tile of scale q k^T + bias, -inf where masked."""
+    def scores(self, start: int, end: int, row: Tensor | None = None, col: Tensor | None = None) -> Tensor:
+        """``(B, end-start, m)`` tile of ``scale q k^T + bias (+ row_i + col_j)``, -inf where masked.
+
+        ``row`` is the block's ``(B, end-start)`` slice (added inside the matrix product), ``col``
+        a ``(B, m)`` vector."""
         q = self.q[:, start:end]
-        S = torch.baddbmm(q.new_empty(()), q, self.k.transpose(1, 2), beta=0.0, alpha=self.scale)
+        if row is None:
+            S = torch.baddbmm(q.new_empty(()), q, self.k.transpose(1, 2), beta=0.0, alpha=self.scale)
+        else:
+            S = torch.baddbmm(row.unsqueeze(-1), q, self.k.transpose(1, 2), alpha=self.scale)
+        if col is not None:
+            S.add_(col.unsqueeze(1))
         bias = self._rows(self.bias, start, end)
         if bias is not None:
             S.add_(bias)
@@ -103,6 +111,10 @@ class Streamed:
         if keep is not None:
             S.masked_fill_(~keep, float("-inf"))
         return S
+
+    def plan(self, start: int, end: int, f: Tensor, g: Tensor) -> Tensor:
+        """``exp(S + f ⊕ g)`` on the rows ``[start, end)``."""
+        return self.scores(start, end, f[:, start:end], g).exp_()
 
     def _marginals(self, a: Tensor | None, b: Tensor | None) -> tuple[Tensor, Tensor]:
         """Given marginals, or those of the valid sub-matrix (rows 1, columns n_valid/m_valid)."""
@@ -134,26 +146,32 @@ def _safe_log_ratio(num: Tensor, den: Tensor) -> Tensor:
     return torch.where(ok, torch.log(torch.where(ok, num, 1.0) / torch.where(ok, den, 1.0)), 0.0)
 
 
-def _row_update(problem: Streamed, f: Tensor | None, g: Tensor, start: int, end: int, S: Tensor):
+def _row_update(problem: Streamed, f: Tensor | None, g: Tensor, start: int, end: int):
     """Row update on one block: returns (new f of the block, row-normalised plan block)."""
     a = problem.a[:, start:end]
     if f is None:  # first sweep: stabilise by the row maximum of S + g
-        base = (S + g.unsqueeze(1)).amax(-1)
-        base = -torch.where(torch.isfinite(base), base, 0.0)
+        E, base = _max_stabilised(problem, g, start, end)
     else:
         base = f[:, start:end]
-    E = torch.exp(S + base.unsqueeze(-1) + g.unsqueeze(1))
+        E = problem.plan(start, end, f, g)
     r = E.sum(-1)
     lost = (a > 0) & ~((r > 1e-30) & torch.isfinite(r))
     if bool(lost.any()):  # the row sum underflowed: use the row's own maximum
-        shift = (S + g.unsqueeze(1)).amax(-1)
-        shift = torch.where(torch.isfinite(shift), shift, 0.0)
-        base = torch.where(lost, -shift, base)
-        E = torch.exp(S + base.unsqueeze(-1) + g.unsqueeze(1))
+        E_max, base_max = _max_stabilised(problem, g, start, end)
+        E = torch.where(lost.unsqueeze(-1), E_max, E)
+        base = torch.where(lost, base_max, base)
         r = E.sum(-1)
     step = _safe_log_ratio(a, r)
     f_block = torch.where(a > 0, base + step, 0.0)
-    return f_block, E * step.exp().unsqueeze(-1)
+    return f_block, E.mul_(step.exp().unsqueeze(-1))
+
+
+def _max_stabilised(problem: Streamed, g: Tensor, start: int, end: int) -> tuple[Tensor, Tensor]:
+    """``exp(S + g - max_j(S + g))`` on a block, and the row term ``-max`` it used."""
+    S = problem.scores(start, end, col=g)
+    shift = S.amax(-1)
+    base = -torch.where(torch.isfinite(shift), shift, 0.0)
+    return S.add_(base.unsqueeze(-1)).exp_(), base
 
 
 def _sweeps(problem: Streamed, n_iters: int | None, tol: float | None, max_iters: int, g0: Tensor | None,
@@ -176,7 +194,7 @@ def _sweeps(problem: Streamed, n_iters: int | None, tol: float | None, max_iters
         if last_row_update and v is not None:
             out = v.new_empty(B, n, v.shape[-1])
         for start, end in problem.blocks():
-            f_new[:, start:end], plan = _row_update(problem, f, g, start, end, problem.scores(start, end))
+            f_new[:, start:end], plan = _row_update(problem, f, g, start, end)
             if last_row_update:
                 if v is not None:
                     out[:, start:end] = torch.bmm(plan, v)
@@ -210,8 +228,7 @@ def streamed_plan_times(problem: Streamed, f: Tensor, g: Tensor, v: Tensor) -> T
     """``exp(S + f ⊕ g) @ v`` block by block."""
     out = v.new_empty(v.shape[0], problem.n, v.shape[-1])
     for start, end in problem.blocks():
-        S = problem.scores(start, end)
-        out[:, start:end] = torch.bmm(torch.exp(S + f[:, start:end].unsqueeze(-1) + g.unsqueeze(1)), v)
+        out[:, start:end] = torch.bmm(problem.plan(start, end, f, g), v)
     return out
 
 
@@ -254,7 +271,7 @@ def streamed_softmax(
         for start, end in problem.blocks():
             S = problem.scores(start, end)
             shift = S.amax(-1, keepdim=True)
-            E = torch.exp(S - torch.where(torch.isfinite(shift), shift, 0.0))
+            E = S.sub_(torch.where(torch.isfinite(shift), shift, 0.0)).exp_()
             out[:, start:end] = torch.bmm(E, v) / E.sum(-1, keepdim=True).clamp_min(torch.finfo(E.dtype).tiny)
     return out
 
@@ -293,10 +310,6 @@ class StreamedSinkhornAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
-def _plan(problem: Streamed, S: Tensor, f: Tensor, g: Tensor, start: int, end: int) -> Tensor:
-    return torch.exp(S + f[:, start:end].unsqueeze(-1) + g.unsqueeze(1))
-
-
 def _backward(problem: Streamed, v, out, dO, fs, gs, L):
     """Exact reverse mode through ``L`` updates; see the module docstring."""
     a, b = problem.a, problem.b
@@ -310,7 +323,7 @@ def _backward(problem: Streamed, v, out, dO, fs, gs, L):
 
     # sweep A: dV = P^T dO, and (L odd) the row step t = L
     for start, end in problem.blocks():
-        P = _plan(problem, problem.scores(start, end), f_L, g_L, start, end)
+        P = problem.plan(start, end, f_L, g_L)
         dv += torch.bmm(P.transpose(1, 2), dO[:, start:end])
         if L % 2:
             dG_next -= torch.bmm((dF[:, start:end] * inv_a[:, start:end]).unsqueeze(1), P).squeeze(1)
@@ -324,11 +337,10 @@ def _backward(problem: Streamed, v, out, dO, fs, gs, L):
         dG_next = torch.zeros_like(b)
         dF_pair = dF.clone()
         for start, end in problem.blocks():
-            S = problem.scores(start, end)
-            C = _plan(problem, S, fs[t - 1], gs[t], start, end)  # plan after update t (columns)
+            C = problem.plan(start, end, fs[t - 1], gs[t])  # plan after update t (columns)
             dF_pair[:, start:end] -= torch.bmm(C, col_coef.unsqueeze(-1)).squeeze(-1)
             if t > 2:  # the row step t - 1 feeds g of update t - 2 (g before update 1 is a constant)
-                R = _plan(problem, S, fs[t - 2], gs[t - 1], start, end)  # plan after update t - 1 (rows)
+                R = problem.plan(start, end, fs[t - 2], gs[t - 1])  # plan after update t - 1 (rows)
                 row_coef = dF_pair[:, start:end] * inv_a[:, start:end]
                 dG_next -= torch.bmm(row_coef.unsqueeze(1), R).squeeze(1)
         coefs += [(t, col_coef), (t - 1, dF_pair * inv_a)]
@@ -337,8 +349,7 @@ def _backward(problem: Streamed, v, out, dO, fs, gs, L):
     X, Y, exact_terms = _rank_factors(coefs, fs, gs, f_L, g_L)
     dq, dk = torch.empty_like(problem.q), torch.zeros_like(problem.k)
     for start, end in problem.blocks():
-        S = problem.scores(start, end)
-        P = _plan(problem, S, f_L, g_L, start, end)
+        P = problem.plan(start, end, f_L, g_L)
         T = torch.bmm(dO[:, start:end], v.transpose(1, 2))
         if exact_terms is None:
             T.baddbmm_(X[:, start:end], Y.transpose(1, 2), alpha=-1.0)
@@ -346,7 +357,7 @@ def _backward(problem: Streamed, v, out, dO, fs, gs, L):
         else:  # potentials moved too far for the rank-L form: one exponential per term
             dS = T.mul_(P)
             for t, coef in exact_terms:
-                M = _plan(problem, S, fs[t - 1], gs[t], start, end)
+                M = problem.plan(start, end, fs[t - 1], gs[t])
                 dS -= M * (coef[:, start:end].unsqueeze(-1) if t % 2 else coef.unsqueeze(1))
         dq[:, start:end] = torch.bmm(dS, problem.k).mul_(problem.scale)
         dk += torch.bmm(dS.transpose(1, 2), problem.q[:, start:end]).mul_(problem.scale)
