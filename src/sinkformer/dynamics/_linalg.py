@@ -8,7 +8,12 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-__all__ = ["sym_fn", "sym_sqrt", "sym_inv_sqrt", "sym_pinv_sqrt", "single_threaded"]
+__all__ = ["f64", "sym_fn", "sym_sqrt", "sym_inv_sqrt", "sym_pinv_sqrt", "single_threaded"]
+
+
+def f64(t) -> Tensor:
+    """``t`` (tensor, array or number) as a float64 tensor."""
+    return torch.as_tensor(t, dtype=torch.float64)
 
 
 @contextmanager

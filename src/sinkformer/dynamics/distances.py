@@ -11,19 +11,15 @@ import torch
 from torch import Tensor
 
 from .._validation import check_tensor
-from ._linalg import sym_inv_sqrt, sym_sqrt
+from ._linalg import f64, sym_inv_sqrt, sym_sqrt
 
 __all__ = ["gaussian_ot_map", "w2_gaussian", "w2_particles", "conditional_w2"]
-
-
-def _f64(t) -> Tensor:
-    return torch.as_tensor(t, dtype=torch.float64)
 
 
 def gaussian_ot_map(cov1: Tensor, cov2: Tensor) -> Tensor:
     """The optimal linear map :math:`T = \\Sigma_1^{-1/2}(\\Sigma_1^{1/2}\\Sigma_2\\Sigma_1^{1/2})^{1/2}\\Sigma_1^{-1/2}`
     sending :math:`\\mathcal N(0, \\Sigma_1)` to :math:`\\mathcal N(0, \\Sigma_2)` (``Sigma_1`` invertible)."""
-    cov1, cov2 = _f64(cov1), _f64(cov2)
+    cov1, cov2 = f64(cov1), f64(cov2)
     root, inv_root = sym_sqrt(cov1), sym_inv_sqrt(cov1)
     return inv_root @ sym_sqrt(root @ cov2 @ root) @ inv_root
 
@@ -36,7 +32,7 @@ def w2_gaussian(mean1: Tensor, cov1: Tensor, mean2: Tensor, cov2: Tensor) -> Ten
     textbook Bures formula :math:`\\mathrm{tr}\\Sigma_1+\\mathrm{tr}\\Sigma_2-2\\mathrm{tr}(\\cdot)^{1/2}` loses
     everything below ~1e-8 to cancellation. ``cov1`` must be invertible.
     """
-    mean1, cov1, mean2, cov2 = (_f64(t) for t in (mean1, cov1, mean2, cov2))
+    mean1, cov1, mean2, cov2 = (f64(t) for t in (mean1, cov1, mean2, cov2))
     T = gaussian_ot_map(cov1, cov2)
     eye = torch.eye(cov1.shape[-1], dtype=torch.float64)
     spread = ((eye - T) @ sym_sqrt(cov1)).square().sum((-1, -2))

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .._validation import check_tensor
-from ._linalg import sym_sqrt
+from ._linalg import f64, sym_sqrt
 from ._streaming import log_weights
 from .velocity import velocity
 
@@ -77,7 +77,7 @@ def f_inf(x: Tensor, A: Tensor, weights: Tensor | None = None, *, tol: float = 1
 def f_inf_gaussian(mean: Tensor, cov: Tensor, A: Tensor) -> Tensor:
     """:math:`F_\\infty(\\mathcal N(\\alpha,\\Sigma)) = \\tfrac12\\alpha^\\top A\\alpha + \\tfrac14\\sum_i\\big[\\sqrt{1+4m_i} - 1 + \\log\\frac{2}{1+\\sqrt{1+4m_i}}\\big]`,
     :math:`m_i` the eigenvalues of :math:`\\Sigma^{1/2}A^\\top\\Sigma A\\Sigma^{1/2}` (any ``A``)."""
-    mean, cov, A = (torch.as_tensor(t, dtype=torch.float64) for t in (mean, cov, A))
+    mean, cov, A = (f64(t) for t in (mean, cov, A))
     root = sym_sqrt(cov)
     m = torch.linalg.eigvalsh(root @ A.T @ cov @ A @ root).clamp_min(0)
     r = (1 + 4 * m).sqrt()

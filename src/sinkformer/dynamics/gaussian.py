@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .._validation import check_choice, check_positive_int, check_tensor
-from ._linalg import single_threaded, sym_fn, sym_inv_sqrt, sym_pinv_sqrt, sym_sqrt
+from ._linalg import f64, single_threaded, sym_fn, sym_inv_sqrt, sym_pinv_sqrt, sym_sqrt
 from .params import Params, as_heads, interaction
 
 __all__ = [
@@ -62,10 +62,6 @@ AffineField = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 # small linear algebra
 
 
-def _f64(t: Tensor | np.ndarray | float) -> Tensor:
-    return torch.as_tensor(t, dtype=torch.float64)
-
-
 def _eye_like(M: Tensor) -> Tensor:
     return torch.eye(M.shape[-1], dtype=M.dtype, device=M.device).expand_as(M)
 
@@ -80,13 +76,13 @@ def _check_moments(mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
     d = mean.shape[-1]
     if cov.shape[-2:] != (d, d):
         raise ValueError(f"cov must have shape (..., {d}, {d}) to match mean {tuple(mean.shape)}, got {tuple(cov.shape)}")
-    mean, cov = _f64(mean), _f64(cov)
+    mean, cov = f64(mean), f64(cov)
     batch = torch.broadcast_shapes(mean.shape[:-1], cov.shape[:-2])
     return mean.expand(batch + (d,)).contiguous(), cov.expand(batch + (d, d)).contiguous()  # LAPACK is slow on stride 0
 
 
 def _heads64(params: Params, d: int) -> list[tuple[Tensor, Tensor, Tensor]]:
-    return [(_f64(Q), _f64(K), _f64(V)) for Q, K, V in as_heads(params, d, batched=True)]
+    return [(f64(Q), f64(K), f64(V)) for Q, K, V in as_heads(params, d, batched=True)]
 
 
 def _mv(M: Tensor, v: Tensor) -> Tensor:
@@ -268,7 +264,7 @@ def _integrate_affine(field_fn, mean0, cov0, t1, steps, method, record_every, bl
             maps.append(R @ R0_inv)
         if not bool(active.any()):
             break
-    return GaussianFlow(_f64(times), torch.stack(means), torch.stack(covs), torch.stack(maps), blow, converged)
+    return GaussianFlow(f64(times), torch.stack(means), torch.stack(covs), torch.stack(maps), blow, converged)
 
 
 def flow(
@@ -311,7 +307,7 @@ def _riccati_setup(cov0: Tensor, A: Tensor, V: Tensor | None, need_symmetric_A: 
     """Return ``(Sigma0, root0, VA_s, A_tilde)`` after checking the assumptions of §3."""
     check_tensor(cov0, "cov0", ndim=2, floating=True)
     check_tensor(A, "A", ndim=2, floating=True)
-    cov0, A = _f64(cov0), _f64(A)
+    cov0, A = f64(cov0), f64(A)
     d = cov0.shape[0]
     if cov0.shape != (d, d) or A.shape != (d, d):
         raise ValueError(f"cov0 and A must be square of the same size, got {tuple(cov0.shape)} and {tuple(A.shape)}")
@@ -323,7 +319,7 @@ def _riccati_setup(cov0: Tensor, A: Tensor, V: Tensor | None, need_symmetric_A: 
         VA = A_s
     else:
         check_tensor(V, "V", ndim=2, floating=True)
-        V = _f64(V)
+        V = f64(V)
         v_scale = max(float(V.abs().max()), 1e-300)
         for what, err in (
             ("V symmetric", V - V.T),
@@ -346,7 +342,7 @@ def riccati(cov0: Tensor, A: Tensor, t: float | Tensor, V: Tensor | None = None)
     ``t`` scalar gives ``(d, d)``, ``t`` of shape ``(T,)`` gives ``(T, d, d)``; valid for :math:`t < t^*`.
     """
     _, root0, _, At = _riccati_setup(cov0, A, V)
-    t = _f64(t)
+    t = f64(t)
     I = torch.eye(At.shape[0], dtype=torch.float64)
     inner = I - 2 * t.reshape(t.shape + (1, 1)) * At
     return root0 @ torch.linalg.solve(inner, root0.expand_as(inner))
@@ -356,7 +352,7 @@ def riccati_flow_map(cov0: Tensor, A: Tensor, t: float | Tensor, V: Tensor | Non
     """:math:`M(t) = \\Sigma_0^{1/2}(I-2t\\tilde A)^{-1/2}\\Sigma_0^{-1/2}`: particles move as
     :math:`x(t) = \\alpha(t) + M(t)(x_0 - \\alpha_0)` (symmetric ``A``)."""
     cov0, root0, _, At = _riccati_setup(cov0, A, V, need_symmetric_A=True)
-    t = _f64(t)
+    t = f64(t)
     I = torch.eye(At.shape[0], dtype=torch.float64)
     inner = I - 2 * t.reshape(t.shape + (1, 1)) * At
     return root0 @ sym_fn(inner, torch.rsqrt) @ sym_inv_sqrt(cov0)
@@ -365,11 +361,11 @@ def riccati_flow_map(cov0: Tensor, A: Tensor, t: float | Tensor, V: Tensor | Non
 def riccati_mean(mean0: Tensor, cov0: Tensor, A: Tensor, t: float | Tensor, V: Tensor | None = None) -> Tensor:
     """:math:`\\alpha(t) = e^{tV}M(t)\\alpha_0` (``(d,)`` or ``(T, d)``; symmetric ``A``)."""
     M = riccati_flow_map(cov0, A, t, V)
-    t = _f64(t)
+    t = f64(t)
     d = M.shape[-1]
-    Vm = torch.eye(d, dtype=torch.float64) if V is None else _f64(V)
+    Vm = torch.eye(d, dtype=torch.float64) if V is None else f64(V)
     expV = torch.linalg.matrix_exp(t.reshape(t.shape + (1, 1)) * Vm)
-    return (expV @ M @ _f64(mean0).unsqueeze(-1)).squeeze(-1)
+    return (expV @ M @ f64(mean0).unsqueeze(-1)).squeeze(-1)
 
 
 def blowup_time(cov0: Tensor, A: Tensor, V: Tensor | None = None) -> float:
@@ -413,7 +409,7 @@ def _projections(x: Tensor, mean: Tensor, cov: Tensor, A: Tensor) -> tuple[Tenso
 def _pointwise_field(x: Tensor, mean: Tensor, cov: Tensor, params: Params, eps: float,
                      expectations: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]) -> Tensor:
     """:math:`\\Gamma(x) = \\sum_h V_h[\\alpha\\,\\mathbb E\\sigma(u) + \\Sigma A_h x\\,\\mathbb E\\sigma'(u)]` (Stein's lemma)."""
-    x, mean, cov = _f64(x), _f64(mean), _f64(cov)
+    x, mean, cov = f64(x), f64(mean), f64(cov)
     out = torch.zeros_like(x)
     for Q, K, V in _heads64(params, x.shape[-1]):
         m, s, SAx = _projections(x, mean, cov, interaction(Q, K) / eps)
@@ -425,7 +421,7 @@ def _pointwise_field(x: Tensor, mean: Tensor, cov: Tensor, params: Params, eps: 
 def relu_field(x: Tensor, mean: Tensor, cov: Tensor, params: Params, eps: float = 1.0) -> Tensor:
     """ReLU attention field of :math:`\\mathcal N(\\alpha,\\Sigma)` at ``x (..., d)``:
     :math:`V[\\alpha(m\\Phi(m/s)+s\\varphi(m/s)) + \\Sigma Ax\\,\\Phi(m/s)]`."""
-    normal = torch.distributions.Normal(_f64(0.0), _f64(1.0))
+    normal = torch.distributions.Normal(f64(0.0), f64(1.0))
 
     def expectations(m: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
         z = m / s.clamp_min(1e-300)
@@ -438,7 +434,7 @@ def relu_field(x: Tensor, mean: Tensor, cov: Tensor, params: Params, eps: float 
 def sigmoid_field(x: Tensor, mean: Tensor, cov: Tensor, params: Params, eps: float = 1.0, n_quad: int = 64) -> Tensor:
     """Sigmoid attention field of :math:`\\mathcal N(\\alpha,\\Sigma)` at ``x``, with ``n_quad``-point Gauss–Hermite quadrature."""
     nodes, wts = np.polynomial.hermite_e.hermegauss(n_quad)
-    nodes, wts = _f64(nodes), _f64(wts / wts.sum())
+    nodes, wts = f64(nodes), f64(wts / wts.sum())
 
     def expectations(m: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
         sig = torch.sigmoid(m.unsqueeze(-1) + s.unsqueeze(-1) * nodes)
@@ -457,7 +453,7 @@ def masked_field(x: Tensor, s: Tensor, mean: Tensor, drift: Tensor, cov: Tensor,
     Args:
         x: ``(..., d)`` points; s: ``(...)`` their positions in ``(0, 1]``; mean :math:`\alpha`, drift :math:`\beta`.
     """
-    x, s, mean, drift, cov = (_f64(t) for t in (x, s, mean, drift, cov))
+    x, s, mean, drift, cov = (f64(t) for t in (x, s, mean, drift, cov))
     out = torch.zeros_like(x)
     for Q, K, V in _heads64(params, x.shape[-1]):
         Ax = x @ (interaction(Q, K) / eps).T
@@ -488,7 +484,7 @@ def drifting_field(mean: Tensor, cov: Tensor, target_mean: Tensor, target_cov: T
 
 def drifting_mean(t: float | Tensor, mean0: Tensor, target_mean: Tensor, target_cov: Tensor) -> Tensor:
     """:math:`\\mu(t) = \\mu_q + e^{-t(I+S_q)^{-1}}(\\mu_0 - \\mu_q)` (``(d,)`` or ``(T, d)``)."""
-    t, mean0, target_mean, target_cov = (_f64(v) for v in (t, mean0, target_mean, target_cov))
+    t, mean0, target_mean, target_cov = (f64(v) for v in (t, mean0, target_mean, target_cov))
     rate = torch.linalg.inv(torch.eye(target_cov.shape[-1], dtype=torch.float64) + target_cov)
     decay = torch.linalg.matrix_exp(-t.reshape(t.shape + (1, 1)) * rate)
     return target_mean + (decay @ (mean0 - target_mean).unsqueeze(-1)).squeeze(-1)

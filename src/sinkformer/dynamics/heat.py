@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._linalg import sym_fn
+from ._linalg import f64, sym_fn
 from .simulate import ParticleField, Trajectory, integrate
 from .velocity import velocity
 
@@ -74,15 +74,15 @@ def sb_scheme(x0: Tensor, eps: float, n_steps: int, *, record_every: int = 1, **
 def barycentric_gaussian(cov: Tensor, eps: float) -> Tensor:
     """:math:`G` with :math:`B(x) = m + G(x - m)` for :math:`\\rho = \\mathcal N(m, S)`:
     :math:`G = \\tfrac12\\big((\\varepsilon^2I + 4S^2)^{1/2} - \\varepsilon I\\big)S^{-1}` (symmetric, commutes with ``S``)."""
-    cov = torch.as_tensor(cov, dtype=torch.float64)
+    cov = f64(cov)
     return sym_fn(cov, lambda s: ((eps**2 + 4 * s**2).sqrt() - eps) / (2 * s))
 
 
 def sb_step_gaussian(mean: Tensor, cov: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """:math:`(T_{\\rho,\\varepsilon})_\\#\\mathcal N(m, S) = \\mathcal N(m, (2I - G)S(2I - G))`."""
-    cov = torch.as_tensor(cov, dtype=torch.float64)
+    cov = f64(cov)
     step = 2 * torch.eye(cov.shape[-1], dtype=torch.float64) - barycentric_gaussian(cov, eps)
-    return torch.as_tensor(mean, dtype=torch.float64), step @ cov @ step.transpose(-1, -2)
+    return f64(mean), step @ cov @ step.transpose(-1, -2)
 
 
 def sb_scheme_gaussian(mean: Tensor, cov: Tensor, eps: float, n_steps: int) -> tuple[Tensor, Tensor]:
@@ -95,21 +95,21 @@ def sb_scheme_gaussian(mean: Tensor, cov: Tensor, eps: float, n_steps: int) -> t
 def explicit_euler_gaussian(mean: Tensor, cov: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """The poster's explicit Euler step :math:`(\\mathrm{id} - \\tfrac\\varepsilon2\\nabla\\log\\rho)_\\#\\rho`:
     :math:`\\mathcal N(m, S + \\varepsilon I + \\tfrac{\\varepsilon^2}4 S^{-1})`."""
-    cov = torch.as_tensor(cov, dtype=torch.float64)
+    cov = f64(cov)
     eye = torch.eye(cov.shape[-1], dtype=torch.float64)
-    return torch.as_tensor(mean, dtype=torch.float64), cov + eps * eye + eps**2 / 4 * torch.linalg.inv(cov)
+    return f64(mean), cov + eps * eye + eps**2 / 4 * torch.linalg.inv(cov)
 
 
 def heat_gaussian(mean: Tensor, cov: Tensor, t: float) -> tuple[Tensor, Tensor]:
     """The heat flow :math:`\\partial_t\\rho = \\tfrac12\\Delta\\rho` from :math:`\\mathcal N(m, S)`: :math:`\\mathcal N(m, S + tI)`."""
-    cov = torch.as_tensor(cov, dtype=torch.float64)
-    return torch.as_tensor(mean, dtype=torch.float64), cov + t * torch.eye(cov.shape[-1], dtype=torch.float64)
+    cov = f64(cov)
+    return f64(mean), cov + t * torch.eye(cov.shape[-1], dtype=torch.float64)
 
 
 def heat_map(x: Tensor, mean: Tensor, cov: Tensor, t: float) -> Tensor:
     """Push particles of :math:`\\mathcal N(m, S)` to :math:`\\mathcal N(m, S+tI)` by the optimal (linear) map
     :math:`x \\mapsto m + (S+tI)^{1/2}S^{-1/2}(x - m)` (the two commute); a coupled sample of the heat flow."""
-    cov = torch.as_tensor(cov, dtype=torch.float64)
-    mean = torch.as_tensor(mean, dtype=torch.float64)
+    cov = f64(cov)
+    mean = f64(mean)
     slope = sym_fn(cov, lambda s: ((s + t) / s).sqrt())
     return (mean + (x.double() - mean) @ slope.transpose(-1, -2)).to(x.dtype)
