@@ -10,7 +10,7 @@ Methods, all on ``(b, h, n, d) = (4, 8, n, 64)`` float32, forward and forward+ba
   iterations unrolled through autograd, every iterate stored;
 * ``ours`` — ``sinkformer.attention`` (custom autograd, tiled);
 * ``ours-chunked`` — ``sinkformer.attention(..., chunk_size=c)`` (streamed, no ``n × n`` matrix;
-  ``c`` rows per block so that a block holds about 2^20 scores).
+  ``c`` the automatic choice: about 2^20 scores per block, at least 64 query rows).
 
 Each configuration runs in two fresh subprocesses. Memory: with ``MALLOC_MMAP_THRESHOLD_`` fixed so
 that freed blocks return to the system at once, the peak resident set size during one
@@ -81,14 +81,19 @@ def make_fn(method: str, n_iters: int):
 
 
 def _chunk(q, k) -> int:
-    """Query rows per block so that one (batch*heads, rows, n_k) tile holds about 2^20 scores."""
+    """The automatic choice of the streamed mode: (batch*heads, rows, n_k) tiles of about 2^20 scores,
+    at least 64 rows."""
+    from sinkformer.attention.streaming import BLOCK_ELEMENTS, MIN_CHUNK
+
     slices = q.numel() // (q.shape[-2] * q.shape[-1])
-    return max(1, (1 << 20) // (slices * k.shape[-2]))
+    return max(MIN_CHUNK, BLOCK_ELEMENTS // (slices * k.shape[-2]))
 
 
 def estimated_gib(method: str, b: int, h: int, n: int, n_iters: int) -> float:
     """Rough peak memory, to skip configurations that cannot fit (the paper's keeps every iterate)."""
     matrix = b * h * n * n * 4 / 2**30
+    if method == "ours-chunked":  # q, k, v, their gradients and a few (n, d) buffers; tiles of ~2^20 scores
+        return 16 * b * h * n * D * 4 / 2**30
     return {"paper-reference": (n_iters + 4) * matrix, "naive-softmax": 4 * matrix}.get(method, 2 * matrix / (b * h))
 
 
@@ -319,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="n in {256, 1024}, n_iters in {1, 5}")
     parser.add_argument("--long", action="store_true", help="also the chunked mode on one head, n = 8k .. 64k")
     parser.add_argument("--out", default="benchmarks/results", help="folder for attention.{json,md,png}")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS, help="measure only these")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other methods' rows of the existing attention.json (each row keeps its date)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -326,11 +334,15 @@ def main(argv: list[str] | None = None) -> int:
         config.pop("single", None)
         print(json.dumps(measure(**config)))
         return 0
-    configs = grid(args.quick) + (long_grid() if args.long else [])
+    configs = [c for c in grid(args.quick) + (long_grid() if args.long else []) if c["method"] in args.methods]
     stamp = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
-    rows = run(configs)
-    targets = summary(rows)
+    rows = [dict(row, date=stamp) for row in run(configs)]
     out = Path(args.out)
+    if args.merge and (out / "attention.json").exists():
+        kept = [row for row in json.loads((out / "attention.json").read_text())["rows"] if row["method"] not in args.methods]
+        rows = sorted(kept + rows, key=lambda r: (r["b"] != B, r["n"], METHODS.index(r["method"]), r["n_iters"]))
+        stamp = " and ".join(sorted({row.get("date", stamp) for row in rows}))
+    targets = summary(rows)
     out.mkdir(parents=True, exist_ok=True)
     (out / "attention.json").write_text(json.dumps({"date": stamp, "rows": rows, "targets": targets}, indent=2))
     text = markdown(rows, targets, stamp)

@@ -39,8 +39,11 @@ from torch import Tensor
 
 __all__ = ["streamed_sinkhorn_attention", "streamed_potentials", "streamed_softmax", "BLOCK_ELEMENTS"]
 
-#: Elements of one ``(B, chunk, m)`` score tile when ``chunk_size`` is not given.
+#: Elements of one ``(B, chunk, m)`` score tile when ``chunk_size`` is not given ...
 BLOCK_ELEMENTS = 1 << 20
+#: ... but at least this many query rows per block: thinner blocks waste the matrix products
+#: (b=4, h=8, n=2048: forward 2.0 s with 16 rows, 0.8 s with 64). Memory stays linear in ``m``.
+MIN_CHUNK = 64
 #: Largest potential change across iterations for the one-exponential rank-L backward.
 _MAX_LOG_RATIO = 80.0
 
@@ -66,7 +69,7 @@ class Streamed:
     @classmethod
     def build(cls, q, k, scale, batch, chunk_size=None, keep=None, bias=None, row_marginals=None, col_marginals=None):
         B, n, m = q.shape[0], q.shape[1], k.shape[1]
-        chunk = chunk_size or max(1, BLOCK_ELEMENTS // max(1, B * m))
+        chunk = chunk_size or max(MIN_CHUNK, BLOCK_ELEMENTS // max(1, B * m))
         problem = cls(q, k, scale, batch, min(chunk, n), keep, bias)
         problem.a, problem.b = problem._marginals(row_marginals, col_marginals)
         return problem
