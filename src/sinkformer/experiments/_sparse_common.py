@@ -22,6 +22,7 @@ from ..models.sinkhorn_transformer import AttentionConfig, SinkhornClassifier, S
 from ..plotting import pyplot
 from ..training import TrainConfig, train
 from ..training.tasks import Classification, Translation
+from .registry import markdown_table as registry_table
 
 __all__ = ["short_label", "TokenLevel", "fit", "train_language_model", "train_classifier",
            "markdown_table", "bar_figure", "LN2"]
@@ -92,17 +93,13 @@ def train_classifier(data: DataBundle, attention: AttentionConfig, cfg: dict[str
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub markdown table; floats with 4 decimals below 1, 3 below 10, else 2; ``None`` a dash."""
-    def cell(x: Any) -> str:
-        if x is None or (isinstance(x, float) and math.isnan(x)):
-            return "—"
-        if isinstance(x, float):
+    """The registry's markdown table with floats at 4 decimals below 1, 3 below 10, else 2 (``None`` a dash)."""
+    def cell(x: Any) -> Any:
+        if isinstance(x, float) and not math.isnan(x):
             return f"{x:.4f}" if abs(x) < 1 else f"{x:.3f}" if abs(x) < 10 else f"{x:.2f}"
-        return str(x)
+        return x
 
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
-    return "\n".join(lines)
+    return registry_table(header, [[cell(x) for x in row] for row in rows])
 
 
 def bar_figure(labels: Sequence[str], panels: dict[str, Sequence[float]], title: str):
