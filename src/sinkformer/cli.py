@@ -7,6 +7,7 @@ the work itself lives in the library modules.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -47,13 +48,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
         given = [flag for flag, value in (("--full", args.full), ("--data", args.data), ("--set", args.set)) if value]
         if given:
             raise ValueError(f"{', '.join(given)} only apply to a single experiment: sinkformer run NAME {' '.join(given)} ...")
+        if args.jobs is not None and args.jobs < 1:
+            raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     else:
+        if args.jobs is not None:
+            raise ValueError("--jobs only applies to the suite (sinkformer run without NAME)")
         overrides = parse_overrides(args.set or [], get(args.name).defaults)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads or (threads if args.full else 1))
     try:
         if args.name is None:
-            path = run_suite(args.runs_dir, seeds=args.seeds)
+            jobs = args.jobs or min(2, os.cpu_count() or 1)
+            path = run_suite(args.runs_dir, seeds=args.seeds, jobs=jobs)
             print(f"summary report: {path.resolve()}\n                {path.with_suffix('.html').resolve()}")
             return 0
         ctx = run_experiment(
@@ -146,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="torch CPU threads; None = 1 for quick runs (their small models gain little from more "
                           "threads and slow down sharply when other processes share the cores), torch's default "
                           "for --full")
+    run.add_argument("--jobs", type=int, default=None,
+                     help="without NAME: experiments run at once, one process each (default: min(2, CPU cores))")
     run.set_defaults(func=_cmd_run)
 
     train = sub.add_parser(

@@ -1,5 +1,6 @@
 """The summary suite (`sinkformer run` with no name), its HTML report and the `run` command."""
 
+import os
 import re
 import time
 from pathlib import Path
@@ -86,26 +87,45 @@ def test_suite_refuses_unknown_names(tmp_path):
 def test_run_without_a_name_runs_the_suite(tmp_path, monkeypatch, capsys):
     calls = []
 
-    def fake_suite(runs_dir, *, seeds=None):
-        calls.append((runs_dir, seeds, torch.get_num_threads()))
+    def fake_suite(runs_dir, *, seeds=None, jobs=1):
+        calls.append((runs_dir, seeds, torch.get_num_threads(), jobs))
         out = Path(runs_dir) / "summary" / "x" / "report.md"
-        out.parent.mkdir(parents=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("# summary")
         return out
 
     monkeypatch.setattr(suite, "run_suite", fake_suite)
     threads = torch.get_num_threads()
     assert main(["run", "--runs-dir", str(tmp_path), "--seeds", "2"]) == 0
-    assert calls == [(str(tmp_path), 2, 1)]  # quick runs use one thread ...
+    assert calls == [(str(tmp_path), 2, 1, min(2, os.cpu_count()))]  # quick runs use one thread, on 2 processes ...
     assert torch.get_num_threads() == threads  # ... and the caller's setting comes back
     out = capsys.readouterr().out
     assert f"summary report: {tmp_path.resolve()}/summary/x/report.md" in out and "report.html" in out
+    assert main(["run", "--runs-dir", str(tmp_path), "--jobs", "3"]) == 0
+    assert calls[-1][-1] == 3
+
+
+def test_parallel_suite_runs_in_worker_processes_and_reports_in_registry_order(tmp_path):
+    lines = []
+    # limits of 3 s: normalizations' quick form finishes, a large riccati is stopped inside its worker
+    path = suite.run_suite(tmp_path, names=["riccati", "normalizations"], jobs=2, limit_factor=0.1, min_limit=3.0,
+                           overrides={"riccati": {"n_particles": 200_000, "steps": 5000}}, echo=lines.append)
+    text = path.read_text()
+    assert "in each of 2 processes" in text
+    overview = text.split("## Overview")[1]
+    assert overview.index("riccati") < overview.index("normalizations")  # registry order, not finishing order
+    assert "**failed**" in overview and "ExperimentTimeout" in text  # the limit works inside a worker
+    assert any(line.startswith("normalizations: done in") for line in lines)
+    assert any(line.startswith("started riccati") for line in lines)
+    assert (tmp_path / "normalizations").is_dir()
 
 
 @pytest.mark.parametrize("argv, message", [
     (["run", "--full"], "--full only apply to a single experiment"),
     (["run", "--set", "seed=1"], "--set only apply to a single experiment"),
     (["run", "normalizations", "--threads", "0"], "--threads must be >= 1, got 0"),
+    (["run", "--jobs", "0"], "--jobs must be >= 1, got 0"),
+    (["run", "normalizations", "--jobs", "2"], "--jobs only applies to the suite"),
     (["run", "normalizations", "--set", "nope=1"], "--set nope: unknown option"),
 ])
 def test_run_errors_are_one_line(argv, message, capsys):

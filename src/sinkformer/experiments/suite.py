@@ -13,11 +13,17 @@ in its quick configuration on embedded data (one after the other, with its progr
 An experiment that fails is recorded with its error and the suite goes on with the next one; so
 is one that runs past its time limit (``limit_factor`` × its expected quick run time, at least
 ``min_limit`` seconds), which keeps the suite's total bounded.
+
+With ``jobs > 1`` the experiments run in that many worker processes at once (longest expected first;
+each worker keeps the parent's torch thread count, so quick runs use one thread per core), and the
+report lists them in registry order as always. The workers' own progress bars would overwrite each
+other, so they are switched off and one bar shows experiments done, elapsed time and what is running.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import multiprocessing
 import os
 import re
 import signal
@@ -25,6 +31,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +68,7 @@ def run_suite(
     overrides: dict[str, dict[str, Any]] | None = None,
     limit_factor: float | None = 3.0,
     min_limit: float = 120.0,
+    jobs: int = 1,
     echo=print,
 ) -> Path:
     """Run the quick form of the experiments ``names`` (default: all registered) and write the summary.
@@ -71,6 +79,8 @@ def run_suite(
         overrides: per experiment name, configuration overrides (as ``run_experiment(overrides=)``).
         limit_factor, min_limit: an experiment is stopped (and reported as failed) after
             ``max(min_limit, limit_factor * 60 * quick_minutes)`` seconds; ``None``: no limit.
+        jobs: experiments run at once, each in its own process (1: one after the other, in this
+            process; experiments registered at run time, as in tests, exist only here).
         echo: where progress lines go.
 
     Returns the path of the summary ``report.md``.
@@ -80,32 +90,31 @@ def run_suite(
     unknown = [n for n in names if n not in experiments]
     if unknown:
         raise ValueError(f"unknown experiment(s) {', '.join(unknown)}; valid names: {', '.join(experiments)}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
     started, clock = _dt.datetime.now(), time.perf_counter()
     summary_dir = _new_run_dir(Path(runs_dir) / "summary")
     expected = sum(experiments[n].quick_minutes for n in names)
-    echo(f"sinkformer run: {len(names)} experiments, quick form on embedded data (expected about {expected:.1f} min)")
-    entries = []
-    for i, name in enumerate(names, 1):
-        exp = experiments[name]
-        echo(f"\n[{i}/{len(names)}] {name} — {exp.paper}: {exp.description} (expected {exp.quick_minutes:g} min)")
-        start = time.perf_counter()
-        limit = None if limit_factor is None else max(min_limit, limit_factor * 60 * exp.quick_minutes)
-        try:
-            with _time_limit(limit):
-                ctx = run_experiment(name, seeds=seeds, overrides=(overrides or {}).get(name), runs_dir=runs_dir)
-        except Exception as err:  # one failing experiment must not stop the others
-            entry = SuiteEntry(name, exp.paper, exp.quick_minutes, time.perf_counter() - start,
-                               error=f"{type(err).__name__}: {err}\n\n{traceback.format_exc(limit=-6)}")
-            echo(f"[{i}/{len(names)}] {name}: FAILED after {entry.seconds:.0f} s: {type(err).__name__}: {err}")
-        else:
-            entry = SuiteEntry(name, exp.paper, exp.quick_minutes, time.perf_counter() - start, ctx.out_dir,
-                               results=ctx.results)
-            echo(f"[{i}/{len(names)}] {name}: done in {entry.seconds:.0f} s -> {ctx.out_dir / 'report.md'}")
-        finally:
-            _close_figures()
-        entries.append(entry)
-        echo(f"    elapsed {_minutes(time.perf_counter() - clock)} of the suite")
-    markdown = summary_markdown(entries, summary_dir, started, time.perf_counter() - clock)
+    echo(f"sinkformer run: {len(names)} experiments, quick form on embedded data (expected about {expected:.1f} min"
+         + (f" of work on {jobs} processes)" if jobs > 1 else ")"))
+
+    def limit_of(name: str) -> float | None:
+        return None if limit_factor is None else max(min_limit, limit_factor * 60 * experiments[name].quick_minutes)
+
+    def task(name: str) -> tuple:
+        return name, seeds, (overrides or {}).get(name), runs_dir, limit_of(name)
+
+    if jobs == 1:
+        entries = []
+        for i, name in enumerate(names, 1):
+            exp = experiments[name]
+            echo(f"\n[{i}/{len(names)}] {name} — {exp.paper}: {exp.description} (expected {exp.quick_minutes:g} min)")
+            entries.append(_run_one(*task(name)))
+            echo(f"[{i}/{len(names)}] {_outcome(entries[-1])}")
+            echo(f"    elapsed {_minutes(time.perf_counter() - clock)} of the suite")
+    else:
+        entries = _run_parallel(names, task, jobs, clock, echo)
+    markdown = summary_markdown(entries, summary_dir, started, time.perf_counter() - clock, jobs=jobs)
     _atomic_write(summary_dir / "report.html", render_html(markdown, summary_dir, "sinkformer: summary of the experiments"))
     path = _atomic_write(summary_dir / "report.md", markdown)
     failed = [e.name for e in entries if not e.ok]
@@ -114,7 +123,82 @@ def run_suite(
     return path
 
 
-def summary_markdown(entries: list[SuiteEntry], summary_dir: Path, started: _dt.datetime, seconds: float) -> str:
+def _run_one(name: str, seeds: int | None, overrides: dict | None, runs_dir, limit: float | None) -> SuiteEntry:
+    """Run one experiment under its time limit; a failure becomes an entry with the error."""
+    exp = registry()[name]
+    start = time.perf_counter()
+    try:
+        with _time_limit(limit):
+            ctx = run_experiment(name, seeds=seeds, overrides=overrides, runs_dir=runs_dir)
+    except Exception as err:  # one failing experiment must not stop the others
+        return SuiteEntry(name, exp.paper, exp.quick_minutes, time.perf_counter() - start,
+                          error=f"{type(err).__name__}: {err}\n\n{traceback.format_exc(limit=-6)}")
+    finally:
+        _close_figures()
+    return SuiteEntry(name, exp.paper, exp.quick_minutes, time.perf_counter() - start, ctx.out_dir, results=ctx.results)
+
+
+def _outcome(entry: SuiteEntry) -> str:
+    if entry.ok:
+        return f"{entry.name}: done in {entry.seconds:.0f} s -> {entry.out_dir / 'report.md'}"
+    return f"{entry.name}: FAILED after {entry.seconds:.0f} s: {entry.error.splitlines()[0]}"
+
+
+def _init_worker(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _run_parallel(names: list[str], task, jobs: int, clock: float, echo) -> list[SuiteEntry]:
+    """Run ``names`` on ``jobs`` spawned processes, longest expected first; entries in ``names`` order.
+
+    Progress lines go above the bar (``tqdm.write``) when ``echo`` is ``print``, else to ``echo``."""
+    import torch
+    from tqdm import tqdm
+
+    experiments = registry()
+    queue = sorted(names, key=lambda n: -experiments[n].quick_minutes)
+    done: dict[str, SuiteEntry] = {}
+    context = multiprocessing.get_context("spawn")  # no fork of a process that has started torch's threads
+    with _environment(TQDM_DISABLE="1"), ProcessPoolExecutor(
+        jobs, mp_context=context, initializer=_init_worker, initargs=(torch.get_num_threads(),)
+    ) as pool, tqdm(total=len(names), desc="experiments", unit="exp", dynamic_ncols=True) as bar:
+        say = bar.write if echo is print else echo
+        running = {}
+        while queue or running:
+            while queue and len(running) < jobs:
+                name = queue.pop(0)
+                running[pool.submit(_run_one, *task(name))] = name
+                say(f"started {name} — {experiments[name].paper} (expected {experiments[name].quick_minutes:g} min)")
+            bar.set_postfix_str(f"running: {', '.join(sorted(running.values()))}", refresh=False)
+            finished, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
+            for future in finished:
+                name = running.pop(future)
+                entry = done[name] = future.result()
+                say(f"{_outcome(entry)}  (suite elapsed {_minutes(time.perf_counter() - clock)})")
+                bar.update(1)
+            bar.refresh()
+    return [done[n] for n in names]
+
+
+@contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """Set environment variables for the block (inherited by processes started in it)."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def summary_markdown(entries: list[SuiteEntry], summary_dir: Path, started: _dt.datetime, seconds: float,
+                     jobs: int = 1) -> str:
     """The summary report: overview, findings, failures, then each experiment's report."""
     import torch
 
@@ -130,7 +214,7 @@ def summary_markdown(entries: list[SuiteEntry], summary_dir: Path, started: _dt.
         "# sinkformer: the papers' experiments, quick form",
         f"*Produced by `sinkformer run` on {started:%Y-%m-%d %H:%M}: {len(entries)} experiments in "
         f"{_minutes(seconds)} on {os.cpu_count()} CPU core(s), torch {torch.__version__} with "
-        f"{torch.get_num_threads()} thread(s). Quick configurations on embedded data: small models, few epochs — "
+        f"{torch.get_num_threads()} thread(s){f' in each of {jobs} processes' if jobs > 1 else ''}. Quick configurations on embedded data: small models, few epochs — "
         f"they test the direction of each finding, not the papers' numbers (`sinkformer run NAME --full --data PATH` "
         f"runs a paper's configuration).*",
         "## Overview",
