@@ -259,7 +259,7 @@ class _Problem:
     def build(cls, scores: Tensor, mask: Tensor | None, a: Tensor | None, b: Tensor | None) -> "_Problem":
         x = scores.to(compute_dtype(scores.dtype))
         shape = x.shape
-        n, m = shape[-2], shape[-1]
+        m = shape[-1]
         a = _check_marginal(a, "row_marginals", shape[:-1], x.dtype)
         b = _check_marginal(b, "col_marginals", shape[:-2] + (m,), x.dtype)
 

@@ -52,7 +52,7 @@ def _check_run_folder(ctx, figure: str) -> tuple[dict, str]:
     assert (ctx.out_dir / f"{figure}.png").stat().st_size > 10_000  # a real plot, not an empty canvas
     results = json.loads((ctx.out_dir / "results.json").read_text())
     report = (ctx.out_dir / "report.md").read_text()
-    assert f"![" in report and f"({figure}.png)" in report
+    assert "![" in report and f"({figure}.png)" in report
     assert results["finding"]["this_run"] in report and results["finding"]["paper"] in report
     assert results["finding"]["reproduced"] in (True, False, None)
     html = (ctx.out_dir / "report.html").read_text()

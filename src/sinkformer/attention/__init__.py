@@ -11,7 +11,7 @@ import types
 from .functional import COSTS, NORMALIZATIONS, attention
 from .sparse import SparseSinkhornAttention, sparse_sinkhorn_attention  # Sparse Sinkhorn Attention (issue 7)
 
-__all__ = ["attention", "NORMALIZATIONS", "COSTS"]
+__all__ = ["attention", "NORMALIZATIONS", "COSTS", "SparseSinkhornAttention", "sparse_sinkhorn_attention"]
 
 
 class _CallableModule(types.ModuleType):
