@@ -79,6 +79,14 @@ def test_an_experiment_past_its_time_limit_is_stopped_and_reported(tmp_path, mon
     assert "| [normalizations](" in report  # the next experiment ran
 
 
+
+def test_parallel_suite_reports_a_task_its_worker_could_not_run(tmp_path):
+    # a lambda cannot be sent to a spawned worker: the experiment fails, the suite still reports
+    path = suite.run_suite(tmp_path, names=["normalizations"], jobs=2,
+                           overrides={"normalizations": {"seed": lambda: 0}}, echo=lambda line: None)
+    text = path.read_text()
+    assert "**failed**" in text and "the worker process could not run it" in text
+
 def test_suite_refuses_unknown_names(tmp_path):
     with pytest.raises(ValueError, match="unknown experiment\\(s\\) nope; valid names: "):
         suite.run_suite(tmp_path, names=["nope"])

@@ -169,13 +169,19 @@ def _run_parallel(names: list[str], task, jobs: int, clock: float, echo) -> list
         while queue or running:
             while queue and len(running) < jobs:
                 name = queue.pop(0)
-                running[pool.submit(_run_one, *task(name))] = name
+                running[pool.submit(_run_one, *task(name))] = name, time.perf_counter()
                 say(f"started {name} — {experiments[name].paper} (expected {experiments[name].quick_minutes:g} min)")
-            bar.set_postfix_str(f"running: {', '.join(sorted(running.values()))}", refresh=False)
+            bar.set_postfix_str(f"running: {', '.join(sorted(name for name, _ in running.values()))}", refresh=False)
             finished, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
             for future in finished:
-                name = running.pop(future)
-                entry = done[name] = future.result()
+                name, start = running.pop(future)
+                try:
+                    entry = future.result()
+                except Exception as err:  # the task never ran to an entry: worker killed, unpicklable task, ...
+                    exp = experiments[name]
+                    entry = SuiteEntry(name, exp.paper, exp.quick_minutes, time.perf_counter() - start,
+                                       error=f"the worker process could not run it: {type(err).__name__}: {err}")
+                done[name] = entry
                 say(f"{_outcome(entry)}  (suite elapsed {_minutes(time.perf_counter() - clock)})")
                 bar.update(1)
             bar.refresh()
