@@ -7,10 +7,10 @@
 """
 
 from . import attention
-from .sinkhorn import SinkhornResult, sinkhorn
+from .sinkhorn import SinkhornConvergenceWarning, SinkhornResult, sinkhorn
 from . import nn
 from .nn.convert import convert
 
 __version__ = "0.1.0"
 
-__all__ = ["sinkhorn", "SinkhornResult", "attention", "nn", "convert", "__version__"]
+__all__ = ["sinkhorn", "SinkhornResult", "SinkhornConvergenceWarning", "attention", "nn", "convert", "__version__"]

@@ -18,12 +18,17 @@ __all__ = [
     "check_positive_int",
     "broadcastable",
     "compute_dtype",
+    "check_qkv",
 ]
 
 
-def _skip_data_checks() -> bool:
-    """Data-dependent checks (NaN scans) would break graph capture; skip them there."""
-    return torch.jit.is_tracing() or torch.compiler.is_compiling()
+def _skip_data_checks(t: torch.Tensor | None = None) -> bool:
+    """Data-dependent checks (NaN scans) would break graph capture, and on a GPU they would
+    synchronise with the host: skip them there (non-finite values then propagate, as in
+    PyTorch's own kernels)."""
+    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return True
+    return t is not None and t.device.type not in ("cpu", "meta")
 
 
 def check_tensor(
@@ -52,8 +57,10 @@ def check_tensor(
 
 
 def check_finite(x: torch.Tensor, name: str, *, allow_neg_inf: bool = False) -> None:
-    """Raise ``ValueError`` if ``x`` holds NaN (or +inf; -inf too unless ``allow_neg_inf``)."""
-    if _skip_data_checks():
+    """Raise ``ValueError`` if ``x`` holds NaN (or +inf; -inf too unless ``allow_neg_inf``).
+
+    Skipped under graph capture and for GPU tensors (see :func:`_skip_data_checks`)."""
+    if _skip_data_checks(x):
         return
     if not allow_neg_inf and bool(torch.isfinite(x.sum())):  # one cheap pass in the common case
         return
@@ -92,3 +99,24 @@ def broadcastable(shape: Sequence[int], target: Sequence[int]) -> bool:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Internal arithmetic precision: float32 at least, float64 when given."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Queries ``(..., n_q, d)``, keys ``(..., n_k, d)``, values ``(..., n_k, d_v)``: floating, one
+    dtype, batch dimensions that broadcast, finite values."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(t, name, min_dim=2, floating=True)
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same last dimension d, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"k and v must have the same length n_k (dim -2), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    try:
+        torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except RuntimeError:
+        raise ValueError(
+            f"q, k and v batch dimensions must broadcast, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        ) from None
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_finite(t, name)

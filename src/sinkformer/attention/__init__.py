@@ -1,17 +1,39 @@
-"""Attention as a function of ``(q, k, v)``.
+"""Attention as a function of ``(q, k, v)``: functions only (modules live in :mod:`sinkformer.nn`).
 
 ``sinkformer.attention`` is this package *and* a callable: ``sinkformer.attention(q, k, v, ...)``
 runs :func:`sinkformer.attention.functional.attention` (SoftMax, Sinkhorn, linear, sigmoid,
-ReLU; dot or L2 cost), while submodules hold the variants (masks, fast Sinkhorn, sparse).
+ReLU; dot or L2 cost) on the engine chosen by :mod:`.backends`; :func:`explain` tells which.
+Submodules: :mod:`.masks`, :mod:`.backends`, :mod:`.sparse` (functional Sparse Sinkhorn
+Attention), :mod:`.sparse_baselines` (local and strided attention).
 """
 
+import inspect
 import sys
 import types
 
-from .functional import COSTS, NORMALIZATIONS, attention
-from .sparse import SparseSinkhornAttention, sparse_sinkhorn_attention  # Sparse Sinkhorn Attention (issue 7)
+from .backends import BACKENDS, ENGINES, Choice
+from .functional import COSTS, NORMALIZATIONS, attention, explain
+from .sparse import sparse_sinkhorn_attention
 
-__all__ = ["attention", "NORMALIZATIONS", "COSTS", "SparseSinkhornAttention", "sparse_sinkhorn_attention"]
+__all__ = [
+    "attention",
+    "explain",
+    "Choice",
+    "NORMALIZATIONS",
+    "COSTS",
+    "BACKENDS",
+    "ENGINES",
+    "sparse_sinkhorn_attention",
+]
+
+
+def __getattr__(name: str):
+    """Old import paths: the modules moved to :mod:`sinkformer.nn`."""
+    if name == "SparseSinkhornAttention":
+        from ..nn.sparse import SparseSinkhornAttention
+
+        return SparseSinkhornAttention
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _CallableModule(types.ModuleType):
@@ -22,3 +44,4 @@ class _CallableModule(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _CallableModule
+sys.modules[__name__].__signature__ = inspect.signature(attention)

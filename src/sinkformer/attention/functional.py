@@ -15,30 +15,35 @@ with the cost :math:`c` either ``"dot"`` (:math:`q\cdot k`) or ``"l2"``
 * ``"linear"``, ``"sigmoid"``, ``"relu"``: :math:`P_{ij} = \sigma(S_{ij})\,w_j` with
   :math:`\sigma` the identity, the logistic function or :math:`\max(\cdot,0)` — not
   normalised, the integral against the key measure :math:`w` (uniform over non-padding keys
-  by default), as in Castin et al. §2 and ``FORMULAS.md`` §1.2/§1.5.
+  by default), as in Castin et al. §2 (``docs/theory.md``).
+
+The engine that computes a call is chosen by :mod:`.backends` (``backend="auto"``) or named
+(``backend="tiled"``, ...); :func:`explain` says which and why.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._validation import check_choice, check_finite, check_positive_int, check_tensor, compute_dtype
+from .._validation import _skip_data_checks, check_choice, check_positive_int, check_qkv, check_tensor, compute_dtype
+from .._validation import check_finite
 from ..sinkhorn import sinkhorn
+from ..sinkhorn.problem import check_iterations, check_scale, flatten
+from ..sinkhorn.streamed import streamed_attention
+from ..sinkhorn.tiled import tiled_attention
+from .backends import BACKENDS, Call, Choice, choose
 from .masks import align_to_batch, combine_masks
-from .sinkhorn_fast import sinkhorn_attention
-from .streaming import streamed_sinkhorn_attention
 
-__all__ = ["attention", "NORMALIZATIONS", "COSTS"]
+__all__ = ["attention", "explain", "NORMALIZATIONS", "COSTS", "BACKWARDS", "BACKENDS"]
 
 NORMALIZATIONS = ("softmax", "sinkhorn", "linear", "sigmoid", "relu")
 COSTS = ("dot", "l2")
 BACKWARDS = ("unrolled", "implicit")
-#: Above this many score entries per matrix, Sinkhorn attention switches to the chunked mode.
-STREAM_ABOVE = 1 << 24
 
 _POINTWISE = {"linear": lambda s: s, "sigmoid": torch.sigmoid, "relu": torch.relu}
 
@@ -51,6 +56,7 @@ def attention(
     normalization: str = "sinkhorn",
     n_iters: int | None = 5,
     tol: float | None = None,
+    max_iters: int = 1000,
     cost: str = "dot",
     scale: float | None = None,
     attn_mask: Tensor | None = None,
@@ -62,26 +68,34 @@ def attention(
     dropout_p: float = 0.0,
     return_weights: bool = False,
     backward: str = "unrolled",
+    backend: str = "auto",
     chunk_size: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention with SoftMax, Sinkhorn or unnormalised weights.
 
     Args:
         q: ``(..., n_q, d)`` queries. k: ``(..., n_k, d)`` keys. v: ``(..., n_k, d_v)`` values.
-            Batch dimensions broadcast.
+            Batch dimensions broadcast. Empty shapes are allowed (a query without keys gives 0).
         normalization: ``"sinkhorn"`` (default), ``"softmax"``, ``"linear"``, ``"sigmoid"``
             or ``"relu"``.
-        n_iters: Sinkhorn normalisations (1 = SoftMax); ``None`` with ``tol`` to iterate to
-            convergence. Ignored by the other normalisations.
-        tol: Sinkhorn marginal tolerance (requires ``n_iters=None``).
+        n_iters: Sinkhorn normalisations (1 = SoftMax, odd counts end row-stochastic). Must be
+            ``None`` when ``tol`` is given. Ignored by the other normalisations.
+        tol: a finite number > 0: each matrix iterates, ending on a row update, until its
+            column error :math:`\\max_j|\\sum_i P_{ij} - b_j|` is <= ``tol``; one that does not
+            within ``max_iters`` normalisations emits a
+            :class:`~sinkformer.SinkhornConvergenceWarning` stating the error reached.
+        max_iters: cap on Sinkhorn normalisations with ``tol``.
         cost: ``"dot"`` (:math:`q\\cdot k`) or ``"l2"`` (:math:`-|q-k|^2/2`).
-        scale: multiplies the cost; default :math:`1/\\sqrt d`.
+        scale: a finite float multiplying the cost; default :math:`1/\\sqrt d` (1 when ``d = 0``).
         attn_mask: bool (True = take part) or float (added to the scores), broadcastable to
             ``(..., n_q, n_k)`` — as in ``scaled_dot_product_attention``.
         key_padding_mask: ``(*batch_prefix, n_k)`` bool, True = padding key.
         query_padding_mask: ``(*batch_prefix, n_q)`` bool, True = padding query: its row is
             zero and, for Sinkhorn, it takes no part in the column normalisation.
-        is_causal: add the causal mask ``j <= i`` (top-left aligned, as SDPA).
+        is_causal: the causal mask ``j <= i`` (top-left aligned, as SDPA). Sinkhorn with
+            ``n_iters >= 2`` (or ``tol``) raises under it, and under an ``attn_mask`` that is
+            causal: the column normalisation sums over all queries, so past outputs would
+            depend on future tokens.
         key_weights: ``(*batch_prefix, n_k)`` non-negative weights of the key measure
             (normalised here); default uniform. Used by the dynamics toolkit.
         query_weights: ``(*batch_prefix, n_q)`` weights of the query measure (Sinkhorn's row
@@ -90,44 +104,151 @@ def attention(
         return_weights: also return the ``(..., n_q, n_k)`` weights (before dropout).
         backward: Sinkhorn gradient: ``"unrolled"`` (exact gradient of the ``n_iters`` map) or
             ``"implicit"`` (implicit function theorem at the balanced fixed point; use with
-            ``tol=`` or many iterations).
-
-        chunk_size: Sinkhorn only: stream over blocks of ``chunk_size`` queries (each against all
-            keys) so that no ``n_q × n_k`` matrix exists; memory grows linearly in the length.
-            Chosen automatically when ``n_q * n_k`` exceeds :data:`STREAM_ABOVE`.
-
-    Sinkhorn attention without ``return_weights``, dropout or measure weights runs the fast path
-    of :mod:`sinkformer.attention.sinkhorn_fast` (custom autograd, no stored score matrix), or its
-    chunked form :mod:`sinkformer.attention.streaming`; ``n_iters=1`` and ``"softmax"`` run
-    PyTorch's SDPA kernel.
+            ``tol=``; warns when the matrix is not balanced).
+        backend: the engine: ``"auto"`` (default: the rules of
+            :mod:`sinkformer.attention.backends`), ``"sdpa"``, ``"dense"``, ``"tiled"`` or
+            ``"streamed"``. A forced engine that cannot serve the call raises ``ValueError``
+            with the reason; :func:`explain` tells which engine a call uses and why.
+        chunk_size: query rows per block of the streamed engine (implies it).
 
     Returns:
         ``(..., n_q, d_v)`` output in the dtype of ``q`` (and the weights if asked).
+        Computation runs in float32 (float64 for float64 inputs).
+
+    Example:
+        >>> q = k = v = torch.randn(2, 4, 16, 8)
+        >>> out, W = attention(q, k, v, n_iters=None, tol=1e-5, return_weights=True)
+        >>> bool((W.sum(-2) - 1).abs().max() < 1e-5)
+        True
     """
-    _check_qkv(q, k, v)
+    return _prepare(
+        q, k, v, normalization=normalization, n_iters=n_iters, tol=tol, max_iters=max_iters, cost=cost, scale=scale,
+        attn_mask=attn_mask, key_padding_mask=key_padding_mask, query_padding_mask=query_padding_mask,
+        is_causal=is_causal, key_weights=key_weights, query_weights=query_weights, dropout_p=dropout_p,
+        return_weights=return_weights, backward=backward, backend=backend, chunk_size=chunk_size,
+    ).run()
+
+
+def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Choice:
+    """Which engine :func:`attention` would use for these arguments, and why (nothing is computed).
+
+    Takes exactly the arguments of :func:`attention`; returns a
+    :class:`~sinkformer.attention.backends.Choice` (``.engine``, ``.reason``; ``str()`` reads
+    ``"tiled: Sinkhorn on cached tiles, O(n) saved per slice"``). Raises as :func:`attention` does.
+    """
+    return _prepare(q, k, v, **kwargs).choice
+
+
+@dataclass
+class _Prepared:
+    """A validated call: inputs in compute precision, masks combined, engine chosen."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    batch: tuple[int, ...]
+    keep: Tensor | None
+    bias: Tensor | None
+    wk: Tensor | None
+    wq: Tensor | None
+    scale: float
+    options: dict
+    out_dtype: torch.dtype
+    choice: Choice
+    key_padding_mask: Tensor | None
+
+    def run(self) -> Tensor | tuple[Tensor, Tensor]:
+        n_q, n_k, d_v = self.q.shape[-2], self.k.shape[-2], self.v.shape[-1]
+        if n_k == 0 or n_q == 0 or d_v == 0 or math.prod(self.batch) == 0:
+            return self._empty()
+        engine = self.choice.engine
+        if engine == "sdpa":
+            out = _sdpa(self.q, self.k, self.v, self.keep, self.bias, self.scale, self.options["dropout_p"])
+            return out.to(self.out_dtype)
+        if engine == "dense":
+            return self._dense()
+        opts = self.options
+        qf, kf, vf = flatten(self.q, self.batch, n_q), flatten(self.k, self.batch, n_k), flatten(self.v, self.batch, n_k)
+        common = dict(batch=self.batch, scale=self.scale, n_iters=opts["n_iters"], tol=opts["tol"],
+                      max_iters=opts["max_iters"], keep=self.keep, bias=self.bias)
+        if engine == "tiled":
+            out = tiled_attention(qf, kf, vf, backward=opts["backward"], dropout_p=opts["dropout_p"], **common)
+        else:
+            out = streamed_attention(qf, kf, vf, chunk_size=opts["chunk_size"], **common)
+        return out.reshape(self.batch + (n_q, d_v)).to(self.out_dtype)
+
+    def _empty(self) -> Tensor | tuple[Tensor, Tensor]:
+        """No key, no query or no value dimension: zeros (connected to the inputs, zero gradients)."""
+        zero = 0.0 * (self.q.sum() + self.k.sum() + self.v.sum())
+        out = (self.q.new_zeros(self.batch + (self.q.shape[-2], self.v.shape[-1])) + zero).to(self.out_dtype)
+        if not self.options["return_weights"]:
+            return out
+        weights = self.q.new_zeros(self.batch + (self.q.shape[-2], self.k.shape[-2])) + zero
+        return out, weights.to(self.out_dtype)
+
+    def _dense(self) -> Tensor | tuple[Tensor, Tensor]:
+        """The weights materialised: SoftMax, Sinkhorn (the reference) or pointwise."""
+        q, k, v, opts = self.q, self.k, self.v, self.options
+        scores = self.scale * (q @ k.transpose(-1, -2))
+        if opts["cost"] == "l2":
+            scores = scores - (self.scale / 2) * (q.square().sum(-1, keepdim=True) + k.square().sum(-1).unsqueeze(-2))
+        if self.bias is not None:
+            scores = scores + self.bias
+        normalization = opts["normalization"]
+        if normalization == "softmax":
+            weights = sinkhorn(_add_log(scores, self.wk), 1, mask=self.keep)
+        elif normalization == "sinkhorn":
+            weights = _sinkhorn(scores, self.keep, self.wk, self.wq, opts["n_iters"], opts["tol"], opts["max_iters"])
+        else:
+            wk = self.wk
+            if wk is None:
+                wk = _uniform_keys(self.key_padding_mask, self.batch, k.shape[-2], q.dtype, q.device)
+            weights = _POINTWISE[normalization](scores) * wk.unsqueeze(-2)
+            if self.keep is not None:
+                weights = weights.masked_fill(~self.keep, 0.0)
+        dropped = F.dropout(weights, opts["dropout_p"]) if opts["dropout_p"] > 0 else weights
+        out = (dropped @ v).to(self.out_dtype)
+        return (out, weights.to(self.out_dtype)) if opts["return_weights"] else out
+
+
+def _prepare(
+    q: Tensor, k: Tensor, v: Tensor, *, normalization: str = "sinkhorn", n_iters: int | None = 5,
+    tol: float | None = None, max_iters: int = 1000, cost: str = "dot", scale: float | None = None,
+    attn_mask: Tensor | None = None, key_padding_mask: Tensor | None = None, query_padding_mask: Tensor | None = None,
+    is_causal: bool = False, key_weights: Tensor | None = None, query_weights: Tensor | None = None,
+    dropout_p: float = 0.0, return_weights: bool = False, backward: str = "unrolled", backend: str = "auto",
+    chunk_size: int | None = None,
+) -> _Prepared:
+    """Validate a call of :func:`attention`, combine its masks and choose its engine."""
+    check_qkv(q, k, v)
     check_choice(normalization, "normalization", NORMALIZATIONS)
     check_choice(cost, "cost", COSTS)
     check_choice(backward, "backward", BACKWARDS)
-    if normalization == "sinkhorn" and tol is None:
-        check_positive_int(n_iters, "n_iters")
+    check_choice(backend, "backend", BACKENDS)
+    if normalization == "sinkhorn":
+        check_iterations(n_iters, tol, max_iters)
     if chunk_size is not None:
         check_positive_int(chunk_size, "chunk_size")
-    if not (0.0 <= dropout_p < 1.0):
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (0.0 <= dropout_p < 1.0):
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    d = q.shape[-1]
+    scale = (1.0 / math.sqrt(d) if d > 0 else 1.0) if scale is None else check_scale(scale)
     out_dtype = q.dtype
     dtype = compute_dtype(out_dtype)
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    batch = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
     n_q, n_k = q.shape[-2], k.shape[-2]
     keep, bias = combine_masks(
-        batch + (n_q, n_k),
-        attn_mask=attn_mask,
-        key_padding_mask=key_padding_mask,
-        query_padding_mask=query_padding_mask,
-        dtype=dtype,
+        batch + (n_q, n_k), attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+        query_padding_mask=query_padding_mask, dtype=dtype,
     )
+    sinkhorn_iterations = normalization == "sinkhorn" and (tol is not None or n_iters >= 2)
+    if sinkhorn_iterations and (is_causal or _is_causal_mask(attn_mask, q.shape[-2], k.shape[-2])):
+        raise ValueError(
+            f"is_causal=True (or a causal attn_mask) with Sinkhorn attention and "
+            f"{'tol=' + repr(tol) if tol is not None else f'n_iters={n_iters}'}: the column normalisation sums "
+            "over all queries, so the weights of query t would depend on the queries after t — a leak from the "
+            "future. Use n_iters=1 (exactly causal SoftMax) or normalization='softmax' for causal attention."
+        )
     if is_causal:
         causal = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
         keep = causal if keep is None else keep & causal
@@ -137,70 +258,25 @@ def attention(
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if cost == "l2" and normalization in ("softmax", "sinkhorn"):
         q, k, cost = *_l2_as_dot(q, k), "dot"
-    plain = wk is None and wq is None and not return_weights
-    if plain and (normalization == "softmax" or (normalization == "sinkhorn" and n_iters == 1 and tol is None)):
-        return _sdpa(q, k, v, keep, bias, scale, dropout_p).to(out_dtype)
-    if plain and normalization == "sinkhorn" and (bias is None or not bias.requires_grad):
-        if chunk_size is None and (n_q * n_k <= STREAM_ABOVE or dropout_p > 0):
-            out = sinkhorn_attention(
-                q, k, v, scale=scale, n_iters=n_iters, tol=tol, keep=keep, bias=bias, backward=backward,
-                dropout_p=dropout_p,
-            )
-        elif backward == "implicit" or dropout_p > 0:
-            raise ValueError(
-                f"backward={backward!r} with dropout_p={dropout_p} needs the tiled mode, not the chunked mode "
-                f"(chunk_size={chunk_size}); use backward='unrolled' and dropout_p=0 with chunk_size"
-            )
-        else:
-            out = streamed_sinkhorn_attention(
-                q, k, v, scale=scale, n_iters=n_iters, tol=tol, keep=keep, bias=bias, chunk_size=chunk_size
-            )
-        return out.to(out_dtype)
-    if backward != "unrolled":
-        raise ValueError(
-            f"backward={backward!r} needs the fast Sinkhorn path, which return_weights and key/query "
-            "weights do not take; use backward='unrolled'"
-        )
-
-    scores = scale * (q @ k.transpose(-1, -2))
-    if cost == "l2":
-        scores = scores - (scale / 2) * (q.square().sum(-1, keepdim=True) + k.square().sum(-1).unsqueeze(-2))
-    if bias is not None:
-        scores = scores + bias
-
-    if normalization == "softmax":
-        weights = sinkhorn(_add_log(scores, wk), 1, mask=keep)
-    elif normalization == "sinkhorn":
-        weights = _sinkhorn(scores, keep, wk, wq, n_iters, tol)
-    else:
-        if wk is None:
-            wk = _uniform_keys(key_padding_mask, batch, n_k, dtype, q.device)
-        weights = _POINTWISE[normalization](scores) * wk.unsqueeze(-2)
-        if keep is not None:
-            weights = weights.masked_fill(~keep, 0.0)
-
-    dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
-    out = (dropped @ v).to(out_dtype)
-    return (out, weights.to(out_dtype)) if return_weights else out
+    call = Call(
+        normalization, n_iters, tol, n_q, n_k, return_weights=return_weights,
+        measure_weights=wk is not None or wq is not None, bias_requires_grad=bias is not None and bias.requires_grad,
+        dropout_p=dropout_p, backward=backward, chunk_size=chunk_size,
+    )
+    options = dict(normalization=normalization, n_iters=n_iters, tol=tol, max_iters=max_iters, cost=cost,
+                   dropout_p=dropout_p, return_weights=return_weights, backward=backward, chunk_size=chunk_size)
+    return _Prepared(q, k, v, batch, keep, bias, wk, wq, scale, options, out_dtype, choose(call, backend),
+                     key_padding_mask)
 
 
-def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(t, name, min_dim=2, floating=True)
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must have the same last dimension d, got q {tuple(q.shape)} and k {tuple(k.shape)}")
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"k and v must have the same length n_k (dim -2), got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    try:
-        torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    except RuntimeError:
-        raise ValueError(
-            f"q, k and v batch dimensions must broadcast, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        ) from None
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_finite(t, name)
+def _is_causal_mask(attn_mask: Tensor | None, n_q: int, n_k: int) -> bool:
+    """Whether ``attn_mask`` excludes every key after its query (``j > i``) — a causal mask such as
+    ``nn.Transformer.generate_square_subsequent_mask``. Not checked under graph capture or on GPUs."""
+    if attn_mask is None or n_q < 2 or n_k < 2 or _skip_data_checks(attn_mask):
+        return False
+    future = torch.ones(n_q, n_k, dtype=torch.bool, device=attn_mask.device).triu(1)
+    excluded = ~attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
+    return bool(excluded.expand(excluded.shape[:-2] + (n_q, n_k))[..., future].all())
 
 
 def _measure(w: Tensor | None, name: str, batch: tuple[int, ...], n: int, dtype: torch.dtype) -> Tensor | None:
@@ -209,7 +285,7 @@ def _measure(w: Tensor | None, name: str, batch: tuple[int, ...], n: int, dtype:
         return None
     check_tensor(w, name, floating=True)
     check_finite(w, name)
-    if bool((w < 0).any()) or not bool((w.sum(-1) > 0).all()):
+    if not _skip_data_checks(w) and (bool((w < 0).any()) or not bool((w.sum(-1) > 0).all())):
         raise ValueError(f"{name} must be non-negative with a positive sum per sequence, got min {w.min().item():.3g}")
     w = align_to_batch(w.to(dtype), name, batch, n)
     return w / w.sum(-1, keepdim=True)
@@ -249,7 +325,8 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | N
 
 
 def _sinkhorn(
-    scores: Tensor, keep: Tensor | None, wk: Tensor | None, wq: Tensor | None, n_iters: int | None, tol: float | None
+    scores: Tensor, keep: Tensor | None, wk: Tensor | None, wq: Tensor | None, n_iters: int | None,
+    tol: float | None, max_iters: int,
 ) -> Tensor:
     """Sinkhorn weights; with measure weights the coupling is taken w.r.t. ``mu_q x mu_k``.
 
@@ -257,7 +334,7 @@ def _sinkhorn(
     the attention is :math:`\\pi_{ij}/w_{q,i}`, so that one iteration is the weighted SoftMax.
     """
     if wk is None and wq is None:
-        return sinkhorn(scores, n_iters, tol=tol, mask=keep)
+        return sinkhorn(scores, n_iters, tol=tol, max_iters=max_iters, mask=keep)
     n_q, n_k = scores.shape[-2:]
     wk = wk if wk is not None else scores.new_full((n_k,), 1.0 / n_k)
     wq = wq if wq is not None else scores.new_full((n_q,), 1.0 / n_q)
@@ -267,5 +344,6 @@ def _sinkhorn(
         tiny = torch.finfo(scores.dtype).tiny
         wq = wq / wq.sum(-1, keepdim=True).clamp_min(tiny)
         wk = wk / wk.sum(-1, keepdim=True).clamp_min(tiny)
-    plan = sinkhorn(_add_log(scores, wk), n_iters, tol=tol, mask=keep, row_marginals=wq, col_marginals=wk)
+    plan = sinkhorn(_add_log(scores, wk), n_iters, tol=tol, max_iters=max_iters, mask=keep, row_marginals=wq,
+                    col_marginals=wk)
     return plan / wq.unsqueeze(-1).clamp_min(torch.finfo(plan.dtype).tiny)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._validation import broadcastable, check_tensor
+from .._validation import _skip_data_checks, broadcastable, check_finite, check_tensor
 
 
 def align_to_batch(t: Tensor, name: str, batch: tuple[int, ...], length: int) -> Tensor:
@@ -58,10 +58,10 @@ def combine_masks(
         if attn_mask.dtype == torch.bool:
             keep = attn_mask
         elif attn_mask.is_floating_point():
-            if bool(torch.isnan(attn_mask).any()):
-                raise ValueError("attn_mask contains NaN; expected finite values or -inf")
+            check_finite(attn_mask, "attn_mask", allow_neg_inf=True)
             finite = attn_mask > float("-inf")
-            keep = None if bool(finite.all()) else finite
+            # without a data check (graph capture, GPUs) the keep mask is always formed
+            keep = finite if _skip_data_checks(attn_mask) or not bool(finite.all()) else None
             bias = attn_mask.to(dtype) if keep is None else attn_mask.to(dtype).masked_fill(~finite, 0.0)
         else:
             raise TypeError(f"attn_mask must be a bool or floating tensor, got {attn_mask.dtype}")

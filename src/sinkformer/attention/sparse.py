@@ -39,22 +39,18 @@ any ``sort_iters``. (All prefixes are balanced in one batched call: :math:`O(N_B
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from torch import Tensor, nn
+from torch import Tensor
 
-from .._validation import broadcastable, check_choice, check_positive_int, check_tensor
+from .._validation import broadcastable, check_positive_int, check_qkv, check_tensor
 from ..sinkhorn import sinkhorn
-from .functional import _check_qkv, attention
+from .functional import attention
 from .masks import align_to_batch
 
 __all__ = [
     "SORT_NETS",
-    "SortNet",
-    "SparseSinkhornAttention",
     "block_pool",
     "gumbel_noise",
     "n_blocks",
@@ -117,47 +113,6 @@ def block_pool(x: Tensor, block_size: int, *, causal: bool = False, padding_mask
     if causal:
         return x.cumsum(-2)[..., ::block_size, :]
     return to_blocks(x, block_size).sum(-2)
-
-
-class SortNet(nn.Module):
-    """:math:`P`: pooled blocks ``(B, N_B, d)`` -> sorting logits ``(B, H, N_B, max_blocks)``.
-
-    One independent network per head (§3.2.2), applied to every block (eq. 3). ``kind`` is one of
-    :data:`SORT_NETS`; two-layer networks have ``hidden`` units per head (default ``dim``, the
-    paper's :math:`W_P \\in \\mathbb R^{d\\times d}`). Linear layers are initialised like
-    :class:`torch.nn.Linear`.
-    """
-
-    def __init__(self, dim: int, max_blocks: int, heads: int, kind: str = "linear", hidden: int | None = None) -> None:
-        super().__init__()
-        check_choice(kind, "sort_net", SORT_NETS)
-        self.kind, self.max_blocks = kind, max_blocks
-        self.ops = list(reversed(kind.split("_")))  # application order, inner to outer
-        hidden = hidden or dim
-        n_linear = self.ops.count("linear")
-        sizes = [dim] + [hidden] * (n_linear - 1) + [max_blocks]
-        self.weights = nn.ParameterList(
-            nn.Parameter(torch.empty(heads, d_in, d_out)) for d_in, d_out in zip(sizes, sizes[1:])
-        )
-        self.biases = nn.ParameterList(nn.Parameter(torch.empty(heads, 1, d_out)) for d_out in sizes[1:])
-        for w, b in zip(self.weights, self.biases):
-            bound = 1.0 / math.sqrt(w.shape[1])
-            nn.init.uniform_(w, -bound, bound)
-            nn.init.uniform_(b, -bound, bound)
-
-    def extra_repr(self) -> str:
-        return f"kind={self.kind!r}, heads={self.weights[0].shape[0]}, max_blocks={self.max_blocks}"
-
-    def forward(self, pooled: Tensor) -> Tensor:
-        x = pooled.unsqueeze(-3)  # (B, 1, N_B, d): the same blocks for every head
-        layer = 0
-        for op in self.ops:
-            if op == "relu":
-                x = torch.relu(x)
-            else:
-                x = x @ self.weights[layer] + self.biases[layer]
-                layer += 1
-        return x
 
 
 def gumbel_noise(shape: torch.Size | tuple[int, ...], *, generator: torch.Generator | None = None,
@@ -261,7 +216,7 @@ def sparse_sinkhorn_attention(
     Returns:
         ``(..., n, d_v)`` in the dtype of ``q`` (and :math:`S`, ``(..., N_B, N_B)``).
     """
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     check_positive_int(block_size, "block_size")
     n = q.shape[-2]
     if k.shape[-2] != n:
@@ -323,112 +278,10 @@ def _block_keep(sorted_valid: Tensor | None, valid_blocks: Tensor | None, b: int
     return torch.cat([keep_sorted, keep_local], -1)
 
 
-class SparseSinkhornAttention(nn.Module):
-    """Multi-head Sparse Sinkhorn self-attention (batch first).
+def __getattr__(name: str):
+    """Old import paths: the modules moved to :mod:`sinkformer.nn.sparse`."""
+    if name in ("SortNet", "SparseSinkhornAttention"):
+        from ..nn import sparse
 
-    Args:
-        embed_dim: model width :math:`d`; num_heads: heads (``embed_dim`` divisible by it).
-        block_size: :math:`b`, tokens per block.
-        max_len: longest sequence accepted; fixes the SortNet output size
-            :math:`\\lceil \\text{max\\_len}/b \\rceil` (shorter inputs use its leading logits).
-        sort_iters: :math:`N_k` Sinkhorn iterations (paper's tuning set {2, 5, 10, 20}; 0 = none).
-        temperature: Gumbel-Sinkhorn :math:`\\tau` (0.75, best in §6.2). Gumbel noise is added in
-            training mode only; evaluation is deterministic.
-        sort_net: one of :data:`SORT_NETS` (``"linear"``, best in Table 8); sort_hidden: hidden
-            width of the two-layer sort nets (default ``embed_dim``).
-        causal: causal variant (§3.3): cumulative-sum pooling, causal balancing, causal local
-            attention.
-        sortcut_budget: SortCut (§3.4): attend only to the first ``sortcut_budget`` sorted blocks.
-        mixture: add vanilla attention (§3.2.3).
-        share_kv: one projection for keys and values (Table 8's :math:`K = V`).
-        dropout: dropout on attention weights; bias: biases of the projections.
-
-    ``forward(x, key_padding_mask=None, return_sort=False)``: ``x`` ``(B, n, embed_dim)``,
-    ``key_padding_mask`` ``(B, n)`` True = padding -> ``(B, n, embed_dim)`` (and the sorting
-    matrices ``(B, H, N_B, N_B)``).
-    """
-
-    def __init__(
-        self,
-        embed_dim: int,
-        num_heads: int,
-        *,
-        block_size: int,
-        max_len: int,
-        sort_iters: int = 5,
-        temperature: float = 0.75,
-        sort_net: str = "linear",
-        sort_hidden: int | None = None,
-        causal: bool = False,
-        sortcut_budget: int | None = None,
-        mixture: bool = False,
-        share_kv: bool = False,
-        dropout: float = 0.0,
-        bias: bool = True,
-    ) -> None:
-        super().__init__()
-        check_positive_int(embed_dim, "embed_dim")
-        check_positive_int(num_heads, "num_heads")
-        if embed_dim % num_heads:
-            raise ValueError(f"embed_dim must be divisible by num_heads, got {embed_dim} and {num_heads}")
-        check_positive_int(block_size, "block_size")
-        check_positive_int(max_len, "max_len")
-        check_positive_int(sort_iters, "sort_iters", minimum=0)
-        if sortcut_budget is not None:
-            check_positive_int(sortcut_budget, "sortcut_budget")
-            if causal:
-                raise ValueError("sortcut_budget cannot be used with causal=True: SortCut is encoder-only (§3.4)")
-        if not (isinstance(temperature, (int, float)) and temperature > 0):
-            raise ValueError(f"temperature must be a positive float, got {temperature!r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        self.embed_dim, self.num_heads, self.block_size, self.max_len = embed_dim, num_heads, block_size, max_len
-        self.sort_iters, self.temperature, self.causal = sort_iters, temperature, causal
-        self.sortcut_budget, self.mixture, self.share_kv, self.dropout = sortcut_budget, mixture, share_kv, dropout
-        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
-        self.k_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
-        self.v_proj = None if share_kv else nn.Linear(embed_dim, embed_dim, bias=bias)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
-        self.sort_net = SortNet(embed_dim, n_blocks(max_len, block_size), num_heads, sort_net, sort_hidden)
-
-    def extra_repr(self) -> str:
-        extras = [f"block_size={self.block_size}", f"sort_iters={self.sort_iters}", f"temperature={self.temperature}"]
-        extras += [name for name in ("causal", "mixture", "share_kv") if getattr(self, name)]
-        if self.sortcut_budget is not None:
-            extras.append(f"sortcut_budget={self.sortcut_budget}")
-        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, " + ", ".join(extras)
-
-    def forward(
-        self, x: Tensor, key_padding_mask: Tensor | None = None, return_sort: bool = False
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        check_tensor(x, "x", ndim=3, floating=True)
-        if x.shape[-1] != self.embed_dim or x.shape[1] > self.max_len:
-            raise ValueError(
-                f"x must have shape (batch, n <= max_len={self.max_len}, embed_dim={self.embed_dim}), got {tuple(x.shape)}"
-            )
-        n = x.shape[1]
-        if key_padding_mask is not None:
-            check_tensor(key_padding_mask, "key_padding_mask", dtype_bool=True)
-            if key_padding_mask.shape != x.shape[:2]:
-                raise ValueError(f"key_padding_mask must have shape {tuple(x.shape[:2])}, got {tuple(key_padding_mask.shape)}")
-        heads = lambda t: rearrange(t, "b n (h e) -> b h n e", h=self.num_heads)  # noqa: E731
-        q, k = heads(self.q_proj(x)), heads(self.k_proj(x))
-        v = k if self.v_proj is None else heads(self.v_proj(x))
-        nb = n_blocks(n, self.block_size)
-        pooled = block_pool(x, self.block_size, causal=self.causal, padding_mask=key_padding_mask)
-        logits = self.sort_net(pooled)[..., :nb]
-        out, S = sparse_sinkhorn_attention(
-            q, k, v, logits,
-            block_size=self.block_size,
-            sort_iters=self.sort_iters,
-            temperature=self.temperature,
-            causal=self.causal,
-            sortcut_budget=self.sortcut_budget,
-            mixture=self.mixture,
-            gumbel=self.training,
-            key_padding_mask=key_padding_mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            return_sort=True,
-        )
-        out = self.out_proj(rearrange(out, "b h n e -> b n (h e)"))
-        return (out, S) if return_sort else out
+        return getattr(sparse, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import torch
 from einops import rearrange
-from torch import Tensor, nn
+from torch import Tensor
 
-from .._validation import check_choice, check_positive_int, check_tensor
-from .functional import _check_qkv, attention
+from .._validation import check_positive_int, check_qkv
+from .functional import attention
 from .sparse import n_blocks, to_blocks, token_validity
 
-__all__ = ["PATTERNS", "BaselineSelfAttention", "fixed_pattern_mask", "local_attention", "sparse_transformer_attention"]
+__all__ = ["PATTERNS", "fixed_pattern_mask", "local_attention", "sparse_transformer_attention"]
 
 PATTERNS = ("full", "local", "fixed")
 
@@ -43,7 +43,7 @@ def local_attention(
     last block is padded and masked). ``key_padding_mask``: ``(*batch_prefix, n)``, True = padding.
     Returns ``(..., n, d_v)``.
     """
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     check_positive_int(block_size, "block_size")
     n = q.shape[-2]
     if k.shape[-2] != n:
@@ -90,61 +90,16 @@ def sparse_transformer_attention(
     dropout_p: float = 0.0,
 ) -> Tensor:
     """SoftMax attention restricted to :func:`fixed_pattern_mask` (shapes as :func:`local_attention`)."""
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     mask = fixed_pattern_mask(q.shape[-2], block_size=block_size, stride=stride, causal=causal, device=q.device)
     return attention(q, k, v, normalization="softmax", attn_mask=mask, key_padding_mask=key_padding_mask,
                      scale=scale, dropout_p=dropout_p)
 
 
-class BaselineSelfAttention(nn.Module):
-    """Multi-head self-attention (batch first) with a ``"full"``, ``"local"`` or ``"fixed"`` pattern.
+def __getattr__(name: str):
+    """Old import path: the module moved to :mod:`sinkformer.nn.sparse`."""
+    if name == "BaselineSelfAttention":
+        from ..nn.sparse import BaselineSelfAttention
 
-    Same interface as :class:`~sinkformer.attention.SparseSinkhornAttention`:
-    ``forward(x (B, n, D), key_padding_mask (B, n) True = padding) -> (B, n, D)``.
-    ``block_size`` is the local block (``"local"``) or Child et al.'s :math:`l` (``"fixed"``),
-    ``stride`` their :math:`c`.
-    """
-
-    def __init__(
-        self,
-        embed_dim: int,
-        num_heads: int,
-        *,
-        pattern: str = "full",
-        block_size: int = 32,
-        stride: int = 8,
-        causal: bool = False,
-        dropout: float = 0.0,
-        bias: bool = True,
-    ) -> None:
-        super().__init__()
-        check_choice(pattern, "pattern", PATTERNS)
-        check_positive_int(embed_dim, "embed_dim")
-        check_positive_int(num_heads, "num_heads")
-        if embed_dim % num_heads:
-            raise ValueError(f"embed_dim must be divisible by num_heads, got {embed_dim} and {num_heads}")
-        check_positive_int(block_size, "block_size")
-        check_positive_int(stride, "stride")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        self.embed_dim, self.num_heads, self.pattern = embed_dim, num_heads, pattern
-        self.block_size, self.stride, self.causal, self.dropout = block_size, stride, causal, dropout
-        self.qkv_proj = nn.Linear(embed_dim, 3 * embed_dim, bias=bias)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
-
-    def extra_repr(self) -> str:
-        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, pattern={self.pattern!r}, "
-                f"block_size={self.block_size}, causal={self.causal}")
-
-    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
-        check_tensor(x, "x", ndim=3, floating=True)
-        q, k, v = rearrange(self.qkv_proj(x), "b n (three h e) -> three b h n e", three=3, h=self.num_heads)
-        kw = dict(key_padding_mask=key_padding_mask, dropout_p=self.dropout if self.training else 0.0)
-        if self.pattern == "full":
-            out = attention(q, k, v, normalization="softmax", is_causal=self.causal, **kw)
-        elif self.pattern == "local":
-            out = local_attention(q, k, v, block_size=self.block_size, causal=self.causal, **kw)
-        else:
-            out = sparse_transformer_attention(q, k, v, block_size=self.block_size, stride=self.stride,
-                                               causal=self.causal, **kw)
-        return self.out_proj(rearrange(out, "b h n e -> b n (h e)"))
+        return BaselineSelfAttention
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..models._options import check_options, signature_options
+from .._options import check_options, signature_options
 from .base import KINDS, DataBundle
 from .digits import load_digits
 from .image_folder import load_image_folder

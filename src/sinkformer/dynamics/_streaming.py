@@ -9,9 +9,10 @@ For scores :math:`C_{ij} = \mathrm{scale}\,\langle q_i, k_j\rangle` and a cloud
 
 i.e. :math:`k^\infty_{ij} = \pi_{ij}/(n w_iw_j)` is bistochastic w.r.t. :math:`\mu\otimes\mu` (``FORMULAS.md`` §1.4, with
 :math:`f^{\rm F}_i = f_i - \log(n w_i)`, :math:`g^{\rm F}_j = g_j`). The marginals are scaled by ``n`` so that the
-tolerance is a relative marginal error. The sweeps are those of
-:func:`sinkformer.attention.streaming.streamed_potentials` (memory ``O(n * chunk)``); when a gradient is
-needed, the dense :func:`sinkformer.sinkhorn` is used instead (autograd through its iterations).
+tolerance is a relative marginal error. The sweeps are those of the streamed engine,
+:func:`sinkformer.sinkhorn.streamed.streamed_potentials` (memory ``O(n * chunk)``; its stop rule and
+:class:`~sinkformer.SinkhornConvergenceWarning` are those of every engine); when a gradient is needed, the
+dense engine :func:`sinkformer.sinkhorn` is used instead (autograd through its iterations).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..attention.streaming import streamed_potentials
 from ..sinkhorn import sinkhorn
+from ..sinkhorn.streamed import streamed_potentials
 
 __all__ = ["sinkhorn_potentials", "log_weights"]
 
@@ -53,10 +54,11 @@ def sinkhorn_potentials(
         chunk: query rows per block.
         warm_start: ``(..., n)`` a previous ``g``.
         symmetric: the scores are symmetric (:math:`A = K^\\top Q` symmetric); use the averaged update
-            :math:`g \\leftarrow \\tfrac12(g + f^{\\rm F})` between single row normalisations (Feydy et al. 2019).
-            Alternating updates flip the sign of the slow error mode at every step, so for a PSD
-            :math:`A` at small temperature they need :math:`O(1/\\varepsilon)` normalisations; averaging
-            cancels that mode (3911 vs 54 normalisations for 400 points, :math:`A = I/0.1`, tol 1e-8).
+            :math:`g \\leftarrow \\tfrac12(g + f^{\\rm F})` between single row normalisations (Feydy et al. 2019;
+            the streamed engine's ``symmetric=True``). Alternating updates flip the sign of the slow error mode
+            at every step, so for a PSD :math:`A` at small temperature they need :math:`O(1/\\varepsilon)`
+            normalisations; averaging cancels that mode (3911 vs 54 normalisations for 400 points,
+            :math:`A = I/0.1`, tol 1e-8).
 
     Returns:
         ``(g, normalisations, converged)``; the field uses :math:`\\mathrm{softmax}_j(C_{ij} + \\log w_j + g_j)`.
@@ -71,27 +73,16 @@ def sinkhorn_potentials(
     # zero-weight points: their key column is -inf through the bias, their query row is masked
     keep = None if bool((w > 0).all()) else (w > 0).unsqueeze(-1)
 
-    def solve(g: Tensor | None, passes: int) -> tuple[Tensor, Tensor, int, bool]:
-        return streamed_potentials(
-            q, k, scale=scale, tol=tol, max_iters=passes, row_marginals=marginals, col_marginals=marginals,
-            bias=log_w.unsqueeze(-2), keep=keep, warm_start=g, chunk_size=chunk,
-        )
-
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         # differentiable: the dense core Sinkhorn, autograd through its unrolled iterations (small N)
         scores = scale * (q @ k.transpose(-1, -2)) + log_w.unsqueeze(-2)
         res = sinkhorn(scores, None, tol=tol, max_iters=max_iters, row_marginals=marginals, col_marginals=marginals,
                        warm_start=g, return_result=True)
         g, done, converged = res.g, res.n_iters, res.converged
-    elif symmetric:
-        g = torch.zeros_like(w) if g is None else g
-        done = 0
-        while True:
-            f, _, _, converged = solve(g, 1)  # one row normalisation and the column test
-            done += 1
-            if converged or done >= max_iters:
-                break
-            g = torch.where(w > 0, 0.5 * (g + f - marginals.clamp_min(1e-300).log()), 0.0)  # average with f^F
     else:
-        _, g, done, converged = solve(g, max_iters)
+        _, g, counts, converged = streamed_potentials(
+            q, k, scale=scale, tol=tol, max_iters=max_iters, row_marginals=marginals, col_marginals=marginals,
+            bias=log_w.unsqueeze(-2), keep=keep, warm_start=g, chunk_size=chunk, symmetric=symmetric,
+        )
+        done = int(counts.max()) if counts.numel() else 0
     return g.reshape(batch + (n,)), done, bool(converged)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -170,8 +169,6 @@ def velocity(
             k_queries, k, w_heads, scale=1.0 / eps, tol=tol, max_iters=max_iters, chunk=chunk, warm_start=warm_start,
             symmetric=_symmetric_psd(interaction(Q, K)),
         )
-        if not converged:
-            warnings.warn(f"Sinkhorn did not reach tol={tol} in max_iters={max_iters} normalisations", stacklevel=2)
         key_bias = g if key_bias is None else g + key_bias
 
     outs = []

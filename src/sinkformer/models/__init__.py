@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ._options import REQUIRED, check_options, signature_options
+from .._options import REQUIRED, check_options, signature_options
 from .decoding import beam_search, greedy_decode
 from .point_cloud_transformer import PointCloudTransformer
 from .seq2seq import Seq2SeqTransformer

@@ -36,8 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from .._validation import check_choice, check_positive_int, check_tensor
-from ..attention.sparse import SparseSinkhornAttention
-from ..attention.sparse_baselines import BaselineSelfAttention
+from ..nn.sparse import BaselineSelfAttention, SparseSinkhornAttention
 from ..nn.layers import sinusoidal_positions
 
 __all__ = [

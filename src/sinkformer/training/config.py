@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from ..models._options import check_options
+from .._options import check_options
 
 __all__ = ["TrainConfig", "OPTIMIZERS", "SCHEDULES", "DECODERS"]
 

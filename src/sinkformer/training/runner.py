@@ -25,7 +25,7 @@ import yaml
 
 from ..data import DATASETS, dataset_options, get_dataset, load_dataset
 from ..models import MODELS, build_model, get_model_class, model_options
-from ..models._options import REQUIRED, check_options
+from .._options import REQUIRED, check_options
 from .config import TrainConfig
 from .distributed import broadcast_object, setup_distributed
 from .loop import Callback, TrainResult, train

@@ -262,7 +262,7 @@ def test_score_range_1e4_is_finite_and_balanced():
         (lambda: sinkhorn(torch.randn(3, 3), 2.5), TypeError, "n_iters must be an int"),
         (lambda: sinkhorn(torch.randn(3, 3), None), ValueError, "n_iters must be an int >= 1 when tol is None"),
         (lambda: sinkhorn(torch.randn(3, 3), 3, tol=1e-3), ValueError, "n_iters and tol are exclusive"),
-        (lambda: sinkhorn(torch.randn(3, 3), None, tol=-1.0), ValueError, "tol must be a positive float"),
+        (lambda: sinkhorn(torch.randn(3, 3), None, tol=-1.0), ValueError, "tol must be a finite number > 0"),
         (lambda: sinkhorn(torch.full((3, 3), float("nan")), 3), ValueError, "scores contains NaN"),
         (lambda: sinkhorn(torch.full((3, 3), float("inf")), 3), ValueError, "scores contains +inf"),
         (

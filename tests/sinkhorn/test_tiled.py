@@ -1,5 +1,5 @@
-"""The fast Sinkhorn attention path: equal to the reference, exact gradients, implicit gradients,
-O(n) saved memory, fallback for extreme scores."""
+"""The tiled engine (the default Sinkhorn path): equal to the reference, exact gradients, implicit
+gradients, O(n) saved memory, the log domain for extreme scores, dropout."""
 
 import math
 
@@ -7,8 +7,30 @@ import pytest
 import torch
 
 from sinkformer import attention, sinkhorn
-from sinkformer.attention import sinkhorn_fast
-from sinkformer.attention.sinkhorn_fast import sinkhorn_attention
+from sinkformer.sinkhorn import problem
+
+
+def sinkhorn_attention(q, k, v, *, keep=None, group_elements=None, **kw):
+    """The tiled engine through the public API; ``group_elements``: the CPU tile size (scores)."""
+    old = problem.TILE_ELEMENTS
+    problem.TILE_ELEMENTS = group_elements or old
+    try:
+        return attention(q, k, v, attn_mask=keep, backend="tiled", **kw)
+    finally:
+        problem.TILE_ELEMENTS = old
+
+
+def saved_numels(fn):
+    """Sizes of every tensor autograd keeps for the backward of ``fn()``."""
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sizes
 
 
 def reference(q, k, v, n_iters, keep=None, bias=None, scale=None, tol=None):
@@ -165,41 +187,21 @@ def test_forward_saves_no_quadratic_tensor():
     """Everything kept for the backward is O(n) per slice beyond q, k, v and the output."""
     B, n, d = 4, 64, 8
     q, k, v = (torch.randn(B, n, d, requires_grad=True) for _ in range(3))
-    out = attention(q, k, v, n_iters=21)
-    node = out.grad_fn
-    while node is not None and "SinkhornAttention" not in type(node).__name__:
-        node = node.next_functions[0][0]
-    assert node is not None
-    saved = list(node.saved_tensors)
-    for state in node.states:
-        row, col, us, vs, _ = state
-        saved += [row, col, *us, *vs]
-    biggest = max(t.numel() for t in saved)
-    assert biggest <= B * n * d  # q, k, v, out; nothing of size n * n
-    vectors = sum(t.numel() for t in saved if t.dim() <= 2)
-    assert vectors <= B * n * (21 + 3)
+    sizes = saved_numels(lambda: attention(q, k, v, n_iters=21))
+    assert max(sizes) <= B * n * max(d, 11)  # q, k, v, out, 11 scalings of each side; nothing of size n * n
+    assert sum(sizes) - 4 * B * n * d <= B * (n * (21 + 3) + 8)  # beyond q, k, v, out: O(n * n_iters) per slice
 
 
-def test_fast_path_is_used_by_default():
-    calls = []
-    original = sinkhorn_fast._SinkhornAttention.forward
-
-    def spy(ctx, *args):
-        calls.append(1)
-        return original(ctx, *args)
-
-    sinkhorn_fast._SinkhornAttention.forward = staticmethod(spy)
-    try:
-        q, k, v = inputs()
-        attention(q, k, v)
-    finally:
-        sinkhorn_fast._SinkhornAttention.forward = staticmethod(original)
-    assert calls
-
-
-def test_implicit_requires_the_fast_path():
+def test_tiled_engine_is_the_default():
     q, k, v = inputs()
-    with pytest.raises(ValueError, match="backward='implicit' needs the fast Sinkhorn path"):
+    assert attention.explain(q, k, v).engine == "tiled"
+    out = attention(q.requires_grad_(), k, v)
+    assert "tiled_forward" in type(out.grad_fn.next_functions[0][0]).__name__
+
+
+def test_implicit_requires_the_tiled_engine():
+    q, k, v = inputs()
+    with pytest.raises(ValueError, match="backward='implicit' needs engine 'tiled', but return_weights=True"):
         attention(q, k, v, backward="implicit", return_weights=True)
     with pytest.raises(ValueError, match="backward must be one of"):
         attention(q, k, v, backward="adjoint")
@@ -224,7 +226,8 @@ def test_dropout_in_the_fast_path_forward_and_gradient(backward):
     grad_out = torch.randn(4, 7, 4, dtype=torch.float64)
     n_iters = 5 if backward == "unrolled" else None
     tol = None if backward == "unrolled" else 1e-13
-    kw = dict(scale=0.5, n_iters=n_iters, tol=tol, backward=backward, dropout_p=0.3, group_elements=2 * 7 * 6)
+    kw = dict(scale=0.5, n_iters=n_iters, tol=tol, backward=backward, dropout_p=0.3, group_elements=2 * 7 * 6,
+              max_iters=10_000)
     torch.manual_seed(11)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = sinkhorn_attention(*leaves, **kw)

@@ -1,4 +1,4 @@
-r"""The Sinkhorn core: scale a (batched) score matrix to prescribed marginals.
+r"""The dense engine: the log-domain reference, differentiated by autograd.
 
 Given scores :math:`S \in \mathbb{R}^{n\times m}` (any leading batch shape), Sinkhorn's
 algorithm finds log-potentials :math:`f \in \mathbb{R}^n`, :math:`g \in \mathbb{R}^m` such that
@@ -15,14 +15,10 @@ It alternates, in the log domain (Sinkformers paper, eq. (3) and Appendix B), st
     f_i \leftarrow \log a_i - \log\sum_j e^{S_{ij} + g_j} \quad(\text{rows}),\qquad
     g_j \leftarrow \log b_j - \log\sum_i e^{S_{ij} + f_i} \quad(\text{columns}).
 
-``n_iters`` counts these normalisations: ``n_iters=1`` is a row SoftMax (times ``a``), 2 adds a
-column normalisation, and so on; odd counts end with exactly row-stochastic matrices. This is
-POT's scaling convention (``ot.sinkhorn(a, b, M=-S, reg=1)`` gives the same limit).
-
-Defaults: rows sum to 1 and columns to ``n/m`` (square: doubly stochastic). Masked entries
-(``mask`` False, or a score of ``-inf``) carry no mass; rows and columns with no valid entry
-are dropped from both normalisations, so the default marginals are those of the valid
-sub-matrix, and an empty row comes back as zeros, never NaN.
+This is POT's scaling convention (``ot.sinkhorn(a, b, M=-S, reg=1)`` gives the same limit). The
+whole ``n × m`` matrix exists and autograd records every iteration, so memory is
+:math:`O(nm\cdot n\_iters)` when differentiated; every other engine is held to this one by the
+conformance suite. Marginals, masks, iteration count and stop rule: :mod:`.problem`.
 """
 
 from __future__ import annotations
@@ -33,36 +29,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._validation import broadcastable, check_finite, check_positive_int, check_tensor, compute_dtype
+from .._validation import _skip_data_checks, broadcastable, check_finite, check_tensor, compute_dtype
+from .problem import (
+    CONVERGED_TOL,
+    Masks,
+    SinkhornResult,
+    Tolerance,
+    check_iterations,
+    double_shift,
+    marginals,
+    warn_if_unconverged,
+)
 
-__all__ = ["sinkhorn", "SinkhornResult", "log_sinkhorn_loop", "double_shift"]
-
-#: Marginal error under which a fixed-count run reports ``converged=True``.
-CONVERGED_TOL = 1e-5
-
-
-@dataclass
-class SinkhornResult:
-    """Everything a Sinkhorn solve produced.
-
-    Attributes:
-        matrix: ``(..., n, m)`` the scaled matrix :math:`P = e^{S + f\\oplus g}`, input dtype.
-        f: ``(..., n)`` row log-potentials (0 on rows with no valid entry).
-        g: ``(..., m)`` column log-potentials (0 on columns with no valid entry).
-        row_error: ``(...)`` :math:`\\max_i |\\sum_j P_{ij} - a_i|` per matrix.
-        col_error: ``(...)`` :math:`\\max_j |\\sum_i P_{ij} - b_j|` per matrix.
-        n_iters: number of normalisations run.
-        converged: whether every matrix has both errors <= ``tol`` (or <= 1e-5 when a fixed
-            ``n_iters`` was asked for).
-    """
-
-    matrix: Tensor
-    f: Tensor
-    g: Tensor
-    row_error: Tensor
-    col_error: Tensor
-    n_iters: int
-    converged: bool
+__all__ = ["sinkhorn", "log_sinkhorn_loop", "attention_grads_with_graph"]
 
 
 def log_sinkhorn_loop(
@@ -78,18 +57,17 @@ def log_sinkhorn_loop(
     row_valid: Tensor | None = None,
     col_valid: Tensor | None = None,
     g: Tensor | None = None,
-) -> tuple[Tensor, Tensor, int, bool | None]:
+    engine: str = "dense",
+) -> tuple[Tensor, Tensor, Tensor]:
     """The alternating log-domain updates, independent of how the log-sum-exps are computed.
 
-    ``row_lse(g)`` must return :math:`\\log\\sum_j e^{S_{ij}+g_j}` of shape ``(..., n)`` and
-    ``col_lse(f)`` :math:`\\log\\sum_i e^{S_{ij}+f_i}` of shape ``(..., m)`` — dense here,
-    streamed over blocks by the chunked attention. ``log_a``/``log_b`` are the log-marginals
+    ``row_lse(g)`` returns :math:`\\log\\sum_j e^{S_{ij}+g_j}` ``(..., n)`` and ``col_lse(f)``
+    :math:`\\log\\sum_i e^{S_{ij}+f_i}` ``(..., m)``. ``log_a``/``log_b`` are the log-marginals
     (finite: 0 on invalid rows/columns), ``row_valid``/``col_valid`` the valid rows/columns
-    (``None``: all valid). With ``tol`` set, iterates (ending on a row update) until the column
-    error :math:`\\max_j|\\sum_i P_{ij}-b_j|` is <= ``tol`` or ``max_iters`` normalisations ran;
-    ``b`` must then be given.
+    (``None``: all valid), ``g`` the starting column potential. With ``tol`` (``b`` given), each
+    matrix iterates until its column error is <= ``tol`` (:class:`~.problem.Tolerance`).
 
-    Returns ``(f, g, iterations_run, converged)``; ``converged`` is ``None`` in fixed-count mode.
+    Returns ``(f, g, iterations)`` with ``iterations`` the ``(...)`` int64 count per matrix.
     """
 
     def update(log_marginal: Tensor, lse: Tensor, valid: Tensor | None) -> Tensor:
@@ -100,27 +78,27 @@ def log_sinkhorn_loop(
         g = torch.zeros_like(log_b)
     f = torch.zeros_like(log_a)
     if tol is None:
-        assert n_iters is not None
         for it in range(n_iters):
             if it % 2 == 0:
                 f = update(log_a, row_lse(g), row_valid)
             else:
                 g = update(log_b, col_lse(f), col_valid)
-        return f, g, n_iters, None
+        return f, g, torch.full(log_a.shape[:-1], n_iters, dtype=torch.int64, device=log_a.device)
 
-    assert b is not None
+    stop = Tolerance(tol, max_iters, tuple(log_a.shape[:-1]), log_a.device, engine)
     done = 0
     while True:
-        f = update(log_a, row_lse(g), row_valid)
+        active = stop.active.unsqueeze(-1)
+        f = torch.where(active, update(log_a, row_lse(g), row_valid), f)
         done += 1
         lse = col_lse(f)
         gap = (torch.exp(g + lse) - b).abs()
         if col_valid is not None:
             gap = torch.where(col_valid, gap, torch.zeros_like(gap))
-        converged = bool(gap.max() <= tol) if gap.numel() else True
-        if converged or done + 2 > max_iters:
-            return f, g, done, converged
-        g = update(log_b, lse, col_valid)
+        if stop.check(gap.amax(-1) if gap.shape[-1] else gap.sum(-1), done):
+            warn_if_unconverged([stop])
+            return f, g, stop.counts
+        g = torch.where(stop.active.unsqueeze(-1), update(log_b, lse, col_valid), g)
         done += 1
 
 
@@ -143,8 +121,10 @@ def sinkhorn(
             ``-inf`` entries are treated as masked. NaN raises.
         n_iters: number of normalisations (paper eq. (3)): 1 = SoftMax over the last dim,
             2 = then columns, ... Must be ``None`` when ``tol`` is given.
-        tol: iterate until the marginal error (max abs deviation of a column sum from its
-            target; rows are exact) is <= ``tol`` or ``max_iters`` normalisations ran.
+        tol: a finite number > 0: each matrix iterates (ending on a row update) until its column
+            error :math:`\\max_j|\\sum_i P_{ij} - b_j|` is <= ``tol`` (rows are exact), or
+            ``max_iters`` normalisations ran — then a
+            :class:`~sinkformer.SinkhornConvergenceWarning` states the error reached.
         max_iters: cap on normalisations in ``tol`` mode.
         mask: bool, broadcastable to ``scores``; True = keep. Masked entries get no mass;
             rows/columns with no kept entry are excluded from both normalisations.
@@ -153,8 +133,8 @@ def sinkhorn(
         col_marginals: ``(..., m)`` non-negative target column sums :math:`b` (default
             uniform over valid columns with the row total, i.e. ``n/m`` when unmasked).
             Both totals must agree.
-        warm_start: ``(..., m)`` column log-potential ``g`` of an earlier solve to start from
-            (the first update recomputes ``f``).
+        warm_start: ``(..., m)`` finite column log-potential ``g`` of an earlier solve to start
+            from (the first update recomputes ``f``).
         return_result: return a :class:`SinkhornResult` instead of the matrix.
 
     Returns:
@@ -167,18 +147,7 @@ def sinkhorn(
         True
     """
     check_tensor(scores, "scores", min_dim=2, floating=True)
-    if tol is None:
-        if n_iters is None:
-            raise ValueError("n_iters must be an int >= 1 when tol is None, got None")
-        check_positive_int(n_iters, "n_iters")
-    else:
-        if n_iters is not None:
-            raise ValueError(
-                f"n_iters and tol are exclusive: pass n_iters=None to iterate to tolerance, got n_iters={n_iters}"
-            )
-        if not (isinstance(tol, (int, float)) and tol > 0):
-            raise ValueError(f"tol must be a positive float, got {tol!r}")
-        check_positive_int(max_iters, "max_iters")
+    check_iterations(n_iters, tol, max_iters)
     check_finite(scores, "scores", allow_neg_inf=True)
 
     problem = _Problem.build(scores, mask, row_marginals, col_marginals)
@@ -189,13 +158,14 @@ def sinkhorn(
                 f"warm_start must broadcast to {tuple(problem.log_b.shape)} (the column potential g), "
                 f"got shape {tuple(warm_start.shape)}"
             )
+        check_finite(warm_start, "warm_start")
         warm_start = warm_start.to(problem.x.dtype).expand_as(problem.log_b)
         if problem.col_valid is not None:
             warm_start = torch.where(problem.col_valid, warm_start, torch.zeros_like(warm_start))
     # potentials of the shifted scores: g = 0 on S is g = c on S - m - c
     g0 = problem.col_shift if warm_start is None else warm_start + problem.col_shift
 
-    f, g, done, converged = log_sinkhorn_loop(
+    f, g, counts = log_sinkhorn_loop(
         problem.row_lse,
         problem.col_lse,
         problem.log_a,
@@ -208,19 +178,23 @@ def sinkhorn(
         col_valid=problem.col_valid,
         g=g0,
     )
-    plan = problem.matrix(f, g, last_update_was_rows=done % 2 == 1)
+    # every matrix ends on a row update in tol mode; with a fixed count, on n_iters' parity
+    plan = problem.matrix(f, g, last_update_was_rows=tol is not None or n_iters % 2 == 1)
     f, g = f - problem.row_shift, g - problem.col_shift  # back to potentials of the input scores
     if not return_result:
         return plan.to(scores.dtype)
 
     with torch.no_grad():
-        row_error = (plan.sum(-1) - problem.a).abs().amax(-1)
-        col_error = (plan.sum(-2) - problem.b).abs().amax(-1)
-        if converged is None:
-            converged = bool(torch.maximum(row_error, col_error).max() <= CONVERGED_TOL)
-        elif not converged:
-            converged = bool(torch.maximum(row_error, col_error).max() <= tol)
-    return SinkhornResult(plan.to(scores.dtype), f, g, row_error, col_error, done, converged)
+        row_error = _max_or_zero((plan.sum(-1) - problem.a).abs())
+        col_error = _max_or_zero((plan.sum(-2) - problem.b).abs())
+        limit = CONVERGED_TOL if tol is None else tol
+        converged = bool(torch.maximum(row_error, col_error).max() <= limit) if row_error.numel() else True
+    done = int(counts.max()) if counts.numel() else (n_iters or 0)
+    return SinkhornResult(plan.to(scores.dtype), f, g, row_error, col_error, done, converged, counts)
+
+
+def _max_or_zero(x: Tensor) -> Tensor:
+    return x.amax(-1) if x.shape[-1] else x.sum(-1)
 
 
 @dataclass
@@ -258,55 +232,33 @@ class _Problem:
     @classmethod
     def build(cls, scores: Tensor, mask: Tensor | None, a: Tensor | None, b: Tensor | None) -> "_Problem":
         x = scores.to(compute_dtype(scores.dtype))
-        shape = x.shape
-        m = shape[-1]
+        shape = tuple(x.shape)
         a = _check_marginal(a, "row_marginals", shape[:-1], x.dtype)
-        b = _check_marginal(b, "col_marginals", shape[:-2] + (m,), x.dtype)
+        b = _check_marginal(b, "col_marginals", shape[:-2] + shape[-1:], x.dtype)
 
         keep = x > float("-inf")
         if mask is not None:
             check_tensor(mask, "mask", dtype_bool=True)
             if not broadcastable(mask.shape, shape):
                 raise ValueError(
-                    f"mask must broadcast to the scores shape {tuple(shape)}, got shape {tuple(mask.shape)}"
+                    f"mask must broadcast to the scores shape {shape}, got shape {tuple(mask.shape)}"
                 )
             keep = keep & mask
         if a is not None:
             keep = keep & (a > 0).unsqueeze(-1)
         if b is not None:
             keep = keep & (b > 0).unsqueeze(-2)
-        masked = not bool(keep.all())
+        # under graph capture the masked form always runs (it is exact for unmasked scores too)
+        masked = _skip_data_checks() or not bool(keep.all())
         row_valid = keep.any(-1) if masked else None
         col_valid = keep.any(-2) if masked else None
-
-        ones_r = row_valid.to(x.dtype) if masked else torch.ones(shape[:-1], dtype=x.dtype, device=x.device)
-        ones_c = col_valid.to(x.dtype) if masked else torch.ones(shape[:-2] + (m,), dtype=x.dtype, device=x.device)
-        n_valid = ones_r.sum(-1, keepdim=True).clamp_min(1)
-        m_valid = ones_c.sum(-1, keepdim=True).clamp_min(1)
-        if a is None and b is None:
-            a, b = ones_r, ones_c * (n_valid / m_valid)
-        elif b is None:
-            a = a.expand(shape[:-1])
-            b = ones_c * (a.sum(-1, keepdim=True) / m_valid)
-        elif a is None:
-            b = b.expand(shape[:-2] + (m,))
-            a = ones_r * (b.sum(-1, keepdim=True) / n_valid)
-        else:
-            a, b = a.expand(shape[:-1]), b.expand(shape[:-2] + (m,))
-            total_a, total_b = a.sum(-1), b.sum(-1)
-            if not torch.allclose(total_a, total_b, rtol=1e-4, atol=1e-6):
-                worst = (total_a - total_b).abs().argmax()
-                raise ValueError(
-                    "row_marginals and col_marginals must have equal totals per matrix, got "
-                    f"{total_a.flatten()[worst].item():.6g} vs {total_b.flatten()[worst].item():.6g}"
-                )
+        if not _skip_data_checks():
+            if a is not None and b is not None:
+                _check_totals(a.expand(shape[:-1]), b.expand(shape[:-2] + shape[-1:]))
+            if masked:
+                _check_feasible(row_marginals=(a, row_valid), col_marginals=(b, col_valid))
+        a, b = marginals(row_valid, col_valid, shape, x, a, b)
         if masked:
-            for name, marg, valid in (("row_marginals", a, row_valid), ("col_marginals", b, col_valid)):
-                if bool(((marg > 0) & ~valid).any()):
-                    raise ValueError(
-                        f"{name} puts mass on a {name[:3]} whose entries are all masked; "
-                        "expected zero marginal there (the problem is infeasible otherwise)"
-                    )
             x, row_shift, col_shift = double_shift(x.masked_fill(~keep, float("-inf")))
             x_rows = x.masked_fill(~row_valid.unsqueeze(-1), 0.0)
             x_cols = x.masked_fill(~col_valid.unsqueeze(-2), 0.0)
@@ -319,23 +271,24 @@ class _Problem:
         return cls(x, row_shift, col_shift, x_rows, x_cols, a, b, log_a, log_b, row_valid, col_valid)
 
 
-def double_shift(x: Tensor, inplace: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """``x - m_i - c_j`` with :math:`m_i = \\max_j x_{ij}`, :math:`c_j = \\max_i (x_{ij} - m_i)`.
-
-    Every row and every column of the result has maximum 0 (``-inf`` rows/columns keep shift 0).
-    Sinkhorn on the shifted scores, started from :math:`g = c`, has the same iterates as on ``x``
-    from :math:`g = 0` (Proposition 1 applied to each iterate), but its potentials stay small, so
-    float32 keeps full precision even for score ranges of 1e4. The shifts are constants (no gradient).
-    """
-    row_shift = _finite_or_zero(x.detach().amax(-1))
-    x = x.sub_(row_shift.unsqueeze(-1)) if inplace else x - row_shift.unsqueeze(-1)
-    col_shift = _finite_or_zero(x.detach().amax(-2))
-    x = x.sub_(col_shift.unsqueeze(-2)) if inplace else x - col_shift.unsqueeze(-2)
-    return x, row_shift, col_shift
+def _check_totals(a: Tensor, b: Tensor) -> None:
+    total_a, total_b = a.sum(-1), b.sum(-1)
+    if not torch.allclose(total_a, total_b, rtol=1e-4, atol=1e-6):
+        worst = (total_a - total_b).abs().argmax()
+        raise ValueError(
+            "row_marginals and col_marginals must have equal totals per matrix, got "
+            f"{total_a.flatten()[worst].item():.6g} vs {total_b.flatten()[worst].item():.6g}"
+        )
 
 
-def _finite_or_zero(x: Tensor) -> Tensor:
-    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+def _check_feasible(**given: tuple[Tensor | None, Tensor]) -> None:
+    """Mass on a row/column whose entries are all masked makes the problem infeasible."""
+    for name, (marg, valid) in given.items():
+        if marg is not None and bool(((marg > 0) & ~valid).any()):
+            raise ValueError(
+                f"{name} puts mass on a {name[:3]} whose entries are all masked; "
+                "expected zero marginal there (the problem is infeasible otherwise)"
+            )
 
 
 def _check_marginal(marginal: Tensor | None, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor | None:
@@ -345,6 +298,26 @@ def _check_marginal(marginal: Tensor | None, name: str, shape: tuple[int, ...], 
     if not broadcastable(marginal.shape, shape):
         raise ValueError(f"{name} must broadcast to {tuple(shape)}, got shape {tuple(marginal.shape)}")
     check_finite(marginal, name)
-    if bool((marginal < 0).any()):
+    if not _skip_data_checks() and bool((marginal < 0).any()):
         raise ValueError(f"{name} must be non-negative, got a minimum of {marginal.min().item():.6g}")
     return marginal.to(dtype)
+
+
+def attention_grads_with_graph(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, masks: Masks, *, scale: float, n_iters: int | None,
+    tol: float | None, max_iters: int, drop: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of Sinkhorn attention ``(P ⊙ drop) V`` recorded by autograd, so that they can
+    be differentiated again: how the other engines serve second derivatives (``create_graph=True``),
+    at this engine's memory. ``q (B, n, d)``, ``k (B, m, d)``, ``v (B, m, e)``, flat batch."""
+    B, n, m = q.shape[0], q.shape[1], k.shape[1]
+    S = scale * (q @ k.transpose(1, 2))
+    bias = masks.bias_of(0, B)
+    if bias is not None:
+        S = S + bias
+    keep = masks.keep_of(0, B)
+    P = sinkhorn(S, n_iters if tol is None else None, tol=tol, max_iters=max_iters,
+                 mask=None if keep is None else keep.expand(B, n, m))
+    if drop is not None:
+        P = P * drop
+    return torch.autograd.grad(P @ v, (q, k, v), grad_out, create_graph=True)

@@ -207,7 +207,7 @@ def test_broadcast_batch_dims():
         (dict(normalization="sparsemax"), ValueError, "normalization must be one of"),
         (dict(cost="cosine"), ValueError, "cost must be one of"),
         (dict(n_iters=0), ValueError, "n_iters must be an int >= 1, got 0"),
-        (dict(dropout_p=1.5), ValueError, "dropout_p must be in [0, 1)"),
+        (dict(dropout_p=1.5), ValueError, "dropout_p must be a float in [0, 1)"),
         (dict(attn_mask=torch.ones(5, 5, dtype=torch.bool)), ValueError, "attn_mask must broadcast to the score shape"),
         (dict(key_padding_mask=torch.zeros(2, 5, dtype=torch.bool)), ValueError, "key_padding_mask must have shape"),
         (dict(key_padding_mask=torch.zeros(2, 6)), TypeError, "key_padding_mask must be a bool tensor"),

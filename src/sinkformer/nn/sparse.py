@@ -1,0 +1,224 @@
+"""Sparse Sinkhorn Attention as modules (Tay et al. 2020): the sorting network, the multi-head
+layer, and the baselines of the paper's tables. The functions they call are in
+:mod:`sinkformer.attention.sparse` and :mod:`sinkformer.attention.sparse_baselines`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+
+from .._validation import check_choice, check_positive_int, check_tensor
+from ..attention.functional import attention
+from ..attention.sparse import SORT_NETS, block_pool, n_blocks, sparse_sinkhorn_attention
+from ..attention.sparse_baselines import PATTERNS, local_attention, sparse_transformer_attention
+
+__all__ = ["SortNet", "SparseSinkhornAttention", "BaselineSelfAttention"]
+
+
+class SortNet(nn.Module):
+    """:math:`P`: pooled blocks ``(B, N_B, d)`` -> sorting logits ``(B, H, N_B, max_blocks)``.
+
+    One independent network per head (§3.2.2), applied to every block (eq. 3). ``kind`` is one of
+    :data:`SORT_NETS`; two-layer networks have ``hidden`` units per head (default ``dim``, the
+    paper's :math:`W_P \\in \\mathbb R^{d\\times d}`). Linear layers are initialised like
+    :class:`torch.nn.Linear`.
+    """
+
+    def __init__(self, dim: int, max_blocks: int, heads: int, kind: str = "linear", hidden: int | None = None) -> None:
+        super().__init__()
+        check_choice(kind, "sort_net", SORT_NETS)
+        self.kind, self.max_blocks = kind, max_blocks
+        self.ops = list(reversed(kind.split("_")))  # application order, inner to outer
+        hidden = hidden or dim
+        n_linear = self.ops.count("linear")
+        sizes = [dim] + [hidden] * (n_linear - 1) + [max_blocks]
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.empty(heads, d_in, d_out)) for d_in, d_out in zip(sizes, sizes[1:])
+        )
+        self.biases = nn.ParameterList(nn.Parameter(torch.empty(heads, 1, d_out)) for d_out in sizes[1:])
+        for w, b in zip(self.weights, self.biases):
+            bound = 1.0 / math.sqrt(w.shape[1])
+            nn.init.uniform_(w, -bound, bound)
+            nn.init.uniform_(b, -bound, bound)
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind!r}, heads={self.weights[0].shape[0]}, max_blocks={self.max_blocks}"
+
+    def forward(self, pooled: Tensor) -> Tensor:
+        x = pooled.unsqueeze(-3)  # (B, 1, N_B, d): the same blocks for every head
+        layer = 0
+        for op in self.ops:
+            if op == "relu":
+                x = torch.relu(x)
+            else:
+                x = x @ self.weights[layer] + self.biases[layer]
+                layer += 1
+        return x
+
+
+class SparseSinkhornAttention(nn.Module):
+    """Multi-head Sparse Sinkhorn self-attention (batch first).
+
+    Args:
+        embed_dim: model width :math:`d`; num_heads: heads (``embed_dim`` divisible by it).
+        block_size: :math:`b`, tokens per block.
+        max_len: longest sequence accepted; fixes the SortNet output size
+            :math:`\\lceil \\text{max\\_len}/b \\rceil` (shorter inputs use its leading logits).
+        sort_iters: :math:`N_k` Sinkhorn iterations (paper's tuning set {2, 5, 10, 20}; 0 = none).
+        temperature: Gumbel-Sinkhorn :math:`\\tau` (0.75, best in §6.2). Gumbel noise is added in
+            training mode only; evaluation is deterministic.
+        sort_net: one of :data:`SORT_NETS` (``"linear"``, best in Table 8); sort_hidden: hidden
+            width of the two-layer sort nets (default ``embed_dim``).
+        causal: causal variant (§3.3): cumulative-sum pooling, causal balancing, causal local
+            attention.
+        sortcut_budget: SortCut (§3.4): attend only to the first ``sortcut_budget`` sorted blocks.
+        mixture: add vanilla attention (§3.2.3).
+        share_kv: one projection for keys and values (Table 8's :math:`K = V`).
+        dropout: dropout on attention weights; bias: biases of the projections.
+
+    ``forward(x, key_padding_mask=None, return_sort=False)``: ``x`` ``(B, n, embed_dim)``,
+    ``key_padding_mask`` ``(B, n)`` True = padding -> ``(B, n, embed_dim)`` (and the sorting
+    matrices ``(B, H, N_B, N_B)``).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        block_size: int,
+        max_len: int,
+        sort_iters: int = 5,
+        temperature: float = 0.75,
+        sort_net: str = "linear",
+        sort_hidden: int | None = None,
+        causal: bool = False,
+        sortcut_budget: int | None = None,
+        mixture: bool = False,
+        share_kv: bool = False,
+        dropout: float = 0.0,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        check_positive_int(embed_dim, "embed_dim")
+        check_positive_int(num_heads, "num_heads")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim must be divisible by num_heads, got {embed_dim} and {num_heads}")
+        check_positive_int(block_size, "block_size")
+        check_positive_int(max_len, "max_len")
+        check_positive_int(sort_iters, "sort_iters", minimum=0)
+        if sortcut_budget is not None:
+            check_positive_int(sortcut_budget, "sortcut_budget")
+            if causal:
+                raise ValueError("sortcut_budget cannot be used with causal=True: SortCut is encoder-only (§3.4)")
+        if not (isinstance(temperature, (int, float)) and temperature > 0):
+            raise ValueError(f"temperature must be a positive float, got {temperature!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.embed_dim, self.num_heads, self.block_size, self.max_len = embed_dim, num_heads, block_size, max_len
+        self.sort_iters, self.temperature, self.causal = sort_iters, temperature, causal
+        self.sortcut_budget, self.mixture, self.share_kv, self.dropout = sortcut_budget, mixture, share_kv, dropout
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.k_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.v_proj = None if share_kv else nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.sort_net = SortNet(embed_dim, n_blocks(max_len, block_size), num_heads, sort_net, sort_hidden)
+
+    def extra_repr(self) -> str:
+        extras = [f"block_size={self.block_size}", f"sort_iters={self.sort_iters}", f"temperature={self.temperature}"]
+        extras += [name for name in ("causal", "mixture", "share_kv") if getattr(self, name)]
+        if self.sortcut_budget is not None:
+            extras.append(f"sortcut_budget={self.sortcut_budget}")
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, " + ", ".join(extras)
+
+    def forward(
+        self, x: Tensor, key_padding_mask: Tensor | None = None, return_sort: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        check_tensor(x, "x", ndim=3, floating=True)
+        if x.shape[-1] != self.embed_dim or x.shape[1] > self.max_len:
+            raise ValueError(
+                f"x must have shape (batch, n <= max_len={self.max_len}, embed_dim={self.embed_dim}), got {tuple(x.shape)}"
+            )
+        n = x.shape[1]
+        if key_padding_mask is not None:
+            check_tensor(key_padding_mask, "key_padding_mask", dtype_bool=True)
+            if key_padding_mask.shape != x.shape[:2]:
+                raise ValueError(f"key_padding_mask must have shape {tuple(x.shape[:2])}, got {tuple(key_padding_mask.shape)}")
+        heads = lambda t: rearrange(t, "b n (h e) -> b h n e", h=self.num_heads)  # noqa: E731
+        q, k = heads(self.q_proj(x)), heads(self.k_proj(x))
+        v = k if self.v_proj is None else heads(self.v_proj(x))
+        nb = n_blocks(n, self.block_size)
+        pooled = block_pool(x, self.block_size, causal=self.causal, padding_mask=key_padding_mask)
+        logits = self.sort_net(pooled)[..., :nb]
+        out, S = sparse_sinkhorn_attention(
+            q, k, v, logits,
+            block_size=self.block_size,
+            sort_iters=self.sort_iters,
+            temperature=self.temperature,
+            causal=self.causal,
+            sortcut_budget=self.sortcut_budget,
+            mixture=self.mixture,
+            gumbel=self.training,
+            key_padding_mask=key_padding_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            return_sort=True,
+        )
+        out = self.out_proj(rearrange(out, "b h n e -> b n (h e)"))
+        return (out, S) if return_sort else out
+
+
+class BaselineSelfAttention(nn.Module):
+    """Multi-head self-attention (batch first) with a ``"full"``, ``"local"`` or ``"fixed"`` pattern.
+
+    Same interface as :class:`~sinkformer.attention.SparseSinkhornAttention`:
+    ``forward(x (B, n, D), key_padding_mask (B, n) True = padding) -> (B, n, D)``.
+    ``block_size`` is the local block (``"local"``) or Child et al.'s :math:`l` (``"fixed"``),
+    ``stride`` their :math:`c`.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        pattern: str = "full",
+        block_size: int = 32,
+        stride: int = 8,
+        causal: bool = False,
+        dropout: float = 0.0,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        check_choice(pattern, "pattern", PATTERNS)
+        check_positive_int(embed_dim, "embed_dim")
+        check_positive_int(num_heads, "num_heads")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim must be divisible by num_heads, got {embed_dim} and {num_heads}")
+        check_positive_int(block_size, "block_size")
+        check_positive_int(stride, "stride")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.embed_dim, self.num_heads, self.pattern = embed_dim, num_heads, pattern
+        self.block_size, self.stride, self.causal, self.dropout = block_size, stride, causal, dropout
+        self.qkv_proj = nn.Linear(embed_dim, 3 * embed_dim, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, pattern={self.pattern!r}, "
+                f"block_size={self.block_size}, causal={self.causal}")
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        check_tensor(x, "x", ndim=3, floating=True)
+        q, k, v = rearrange(self.qkv_proj(x), "b n (three h e) -> three b h n e", three=3, h=self.num_heads)
+        kw = dict(key_padding_mask=key_padding_mask, dropout_p=self.dropout if self.training else 0.0)
+        if self.pattern == "full":
+            out = attention(q, k, v, normalization="softmax", is_causal=self.causal, **kw)
+        elif self.pattern == "local":
+            out = local_attention(q, k, v, block_size=self.block_size, causal=self.causal, **kw)
+        else:
+            out = sparse_transformer_attention(q, k, v, block_size=self.block_size, stride=self.stride,
+                                               causal=self.causal, **kw)
+        return self.out_proj(rearrange(out, "b h n e -> b n (h e)"))

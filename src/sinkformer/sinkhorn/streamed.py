@@ -1,0 +1,481 @@
+r"""The streamed engine: never an ``n × m`` matrix, memory linear in the sequence length.
+
+Scores :math:`S = \mathrm{scale}\,QK^\top + \mathrm{bias}` are recomputed block by block: a
+*sweep* visits blocks of query rows (:func:`~.problem.row_block`), each against all keys (a
+``(B, rows, m)`` tile, ``B`` the flattened batch), so memory is
+:math:`O(B(n+m)d + B\cdot\mathrm{rows}\cdot m)`.
+
+Potentials are kept in the log domain (:math:`P = e^{S + f\oplus g}`) and one sweep performs a
+row update *and* the column sums for the following column update:
+
+.. math::
+
+    E = e^{S + f \oplus g}\ (\text{current plan}),\quad f \mathrel{+}= \log\frac{a}{E\mathbf 1},\quad
+    \text{col} \mathrel{+}= (\mathrm{diag}(a/E\mathbf 1)E)^\top\mathbf 1\ \ \text{(over blocks)},\quad
+    g \mathrel{+}= \log\frac{b}{\text{col}} .
+
+After a column update every entry of the plan is at most :math:`b_j`, so :math:`E` never
+overflows and one exponential per entry and sweep suffices. The first sweep subtracts the row
+maximum; a row or column whose sum underflows (its scores more than ~88 below every maximum in
+float32) is recomputed with a stable log-sum-exp (running maxima over blocks). ``n_iters``
+updates take :math:`\lceil n\_iters/2\rceil` sweeps; the attention output comes out of the last.
+
+The backward (:func:`_backward`) is the exact gradient of the ``n_iters`` map: the potentials of
+every update are kept (:math:`O(n\,L)`), the reverse recursion runs in :math:`\lceil L/2\rceil`
+sweeps (a column step and the preceding row step share one), and a last sweep forms
+:math:`\partial\ell/\partial S = P\odot(dP - XY^\top)` block by block and contracts it into
+:math:`dQ, dK` (the algebra of :mod:`.tiled`). Forward and backward are the custom ops
+``sinkformer::streamed_forward`` / ``sinkformer::streamed_backward``.
+
+Building blocks for other callers (the dynamics toolkit): :func:`streamed_potentials` (Sinkhorn
+potentials with marginals, warm start, tolerance, the symmetric update; no gradient) and
+:func:`streamed_softmax` (:math:`\mathrm{rowsoftmax}(S + \mathrm{bias})\,V`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .problem import Masks, Tolerance, marginals, row_block, warn_if_unconverged
+
+__all__ = ["streamed_attention", "streamed_potentials", "streamed_softmax"]
+
+ENGINE = "streamed"
+#: Largest potential change across iterations for the one-exponential rank-L backward.
+_MAX_LOG_RATIO = 80.0
+#: A row or column sum below this (or not finite) is recomputed with a stable log-sum-exp.
+_UNDERFLOW = 1e-30
+
+
+@dataclass
+class Streamed:
+    """A batch of score matrices given by ``q (B, n, d)``, ``k (B, m, d)`` and masks, visited in
+    row blocks of ``chunk`` rows; ``a (B, n)``, ``b (B, m)`` the marginals."""
+
+    q: Tensor
+    k: Tensor
+    scale: float
+    masks: Masks
+    chunk: int
+    a: Tensor | None = None
+    b: Tensor | None = None
+
+    @classmethod
+    def build(cls, q, k, scale, batch, chunk_size=None, keep=None, bias=None, row_marginals=None, col_marginals=None):
+        B, n, m = q.shape[0], q.shape[1], k.shape[1]
+        problem = cls(q, k, scale, Masks(keep, bias, tuple(batch)), row_block(B, n, m, chunk_size))
+        row_valid, col_valid = problem._valid()
+        problem.a, problem.b = marginals(row_valid, col_valid, (B, n, m), q, row_marginals, col_marginals)
+        return problem
+
+    @property
+    def n(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def m(self) -> int:
+        return self.k.shape[1]
+
+    def blocks(self):
+        for start in range(0, self.n, self.chunk):
+            yield start, min(self.n, start + self.chunk)
+
+    def keep_of(self, start: int, end: int) -> Tensor | None:
+        B = self.q.shape[0]
+        keep = self.masks.keep_of(0, B, start, end)
+        return None if keep is None else keep.expand(B, end - start, self.m)
+
+    def _valid(self) -> tuple[Tensor | None, Tensor | None]:
+        if self.masks.keep is None:
+            return None, None
+        B = self.q.shape[0]
+        rows = torch.zeros(B, self.n, dtype=torch.bool, device=self.q.device)
+        cols = torch.zeros(B, self.m, dtype=torch.bool, device=self.q.device)
+        for start, end in self.blocks():
+            keep = self.keep_of(start, end)
+            rows[:, start:end] = keep.any(-1)
+            cols |= keep.any(-2)
+        return rows, cols
+
+    def scores(self, start: int, end: int, row: Tensor | None = None, col: Tensor | None = None) -> Tensor:
+        """``(B, end-start, m)`` tile of ``scale q k^T + bias (+ row_i + col_j)``, -inf where masked.
+
+        ``row`` is the block's ``(B, end-start)`` slice (added inside the matrix product), ``col``
+        a ``(B, m)`` vector."""
+        q = self.q[:, start:end]
+        if row is None:
+            S = torch.baddbmm(q.new_empty(()), q, self.k.transpose(1, 2), beta=0.0, alpha=self.scale)
+        else:
+            S = torch.baddbmm(row.unsqueeze(-1), q, self.k.transpose(1, 2), alpha=self.scale)
+        if col is not None:
+            S.add_(col.unsqueeze(1))
+        bias = self.masks.bias_of(0, self.q.shape[0], start, end)
+        if bias is not None:
+            S.add_(bias)
+        keep = self.masks.keep_of(0, self.q.shape[0], start, end)
+        if keep is not None:
+            S.masked_fill_(~keep, float("-inf"))
+        return S
+
+    def plan(self, start: int, end: int, f: Tensor, g: Tensor) -> Tensor:
+        """``exp(S + f ⊕ g)`` on the rows ``[start, end)``."""
+        return self.scores(start, end, f[:, start:end], g).exp_()
+
+
+def _safe_log_ratio(num: Tensor, den: Tensor) -> Tensor:
+    """``log(num/den)`` where ``num > 0``, else 0 (rows/columns without mass keep potential 0)."""
+    ok = num > 0
+    return torch.where(ok, torch.log(torch.where(ok, num, 1.0) / torch.where(ok, den, 1.0)), 0.0)
+
+
+def _lost(marginal: Tensor, sums: Tensor) -> Tensor:
+    """Rows/columns with mass whose sum underflowed (or overflowed)."""
+    return (marginal > 0) & ~((sums > _UNDERFLOW) & torch.isfinite(sums))
+
+
+def _row_update(problem: Streamed, f: Tensor | None, g: Tensor, start: int, end: int):
+    """Row update on one block: returns (new f of the block, row-normalised plan block)."""
+    a = problem.a[:, start:end]
+    if f is None:  # first sweep: stabilise by the row maximum of S + g
+        E, base = _max_stabilised(problem, g, start, end)
+    else:
+        base = f[:, start:end]
+        E = problem.plan(start, end, f, g)
+    r = E.sum(-1)
+    lost = _lost(a, r)
+    if bool(lost.any()):  # the row sum underflowed: use the row's own maximum
+        E_max, base_max = _max_stabilised(problem, g, start, end)
+        E = torch.where(lost.unsqueeze(-1), E_max, E)
+        base = torch.where(lost, base_max, base)
+        r = E.sum(-1)
+    step = _safe_log_ratio(a, r)
+    f_block = torch.where(a > 0, base + step, 0.0)
+    return f_block, E.mul_(step.exp().unsqueeze(-1))
+
+
+def _max_stabilised(problem: Streamed, g: Tensor, start: int, end: int) -> tuple[Tensor, Tensor]:
+    """``exp(S + g - max_j(S + g))`` on a block, and the row term ``-max`` it used."""
+    S = problem.scores(start, end, col=g)
+    shift = S.amax(-1)
+    base = -torch.where(torch.isfinite(shift), shift, 0.0)
+    return S.add_(base.unsqueeze(-1)).exp_(), base
+
+
+def _column_lse(problem: Streamed, f: Tensor) -> Tensor:
+    """:math:`\\log\\sum_i e^{S_{ij} + f_i}` ``(B, m)`` with running column maxima (stable)."""
+    top = torch.full_like(problem.b, float("-inf"))
+    total = torch.zeros_like(problem.b)
+    for start, end in problem.blocks():
+        T = problem.scores(start, end, f[:, start:end])
+        new_top = torch.maximum(top, T.amax(-2))
+        safe = torch.where(torch.isfinite(new_top), new_top, 0.0)
+        total = total * torch.exp(top - safe) + T.sub_(safe.unsqueeze(1)).exp_().sum(-2)
+        top = new_top
+    return torch.where(torch.isfinite(top), top + total.log(), float("-inf"))
+
+
+def _column_update(problem: Streamed, f: Tensor, g: Tensor, col: Tensor) -> Tensor:
+    """``g <- log b - LSE_i(S + f)`` from the column sums ``col`` of the row-normalised plan."""
+    b = problem.b
+    g_new = torch.where(b > 0, g + _safe_log_ratio(b, col), 0.0)
+    lost = _lost(b, col)
+    if bool(lost.any()):
+        g_new = torch.where(lost, b.clamp_min(1e-38).log() - _column_lse(problem, f), g_new)
+    return g_new
+
+
+def _gap(col: Tensor, b: Tensor) -> Tensor:
+    gap = torch.where(b > 0, (col - b).abs(), 0.0)
+    return gap.amax(-1) if gap.shape[-1] else gap.sum(-1)
+
+
+def _sweeps(problem: Streamed, n_iters: int | None, tol: float | None, max_iters: int, g0: Tensor | None,
+            v: Tensor | None = None, symmetric: bool = False):
+    """Run the updates; returns ``(fs, gs, counts, out, converged)``.
+
+    ``fs = [f1, f3, ..]`` (after each row update), ``gs = [g0, g2, ..]`` (the start, then after
+    each column update), ``counts (B,)`` the normalisations of each matrix, ``out = P V`` of the
+    final plan when ``v`` is given, ``converged`` whether every matrix reached ``tol`` (``None``
+    for a fixed count). ``symmetric``: one row update per iteration followed by
+    :math:`g \\leftarrow \\tfrac12(g + f - \\log b)` (see :func:`streamed_potentials`)."""
+    B, n, m = problem.q.shape[0], problem.n, problem.m
+    g = torch.zeros(B, m, dtype=problem.q.dtype, device=problem.q.device) if g0 is None else g0
+    f = None
+    fs, gs = [], [g]
+    stop = None if tol is None else Tolerance(tol, max_iters, (B,), g.device, ENGINE, step=1 if symmetric else 2)
+    done = 0
+    out = None
+    while True:
+        last = tol is None and done + 1 >= n_iters
+        f_new = torch.empty(B, n, dtype=g.dtype, device=g.device)
+        col = torch.zeros_like(g)
+        if last and v is not None:
+            out = v.new_empty(B, n, v.shape[-1])
+        for start, end in problem.blocks():
+            f_new[:, start:end], plan = _row_update(problem, f, g, start, end)
+            if last:
+                if v is not None:
+                    out[:, start:end] = torch.bmm(plan, v)
+            else:
+                col += plan.sum(-2)
+        f = (f_new if stop is None or f is None else torch.where(stop.active.unsqueeze(-1), f_new, f))
+        done += 1
+        fs.append(f)
+        if stop is not None:
+            if stop.check(_gap(col, problem.b), done):
+                break
+        elif last:
+            break
+        if symmetric:
+            log_b = problem.b.clamp_min(1e-38).log()
+            g_new = torch.where(problem.b > 0, 0.5 * (g + f - log_b), 0.0)
+        else:
+            g_new = _column_update(problem, f_new, g, col)
+            done += 1
+        g = g_new if stop is None else torch.where(stop.active.unsqueeze(-1), g_new, g)
+        gs.append(g)
+        if tol is None and done >= n_iters:
+            break
+    converged = None
+    if stop is not None:
+        warn_if_unconverged([stop])
+        counts, converged = stop.counts, not bool(stop.active.any())
+    else:
+        counts = torch.full((B,), n_iters, dtype=torch.int64, device=g.device)
+    if v is not None and out is None:  # the plan was last normalised by columns (or tol mode)
+        out = _plan_times(problem, fs[-1], gs[-1], v)
+    return fs, gs, counts, out, converged
+
+
+def _plan_times(problem: Streamed, f: Tensor, g: Tensor, v: Tensor) -> Tensor:
+    """``exp(S + f ⊕ g) @ v`` block by block."""
+    out = v.new_empty(v.shape[0], problem.n, v.shape[-1])
+    for start, end in problem.blocks():
+        out[:, start:end] = torch.bmm(problem.plan(start, end, f, g), v)
+    return out
+
+
+def streamed_potentials(
+    q: Tensor,
+    k: Tensor,
+    *,
+    scale: float = 1.0,
+    n_iters: int | None = None,
+    tol: float | None = None,
+    max_iters: int = 1000,
+    row_marginals: Tensor | None = None,
+    col_marginals: Tensor | None = None,
+    bias: Tensor | None = None,
+    keep: Tensor | None = None,
+    warm_start: Tensor | None = None,
+    chunk_size: int | None = None,
+    symmetric: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, bool | None]:
+    """Sinkhorn potentials of ``S = scale q k^T + bias`` without an ``n × m`` matrix (no gradient).
+
+    ``q (B, n, d)``, ``k (B, m, d)``, marginals ``(B, n)``/``(B, m)`` (defaults as in
+    :func:`sinkformer.sinkhorn`), ``bias``/``keep`` broadcastable to ``(B, n, m)``, ``warm_start``
+    a previous ``g`` ``(B, m)``. Iteration count and stop rule: :mod:`.problem`.
+
+    ``symmetric=True`` (with ``tol``) is the averaged update of Feydy et al. (2019) for scores
+    :math:`C_{ij} + \\log b_j + \\mathrm{const}` with :math:`C` symmetric and ``a = b``: each
+    iteration is one row normalisation followed by :math:`g \\leftarrow \\tfrac12(g + f - \\log b)`,
+    whose fixed point is the (symmetric) balanced plan. Alternating updates flip the sign of the
+    slow error mode at every step, so for a PSD :math:`C` at small temperature they need
+    :math:`O(1/\\varepsilon)` normalisations; averaging cancels that mode. ``max_iters`` then counts
+    row normalisations.
+
+    Returns ``(f, g, counts, converged)`` with :math:`P = e^{S + f\\oplus g}`, ``counts (B,)`` the
+    normalisations each matrix ran and ``converged`` whether all reached ``tol`` (``None`` without
+    ``tol``; those that did not emitted a :class:`~.problem.SinkhornConvergenceWarning`).
+    """
+    with torch.no_grad():
+        problem = Streamed.build(q, k, scale, (q.shape[0],), chunk_size, keep, bias, row_marginals, col_marginals)
+        fs, gs, counts, _, converged = _sweeps(problem, n_iters, tol, max_iters, warm_start, symmetric=symmetric)
+    return fs[-1], gs[-1], counts, converged
+
+
+def streamed_softmax(
+    q: Tensor, k: Tensor, v: Tensor, *, scale: float = 1.0, bias: Tensor | None = None,
+    keep: Tensor | None = None, chunk_size: int | None = None,
+) -> Tensor:
+    """``rowsoftmax(scale q k^T + bias) @ v`` block by block (no gradient); empty rows give 0."""
+    with torch.no_grad():
+        problem = Streamed.build(q, k, scale, (q.shape[0],), chunk_size, keep, bias)
+        out = v.new_empty(q.shape[0], problem.n, v.shape[-1])
+        for start, end in problem.blocks():
+            S = problem.scores(start, end)
+            shift = S.amax(-1, keepdim=True)
+            E = S.sub_(torch.where(torch.isfinite(shift), shift, 0.0)).exp_()
+            out[:, start:end] = torch.bmm(E, v) / E.sum(-1, keepdim=True).clamp_min(torch.finfo(E.dtype).tiny)
+    return out
+
+
+def streamed_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, batch: tuple[int, ...], scale: float, n_iters: int | None,
+    tol: float | None = None, max_iters: int = 1000, keep: Tensor | None = None, bias: Tensor | None = None,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """Sinkhorn attention ``(B, n, d) x (B, m, d) x (B, m, e) -> (B, n, e)``, streamed.
+
+    Inputs as for :func:`~.tiled.tiled_attention` (flat over ``batch``, compute precision, masks
+    broadcastable to ``batch + (n, m)``, ``bias`` without gradient)."""
+    chunk = row_block(q.shape[0], q.shape[1], k.shape[1], chunk_size)
+    return torch.ops.sinkformer.streamed_forward(q, k, v, keep, bias, list(batch), chunk, scale, n_iters, tol,
+                                                 max_iters)[0]
+
+
+@torch.library.custom_op("sinkformer::streamed_forward", mutates_args=())
+def _forward_op(
+    q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, batch: list[int], chunk: int,
+    scale: float, n_iters: int | None, tol: float | None, max_iters: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns ``out (B, n, e)``, ``fs (B, n, Lf)``, ``gs (B, m, Lg)`` and ``counts (B,)``."""
+    problem = Streamed.build(q, k, scale, batch, chunk, keep, bias)
+    fs, gs, counts, out, _ = _sweeps(problem, n_iters, tol, max_iters, None, v=v)
+    return out, torch.stack(fs, -1), torch.stack(gs, -1), counts
+
+
+@_forward_op.register_fake
+def _(q, k, v, keep, bias, batch, chunk, scale, n_iters, tol, max_iters):
+    B, n, m = q.shape[0], q.shape[1], k.shape[1]
+    if tol is None:
+        lf, lg = (n_iters + 1) // 2, n_iters // 2 + 1
+    else:
+        lf = lg = torch.library.get_ctx().new_dynamic_size()
+    return (q.new_empty(B, n, v.shape[-1]), q.new_empty(B, n, lf), q.new_empty(B, m, lg),
+            q.new_empty(B, dtype=torch.int64))
+
+
+@torch.library.custom_op("sinkformer::streamed_backward", mutates_args=())
+def _backward_op(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, keep: Tensor | None, bias: Tensor | None,
+    batch: list[int], chunk: int, scale: float, fs: Tensor, gs: Tensor, counts: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    problem = Streamed.build(q, k, scale, batch, chunk, keep, bias)
+    return _backward(problem, v, out, grad_out.contiguous(), fs, gs, counts)
+
+
+@_backward_op.register_fake
+def _(grad_out, q, k, v, *rest):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, keep, bias, batch, chunk, scale, n_iters, tol, max_iters = inputs
+    out, fs, gs, counts = output
+    ctx.save_for_backward(q, k, v, out, keep, bias, fs, gs, counts)
+    ctx.args = (batch, chunk, scale, n_iters, tol, max_iters)
+
+
+def _autograd_backward(ctx, grad_out, *unused):
+    q, k, v, out, keep, bias, fs, gs, counts = ctx.saved_tensors
+    batch, chunk, scale, n_iters, tol, max_iters = ctx.args
+    if torch.is_grad_enabled():  # create_graph=True: second derivatives through the dense engine
+        from .dense import attention_grads_with_graph
+
+        grads = attention_grads_with_graph(grad_out, q, k, v, Masks(keep, bias, tuple(batch)), scale=scale,
+                                           n_iters=n_iters, tol=tol, max_iters=max_iters)
+    else:
+        grads = torch.ops.sinkformer.streamed_backward(grad_out, q, k, v, out, keep, bias, batch, chunk, scale, fs,
+                                                       gs, counts)
+    return (*grads, None, None, None, None, None, None, None, None)
+
+
+torch.library.register_autograd("sinkformer::streamed_forward", _autograd_backward, setup_context=_setup_context)
+
+
+def _pots_after(t: int, fs: Tensor, gs: Tensor) -> tuple[Tensor, Tensor]:
+    """Potentials of the plan after update ``t`` (odd: rows, even: columns)."""
+    if t % 2:
+        return fs[..., (t - 1) // 2], gs[..., (t - 1) // 2]
+    return fs[..., t // 2 - 1], gs[..., t // 2]
+
+
+def _backward(problem: Streamed, v, out, dO, fs, gs, counts):
+    """Exact reverse mode through the updates; see the module docstring. Steps ``t > counts`` of a
+    matrix were frozen (identity: the gradient passes through)."""
+    a, b = problem.a, problem.b
+    inv_a = torch.where(a > 0, 1 / a.clamp_min(1e-38), 0.0)
+    inv_b = torch.where(b > 0, 1 / b.clamp_min(1e-38), 0.0)
+    L = fs.shape[-1] + gs.shape[-1] - 1
+    f_L, g_L = fs[..., -1], gs[..., -1]  # potentials of the final plan P
+    dF = (dO * out).sum(-1)  # d loss / d f of the final plan
+    dv = torch.zeros_like(v)
+    dG_rows = torch.zeros_like(b)
+    coefs: list[tuple[int, Tensor]] = []  # (t, coefficient vector) of each update's term
+    active = lambda t: (counts >= t).unsqueeze(-1)  # noqa: E731
+
+    # sweep A: dV = P^T dO, and (L odd) the row step t = L
+    row_coef = torch.where(active(L), dF * inv_a, 0.0) if L % 2 else None
+    for start, end in problem.blocks():
+        P = problem.plan(start, end, f_L, g_L)
+        dv += torch.bmm(P.transpose(1, 2), dO[:, start:end])
+        if row_coef is not None:
+            dG_rows -= torch.bmm(row_coef[:, start:end].unsqueeze(1), P).squeeze(1)
+    dG = (v * dv).sum(-1)
+    if row_coef is not None:
+        coefs.append((L, row_coef))
+        dG, dF = dG + dG_rows, torch.where(active(L), 0.0, dF)
+    # pairs (t even, t - 1 odd), one sweep each
+    for t in range(L - (L % 2), 0, -2):
+        col_coef = torch.where(active(t), dG * inv_b, 0.0)
+        dG = torch.where(active(t), 0.0, dG)
+        dF_pair = dF.clone()
+        row_coef = torch.empty_like(dF)
+        act_rows = active(t - 1)
+        fC, gC = _pots_after(t, fs, gs)
+        fR, gR = _pots_after(t - 1, fs, gs)
+        for start, end in problem.blocks():
+            C = problem.plan(start, end, fC, gC)  # plan after update t (columns)
+            dF_pair[:, start:end] -= torch.bmm(C, col_coef.unsqueeze(-1)).squeeze(-1)
+            row_coef[:, start:end] = torch.where(act_rows, dF_pair[:, start:end] * inv_a[:, start:end], 0.0)
+            if t > 2:  # the row step t - 1 feeds g of update t - 2 (g before update 1 is a constant)
+                R = problem.plan(start, end, fR, gR)  # plan after update t - 1 (rows)
+                dG -= torch.bmm(row_coef[:, start:end].unsqueeze(1), R).squeeze(1)
+        coefs += [(t, col_coef), (t - 1, row_coef)]
+        dF = torch.where(active(t - 1), 0.0, dF_pair)
+
+    X, Y, exact_terms = _rank_factors(coefs, fs, gs, f_L, g_L)
+    dq, dk = torch.empty_like(problem.q), torch.zeros_like(problem.k)
+    for start, end in problem.blocks():
+        P = problem.plan(start, end, f_L, g_L)
+        T = torch.bmm(dO[:, start:end], v.transpose(1, 2))
+        if exact_terms is None:
+            T.baddbmm_(X[:, start:end], Y.transpose(1, 2), alpha=-1.0)
+            dS = T.mul_(P)
+        else:  # potentials moved too far for the rank-L form: one exponential per term
+            dS = T.mul_(P)
+            for t, coef in exact_terms:
+                M = problem.plan(start, end, *_pots_after(t, fs, gs))
+                dS -= M * (coef[:, start:end].unsqueeze(-1) if t % 2 else coef.unsqueeze(1))
+        dq[:, start:end] = torch.bmm(dS, problem.k).mul_(problem.scale)
+        dk += torch.bmm(dS.transpose(1, 2), problem.q[:, start:end]).mul_(problem.scale)
+    return dq, dk, dv
+
+
+def _rank_factors(coefs, fs, gs, f_L, g_L):
+    """Write ``sum_t coef_t * M^t`` as ``P * (X Y^T)`` with ``M^t = P * exp(df_t ⊕ dg_t)``.
+
+    Returns ``(X, Y, None)``, or ``(None, None, coefs)`` when a potential moved by more than
+    :data:`_MAX_LOG_RATIO` between updates (the exponentials could overflow)."""
+    xs, ys = [], []
+    for t, coef in coefs:
+        f_t, g_t = _pots_after(t, fs, gs)
+        df, dg = f_t - f_L, g_t - g_L
+        if max(_abs_max(df), _abs_max(dg)) > _MAX_LOG_RATIO:
+            return None, None, coefs
+        if t % 2:  # row update: coefficient on rows
+            xs.append(coef * df.exp())
+            ys.append(dg.exp())
+        else:
+            xs.append(df.exp())
+            ys.append(coef * dg.exp())
+    return torch.stack(xs, -1), torch.stack(ys, -1), None
+
+
+def _abs_max(x: Tensor) -> float:
+    return x.abs().max().item() if x.numel() else 0.0
