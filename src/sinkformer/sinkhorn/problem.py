@@ -211,7 +211,7 @@ class Tolerance:
         """Record the column error ``gap`` (per matrix) after ``done`` normalisations; True = stop."""
         self.done = done
         self.counts = torch.where(self.active, done, self.counts)
-        self.error = torch.where(self.active, gap.to(self.error.dtype), self.error)
+        self.error = torch.where(self.active, gap.detach().to(self.error.dtype), self.error)
         self.active = self.active & ~(gap <= self.tol)  # NaN counts as not converged
         if not bool(self.active.any()):
             return True
@@ -255,7 +255,7 @@ def warn_unbalanced(col_error: Tensor, n_iters: int, threshold: float, engine: s
 
 def flatten(t: Tensor, batch: tuple[int, ...], length: int) -> Tensor:
     """``(*b, length, d)`` broadcast to ``batch`` and viewed (copied only if needed) as ``(B, length, d)``."""
-    return t.expand(batch + (length, t.shape[-1])).reshape(-1, length, t.shape[-1])
+    return t.expand(batch + (length, t.shape[-1])).reshape(math.prod(batch), length, t.shape[-1])
 
 
 class Masks:

@@ -1,0 +1,359 @@
+"""The conformance suite: one grid, every attention engine, held to the dense reference.
+
+Each cell runs one engine (``backend=``) on one case and either matches the dense engine in
+float64 — forward, first and second derivatives — to the tolerance of its dtype, or raises a
+``ValueError``/``NotImplementedError`` naming the argument it cannot serve and the engine. Which
+cells may raise is stated once, in ``UNSERVED``; an engine that raises elsewhere, or returns a
+NaN or a different answer anywhere, fails. A new engine joins by being listed in ``ENGINES``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from sinkformer import SinkhornConvergenceWarning, attention
+from sinkformer.sinkhorn import tiled
+
+#: engine name -> keyword arguments of ``attention`` that select it. "tiled-log" is the tiled
+#: engine in the log domain that GPUs use, run here on the CPU.
+ENGINES = {
+    "auto": {},
+    "sdpa": {"backend": "sdpa"},
+    "dense": {"backend": "dense"},
+    "tiled": {"backend": "tiled"},
+    "tiled-log": {"backend": "tiled"},
+    "streamed": {"backend": "streamed", "chunk_size": 4},
+}
+#: engine -> the features it does not serve (it must raise, naming the argument and the engine)
+UNSERVED = {
+    "auto": set(),
+    "sdpa": {"iterations", "return_weights", "measure"},
+    "dense": {"implicit"},
+    "tiled": {"return_weights", "measure", "bias_grad"},
+    "tiled-log": {"return_weights", "measure", "bias_grad"},
+    "streamed": {"return_weights", "measure", "bias_grad", "implicit"},
+}
+#: the argument an error must name for each feature
+ARGUMENT = {"iterations": "n_iters", "return_weights": "return_weights", "measure": "key_weights",
+            "bias_grad": "attn_mask", "implicit": "backward"}
+#: (forward, gradient) tolerance relative to the reference's largest magnitude
+TOLERANCE = {
+    torch.float64: (1e-9, 1e-7),
+    torch.float32: (2e-5, 2e-4),
+    torch.float16: (4e-3, 3e-2),
+    torch.bfloat16: (2e-2, 1e-1),
+}
+
+
+@pytest.fixture(params=list(ENGINES))
+def engine(request, monkeypatch):
+    if request.param == "tiled-log":
+        monkeypatch.setattr(tiled, "DOMAIN", "log")
+    return request.param
+
+
+@dataclass
+class Case:
+    """Inputs and keyword arguments of one call; ``features`` the engine capabilities it needs."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    kwargs: dict = field(default_factory=dict)
+    features: set = field(default_factory=set)
+
+    def to(self, dtype):
+        moved = {n: (t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in self.kwargs.items()}
+        return Case(self.q.to(dtype), self.k.to(dtype), self.v.to(dtype), moved, self.features)
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def make_case(name: str, batch=(2, 3), n=9, m=None, d=5, e=4) -> Case:
+    """The cases of the grid, in float64."""
+    m = n if m is None else m
+    g = _gen(1)
+    q = torch.randn(*batch, n, d, generator=g, dtype=torch.float64)
+    k = torch.randn(*batch, m, d, generator=g, dtype=torch.float64)
+    v = torch.randn(*batch, m, e, generator=g, dtype=torch.float64)
+    if name == "plain":
+        return Case(q, k, v)
+    if name == "cross":  # n_q != n_k: columns sum to n_q / n_k
+        return make_case("plain", batch, 7, 11, d, e)
+    if name == "key_padding":
+        pad = torch.zeros(batch[0], m, dtype=torch.bool)
+        pad[0, -3:] = True
+        return Case(q, k, v, {"key_padding_mask": pad})
+    if name == "query_and_key_padding":
+        pad = torch.zeros(batch[0], n, dtype=torch.bool)
+        pad[1, -4:] = True
+        pad[0, :2] = True
+        return Case(q, k, v, {"key_padding_mask": pad, "query_padding_mask": pad})
+    if name == "bool_mask":  # with a fully masked row and a fully masked column
+        keep = torch.rand(*batch, n, m, generator=_gen(2)) > 0.3
+        keep[..., 0, :] = False
+        keep[..., :, 1] = False
+        return Case(q, k, v, {"attn_mask": keep})
+    if name == "float_mask":  # an additive bias with -inf entries, without gradient
+        bias = torch.randn(n, m, generator=_gen(3), dtype=torch.float64)
+        bias[2, :4] = float("-inf")
+        return Case(q, k, v, {"attn_mask": bias})
+    if name == "learned_bias":
+        bias = torch.randn(n, m, generator=_gen(4), dtype=torch.float64).requires_grad_()
+        return Case(q, k, v, {"attn_mask": bias}, {"bias_grad"})
+    if name == "measure_weights":
+        w = torch.rand(batch[0], m, generator=_gen(5), dtype=torch.float64) + 0.1
+        return Case(q, k, v, {"key_weights": w}, {"measure"})
+    if name == "return_weights":
+        return Case(q, k, v, {"return_weights": True}, {"return_weights"})
+    if name == "all_keys_padded":
+        pad = torch.zeros(batch[0], m, dtype=torch.bool)
+        pad[1] = True
+        return Case(q, k, v, {"key_padding_mask": pad})
+    if name == "extreme":  # integer scores spanning ~1e4: exact in every dtype path
+        q, k = (t.mul(60).round() for t in (q, k))
+        return Case(q, k, v, {"scale": 1.0})
+    raise KeyError(name)
+
+
+CASES = ["plain", "cross", "key_padding", "query_and_key_padding", "bool_mask", "float_mask", "learned_bias",
+         "measure_weights", "return_weights", "all_keys_padded"]
+
+
+def features_of(case: Case, n_iters, tol, backward="unrolled") -> set:
+    feats = set(case.features)
+    if tol is not None or n_iters > 1:
+        feats.add("iterations")
+    if backward == "implicit":
+        feats.add("implicit")
+    return feats
+
+
+def run(engine: str, case: Case, **kw):
+    """``attention`` on ``engine``; returns the output (the weights dropped)."""
+    out = attention(case.q, case.k, case.v, **case.kwargs, **ENGINES[engine], **kw)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def reference(case: Case, **kw):
+    return run("dense", case.to(torch.float64), **kw)
+
+
+def leaves(case: Case) -> Case:
+    """A copy whose q, k, v (and a learned bias) require grad."""
+    kwargs = dict(case.kwargs)
+    if "bias_grad" in case.features:
+        kwargs["attn_mask"] = case.kwargs["attn_mask"].detach().clone().requires_grad_()
+    return Case(*(t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)), kwargs, case.features)
+
+
+def inputs_with_grad(case: Case) -> list[torch.Tensor]:
+    extra = [case.kwargs["attn_mask"]] if "bias_grad" in case.features else []
+    return [case.q, case.k, case.v] + extra
+
+
+def expect(engine: str, feats: set):
+    """A context: the call must raise naming the argument and the engine where it is unserved."""
+    missing = feats & UNSERVED[engine]
+    if not missing:
+        return None
+    return missing
+
+
+def assert_raises_naming(engine, missing, fn):
+    with pytest.raises((ValueError, NotImplementedError)) as info:
+        fn()
+    message = str(info.value)
+    assert any(ARGUMENT[f] in message for f in missing), message
+    assert ENGINES[engine].get("backend", "tiled").split("-")[0] in message, message
+
+
+def assert_close(got, want, rel, what, floor=1e-12):
+    """``max |got - want| <= rel * max(max |want|, floor)``, and no NaN/inf."""
+    got, want = got.double(), want.double()
+    assert torch.isfinite(got).all(), f"{what}: non-finite values"
+    scale = want.abs().max().item() if want.numel() else 0.0
+    err = (got - want).abs().max().item() if want.numel() else 0.0
+    assert err <= rel * max(scale, floor), f"{what}: error {err:.3g} vs magnitude {scale:.3g}"
+
+
+def check_cell(engine, case: Case, dtype, n_iters=None, tol=None, backward="unrolled", grads=True, max_iters=1000,
+               tolerance=None, floor=1e-12):
+    """One cell: the engine's forward and gradients against the reference, or the error it must raise."""
+    kw = dict(n_iters=n_iters, tol=tol, backward=backward, max_iters=max_iters)
+    missing = expect(engine, features_of(case, n_iters, tol, backward))
+    case = case.to(dtype)
+    if missing:
+        assert_raises_naming(engine, missing, lambda: run(engine, case, **kw))
+        return
+    rtol_out, rtol_grad = tolerance or TOLERANCE[dtype]
+    mine, ref = leaves(case), leaves(case.to(torch.float64))
+    out = run(engine, mine, **kw)
+    want = reference(ref, **kw)
+    assert out.dtype == dtype
+    assert_close(out, want, rtol_out, f"{engine} forward", floor)
+    if not grads:
+        return
+    grad_out = torch.randn(want.shape, generator=_gen(7), dtype=torch.float64)
+    got = torch.autograd.grad(out, inputs_with_grad(mine), grad_out.to(dtype))
+    ref_grads = torch.autograd.grad(want, inputs_with_grad(ref), grad_out)
+    for name, a, b in zip("qkvb", got, ref_grads):
+        assert a.dtype == (dtype if name != "b" else a.dtype)
+        assert_close(a, b, rtol_grad, f"{engine} d{name}", floor)
+
+
+# --------------------------------------------------------------------------------------------
+# the grid
+
+
+@pytest.mark.parametrize("n_iters", [1, 2, 3, 5, 21])
+@pytest.mark.parametrize("case_name", CASES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_forward_and_gradients(engine, case_name, n_iters, dtype):
+    check_cell(engine, make_case(case_name), dtype, n_iters=n_iters)
+
+
+@pytest.mark.parametrize("n_iters", [2, 5])
+@pytest.mark.parametrize("case_name", ["plain", "key_padding", "cross"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_half_precision(engine, case_name, n_iters, dtype):
+    """Half inputs: computed in float32, output and gradients in the input dtype."""
+    check_cell(engine, make_case(case_name, n=16, d=8), dtype, n_iters=n_iters)
+
+
+@pytest.mark.parametrize("case_name", ["plain", "float_mask", "query_and_key_padding", "cross"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_tolerance_mode(engine, case_name, dtype):
+    """``tol``: every matrix stops on its own when its column error is <= tol (same rule everywhere)."""
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    check_cell(engine, make_case(case_name), dtype, tol=tol, max_iters=10_000)
+
+
+@pytest.mark.parametrize("n_iters", [2, 5, 21])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_extreme_score_ranges(engine, n_iters, dtype):
+    """Scores spanning 1e4: no NaN/inf, and the reference's values to the conditioning of the problem.
+
+    A score of 1e4 is known to one ulp (1e-3 in float32), and a change of the scores by ``δ``
+    changes the weights by a factor up to :math:`e^{2δ}`: the tolerance is ``eps * max|S|``. The
+    gradients are ~0 up to rounding of 1e4-sized terms (floor: ``eps * max|S|`` absolute)."""
+    case = make_case("extreme", batch=(2,), n=10, d=4)
+    top = (case.q @ case.k.transpose(-1, -2)).abs().max().item()
+    assert top > 5e3
+    rel = 4 * torch.finfo(dtype).eps * top
+    check_cell(engine, case, dtype, n_iters=n_iters, grads=dtype == torch.float64, tolerance=(rel, rel), floor=1.0)
+    if dtype == torch.float32 and "iterations" not in UNSERVED[engine]:
+        mine = leaves(case.to(dtype))
+        run(engine, mine, n_iters=n_iters).sum().backward()
+        assert all(torch.isfinite(t.grad).all() for t in (mine.q, mine.k, mine.v))
+
+
+@pytest.mark.parametrize("n_iters", [1, 2, 5])
+@pytest.mark.parametrize("case_name", ["plain", "bool_mask", "cross"])
+def test_second_derivatives(engine, case_name, n_iters):
+    """A gradient penalty: d/dθ |d out·w / dq|² equals the reference's (double backward)."""
+    case = make_case(case_name, batch=(2,), n=6, d=3)
+    missing = expect(engine, features_of(case, n_iters, None))
+    if missing:
+        return  # the first-derivative grid covers the error
+    w = torch.randn(case.q.shape[:-1] + (case.v.shape[-1],), generator=_gen(9), dtype=torch.float64)
+
+    def penalty_grads(eng):
+        c = leaves(case)
+        out = run(eng, c, n_iters=n_iters)
+        (gq,) = torch.autograd.grad((out * w).sum(), c.q, create_graph=True)
+        return torch.autograd.grad(gq.square().sum(), (c.q, c.k, c.v))
+
+    for name, a, b in zip("qkv", penalty_grads(engine), penalty_grads("dense")):
+        assert_close(a, b, 1e-7, f"{engine} second derivative d{name}")
+
+
+@pytest.mark.parametrize("shape", ["n_q=0", "n_k=0", "d=0", "d_v=0", "batch=0"])
+def test_empty_shapes(engine, shape):
+    """Empty shapes give the right empty (or zero) output and zero gradients, never an internal error."""
+    n_q, n_k, d, e, batch = 5, 6, 3, 4, 2
+    n_q, n_k, d, e, batch = (0 if shape == f"{name}=0" else size
+                             for name, size in zip(("n_q", "n_k", "d", "d_v", "batch"), (n_q, n_k, d, e, batch)))
+    q = torch.randn(batch, n_q, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(batch, n_k, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(batch, n_k, e, dtype=torch.float64, requires_grad=True)
+    case = Case(q, k, v)
+    n_iters = 1 if engine == "sdpa" else 5
+    out = run(engine, case, n_iters=n_iters)
+    assert out.shape == (batch, n_q, e)
+    want = run("dense", case, n_iters=n_iters)
+    assert_close(out, want, 1e-9, f"{engine} {shape}")
+    if shape == "n_k=0":
+        assert not out.any()  # a query without keys returns zeros
+    if shape == "d=0":  # all scores 0: uniform doubly stochastic weights, the mean of the values
+        assert_close(out, v.mean(-2, keepdim=True).expand_as(out), 1e-12, "d=0 gives the mean value")
+    if out.numel():
+        grads = torch.autograd.grad(out.sum(), (q, k, v), allow_unused=True)
+        assert all(g is None or torch.isfinite(g).all() for g in grads)
+
+
+def test_nan_inputs_raise(engine):
+    case = make_case("plain")
+    q = case.q.clone()
+    q[0, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="q contains NaN"):
+        run(engine, Case(q, case.k, case.v), n_iters=1 if engine == "sdpa" else 5)
+
+
+def test_causal_sinkhorn_raises_everywhere(engine):
+    """Column normalisation under a causal mask mixes future queries into past outputs: refused."""
+    case = make_case("plain")
+    if engine == "sdpa":
+        return  # SoftMax only: causal attention is served (n_iters=1 below)
+    for kw in (dict(is_causal=True), dict(attn_mask=torch.ones(9, 9, dtype=torch.bool).tril())):
+        with pytest.raises(ValueError, match="leak from the future"):
+            run(engine, case, n_iters=5, **kw)
+    out = run(engine, leaves(case), n_iters=1, is_causal=True)
+    assert_close(out, run("sdpa", case, n_iters=1, is_causal=True), 1e-9, "n_iters=1 is causal SoftMax")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_implicit_backward(engine, dtype):
+    """``backward="implicit"``: the gradient of the balanced fixed point (tiled engine only)."""
+    case = make_case("key_padding")
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    missing = expect(engine, features_of(case, None, tol, "implicit"))
+    if engine == "auto":
+        missing = None  # auto routes implicit to the tiled engine
+    c = leaves(case.to(dtype))
+    if missing:
+        assert_raises_naming(engine, missing, lambda: run(engine, c, n_iters=None, tol=tol, backward="implicit"))
+        return
+    out = run(engine, c, n_iters=None, tol=tol, max_iters=10_000, backward="implicit")
+    ref = leaves(case)
+    want = reference(ref, n_iters=401)  # the unrolled map at convergence
+    grad_out = torch.randn(want.shape, generator=_gen(8), dtype=torch.float64)
+    got = torch.autograd.grad(out, (c.q, c.k, c.v), grad_out.to(dtype))
+    ref_grads = torch.autograd.grad(want, (ref.q, ref.k, ref.v), grad_out)
+    for name, a, b in zip("qkv", got, ref_grads):
+        assert_close(a, b, 1e-7 if dtype == torch.float64 else 2e-5, f"{engine} implicit d{name}")
+
+
+def test_unreached_tolerance_warns_with_the_error(engine):
+    """A tolerance not reached within max_iters: one SinkhornConvergenceWarning with the error reached."""
+    if "iterations" in UNSERVED[engine]:
+        return
+    case = make_case("plain").to(torch.float32)
+    with pytest.warns(SinkhornConvergenceWarning, match=r"did not reach tol=1e-09 within max_iters=7 .*column error"):
+        out = run(engine, case, n_iters=None, tol=1e-9, max_iters=7)
+    # it returns the state after max_iters normalisations (here 7), identical on every engine
+    assert_close(out, reference(case, n_iters=7), 2e-5, f"{engine} unconverged tol mode")
+
+
+def test_every_engine_is_in_the_grid():
+    from sinkformer.attention.backends import ENGINES as LIBRARY_ENGINES
+
+    listed = {name.split("-")[0] for name in ENGINES} - {"auto"}
+    assert listed == set(LIBRARY_ENGINES)
+    assert math.isfinite(sum(TOLERANCE[torch.float64]))
