@@ -6,10 +6,12 @@
 * :class:`sinkformer.nn.MultiheadAttention` and :func:`sinkformer.convert` — drop-in modules.
 """
 
-from . import attention
+from .attention import attention
 from .sinkhorn import SinkhornConvergenceWarning, SinkhornResult, sinkhorn
 from . import nn
 from .nn.convert import convert
+
+attention.SparseSinkhornAttention = nn.SparseSinkhornAttention  # old path: the module moved to nn/
 
 __version__ = "0.1.0"
 

@@ -27,8 +27,14 @@ def qkv(b=2, h=2, n=32, d=8, dtype=torch.float64, requires_grad=False):
 # --- balancing -----------------------------------------------------------------------------
 
 
-def test_module_resolves_from_the_attention_package():
+def test_module_lives_in_nn_and_old_paths_resolve():
+    from sinkformer.attention import SparseSinkhornAttention as old
+    from sinkformer.attention.sparse import SortNet
+    from sinkformer.attention.sparse_baselines import BaselineSelfAttention
+
+    assert sinkformer.nn.SparseSinkhornAttention is SparseSinkhornAttention is old
     assert sinkformer.attention.SparseSinkhornAttention is SparseSinkhornAttention
+    assert SortNet is sinkformer.nn.SortNet and BaselineSelfAttention is sinkformer.nn.BaselineSelfAttention
     assert sinkformer.attention.sparse_sinkhorn_attention is sparse_sinkhorn_attention
 
 

@@ -1,16 +1,14 @@
 """Attention as a function of ``(q, k, v)``: functions only (modules live in :mod:`sinkformer.nn`).
 
-``sinkformer.attention`` is this package *and* a callable: ``sinkformer.attention(q, k, v, ...)``
-runs :func:`sinkformer.attention.functional.attention` (SoftMax, Sinkhorn, linear, sigmoid,
+``sinkformer.attention`` is the function :func:`sinkformer.attention.functional.attention`, which
+also carries this package's names (``sinkformer.attention.explain``, ``sinkformer.attention.masks``);
+``sinkformer.attention(q, k, v, ...)`` runs it (SoftMax, Sinkhorn, linear, sigmoid,
 ReLU; dot or L2 cost) on the engine chosen by :mod:`.backends`; :func:`explain` tells which.
 Submodules: :mod:`.masks`, :mod:`.backends`, :mod:`.sparse` (functional Sparse Sinkhorn
 Attention), :mod:`.sparse_baselines` (local and strided attention).
 """
 
-import inspect
-import sys
-import types
-
+from . import backends, functional, masks, sparse, sparse_baselines
 from .backends import BACKENDS, ENGINES, Choice
 from .functional import COSTS, NORMALIZATIONS, attention, explain
 from .sparse import sparse_sinkhorn_attention
@@ -36,12 +34,9 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class _CallableModule(types.ModuleType):
-    """Lets ``sinkformer.attention(q, k, v)`` call the function of the same name."""
-
-    def __call__(self, *args, **kwargs):
-        return attention(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
-sys.modules[__name__].__signature__ = inspect.signature(attention)
+# ``sinkformer.attention`` (the attribute of the parent package) is the function ``attention`` itself,
+# so that ``sinkformer.attention(q, k, v)`` is a plain function call, which torch.compile traces (it
+# cannot call a module object). The function carries this package's public names and submodules as
+# attributes, so ``sinkformer.attention.explain`` and ``import sinkformer.attention.masks`` keep working.
+for _name in __all__ + ["backends", "functional", "masks", "sparse", "sparse_baselines"]:
+    setattr(attention, _name, globals()[_name])

@@ -21,6 +21,7 @@ def convert(
     *,
     cost: str = "dot",
     where: Callable[[str, torch.nn.Module], bool] | None = None,
+    causal: bool = False,
     verbose: bool = True,
     return_count: bool = False,
 ) -> torch.nn.Module | tuple[torch.nn.Module, int]:
@@ -38,6 +39,13 @@ def convert(
         where: optional ``(qualified_name, module) -> bool`` selecting which attention modules to
             convert (e.g. ``lambda name, m: name.startswith("encoder")`` for §6.3's encoder-only
             Sinkformer). Default: all.
+        causal: also convert the attention of decoder layers (``self_attn`` and
+            ``multihead_attn`` of every ``nn.TransformerDecoderLayer``), whose queries are causal.
+            By default they stay on SoftMax, with a warning that says so: Sinkhorn's column
+            normalisation sums over all queries, so past outputs would depend on future tokens —
+            in the causal self-attention and in the cross-attention alike. Converted anyway, the
+            self-attention raises ``ValueError`` when it receives a causal mask with
+            ``n_iters >= 2``; the cross-attention cannot know, and leaks under teacher forcing.
         verbose: print how many modules were converted.
         return_count: return ``(model, count)`` instead of ``model``.
     """
@@ -47,11 +55,14 @@ def convert(
     check_choice(normalization, "normalization", NORMALIZATIONS)
     check_choice(cost, "cost", COSTS)
 
+    causal_names = _decoder_attention(model)
     targets = [
         (name, module)
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.MultiheadAttention) and (where is None or where(name, module))
     ]
+    kept = [name for name, _ in targets if name in causal_names] if not causal and normalization == "sinkhorn" else []
+    targets = [(name, module) for name, module in targets if name not in kept]
     for name, old in targets:
         if isinstance(old, MultiheadAttention):
             old.normalization, old.n_iters, old.cost = normalization, n_iters, cost
@@ -68,11 +79,28 @@ def convert(
             module.use_nested_tensor = False
 
     count = len(targets)
-    if count == 0:
+    if kept:
+        warnings.warn(
+            f"convert() kept {len(kept)} decoder attention module(s) on SoftMax ({', '.join(kept)}): their queries "
+            "are causal, and Sinkhorn's column normalisation sums over all queries, so past outputs would depend on "
+            "future tokens. Pass causal=True to convert them anyway.",
+            stacklevel=2,
+        )
+    if count == 0 and not kept:
         warnings.warn("convert() found no torch.nn.MultiheadAttention module to convert", stacklevel=2)
     elif verbose:
         print(f"sinkformer.convert: {count} attention module(s) now use {normalization!r} (n_iters={n_iters})")
     return (model, count) if return_count else model
+
+
+def _decoder_attention(model: torch.nn.Module) -> set[str]:
+    """Qualified names of the attention modules with causal queries: both attentions of decoder layers."""
+    return {
+        f"{name}.{child}" if name else child
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.TransformerDecoderLayer)
+        for child in ("self_attn", "multihead_attn")
+    }
 
 
 def _like(old: torch.nn.MultiheadAttention, **options) -> MultiheadAttention:

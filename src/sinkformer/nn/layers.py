@@ -142,6 +142,14 @@ class TransformerDecoder(torch.nn.Module):
 
     def __init__(self, d_model: int, nhead: int, num_layers: int, *, final_norm: bool = False, **layer_options) -> None:
         super().__init__()
+        n_iters = layer_options.get("n_iters", 5)
+        for option in ("self_normalization", "cross_normalization"):
+            if layer_options.get(option) == "sinkhorn" and n_iters >= 2:
+                raise ValueError(
+                    f"{option}='sinkhorn' with n_iters={n_iters} in a causal decoder: Sinkhorn's column normalisation "
+                    "sums over all target positions, so the output at position t would depend on targets after t. "
+                    "Use 'softmax' (or n_iters=1) for decoder attention."
+                )
         self.layers = torch.nn.ModuleList(
             TransformerDecoderLayer(d_model, nhead, batch_first=True, **layer_options) for _ in range(num_layers)
         )

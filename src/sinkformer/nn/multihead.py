@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from .._validation import check_choice, check_positive_int
+from .._validation import _skip_data_checks, check_choice, check_positive_int
 from ..attention import COSTS, NORMALIZATIONS, attention
 
 __all__ = ["MultiheadAttention"]
@@ -36,7 +36,10 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
 
     With ``normalization="sinkhorn"``, a ``key_padding_mask`` in self-attention (``query is key``)
     also marks the padded queries, which then take no part in the column normalisation and
-    output zeros. ``need_weights`` returns the weights before dropout.
+    output zeros. ``need_weights`` returns the weights before dropout. Causal attention
+    (``is_causal=True`` or a causal ``attn_mask``, as ``nn.TransformerDecoderLayer`` passes) with
+    Sinkhorn and ``n_iters >= 2`` raises ``ValueError``: the column normalisation would mix future
+    queries into past outputs.
 
     Shapes (``batch_first=True``): query ``(N, L, E)``, key/value ``(N, S, E_k/E_v)``, output
     ``(N, L, E)``, weights ``(N, L, S)`` (or ``(N, H, L, S)`` with ``average_attn_weights=False``).
@@ -122,7 +125,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             attn_mask=mask,
             key_padding_mask=pad,
             query_padding_mask=query_pad,
-            is_causal=is_causal and attn_mask is None,
+            is_causal=is_causal,
             dropout_p=self.dropout if self.training else 0.0,
             return_weights=need_weights,
         )
@@ -164,7 +167,9 @@ def _split_padding(key_padding_mask: Tensor | None, bsz: int, src_len: int) -> t
         raise TypeError(f"key_padding_mask must be bool or float, got {key_padding_mask.dtype}")
     pad = torch.isneginf(key_padding_mask)
     rest = key_padding_mask.masked_fill(pad, 0.0)
-    return pad, (rest[:, None, None, :] if bool(rest.any()) else None)
+    # without a data check (graph capture, GPUs) the finite part is always kept as a bias
+    keep_bias = _skip_data_checks(key_padding_mask) or bool(rest.any())
+    return pad, (rest[:, None, None, :] if keep_bias else None)
 
 
 def _canonical_attn_mask(

@@ -1,7 +1,7 @@
 """The Sinkhorn core: one problem definition, three engines.
 
-``sinkformer.sinkhorn`` is this package *and* a callable: ``sinkformer.sinkhorn(scores, ...)``
-runs :func:`sinkformer.sinkhorn.dense.sinkhorn`, the log-domain reference.
+``sinkformer.sinkhorn`` is the function :func:`sinkformer.sinkhorn.dense.sinkhorn` (the log-domain
+reference), which also carries this package's names and submodules as attributes.
 
 * :mod:`.problem` — what every engine obeys: valid rows/columns, marginals, the meaning of
   ``n_iters`` and ``tol``, the stop rule, the double shift, tile sizes, :class:`SinkhornResult`.
@@ -10,10 +10,7 @@ runs :func:`sinkformer.sinkhorn.dense.sinkhorn`, the log-domain reference.
 * :mod:`.streamed` — never an ``n × m`` matrix (long sequences, point clouds, dynamics).
 """
 
-import inspect
-import sys
-import types
-
+from . import dense, problem, streamed, tiled
 from .dense import log_sinkhorn_loop, sinkhorn
 from .problem import CONVERGED_TOL, SinkhornConvergenceWarning, SinkhornResult, double_shift
 
@@ -27,12 +24,7 @@ __all__ = [
 ]
 
 
-class _CallableModule(types.ModuleType):
-    """Lets ``sinkformer.sinkhorn(scores)`` call the function of the same name."""
-
-    def __call__(self, *args, **kwargs):
-        return sinkhorn(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
-sys.modules[__name__].__signature__ = inspect.signature(sinkhorn)
+# ``sinkformer.sinkhorn`` (the attribute of the parent package) is the function ``sinkhorn`` itself, a
+# plain function call for torch.compile; it carries this package's names and submodules as attributes.
+for _name in __all__ + ["problem", "dense", "tiled", "streamed"]:
+    setattr(sinkhorn, _name, globals()[_name])

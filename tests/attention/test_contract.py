@@ -1,0 +1,253 @@
+"""The reproductions of the engines issue, each a test: the n_iters/tol contract, validation, the
+streamed engine's float32 underflow, causal safety through every public entry point, the backend table."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import sinkformer
+from sinkformer import SinkhornConvergenceWarning, attention, sinkhorn
+from sinkformer.attention import backends
+
+
+def qkv(n=12, d=6, batch=(2, 3), dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(*batch, n, d, generator=g, dtype=dtype) for _ in range(3))
+
+
+# ---- the n_iters / tol contract ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ["dense", "tiled", "streamed"])
+@pytest.mark.parametrize("tol, exc, words", [
+    (-1.0, ValueError, "tol must be a finite number > 0"),
+    (0.0, ValueError, "tol must be a finite number > 0"),
+    (float("nan"), ValueError, "tol must be a finite number > 0"),
+    (float("inf"), ValueError, "tol must be a finite number > 0"),
+    ("a", TypeError, "tol must be a finite number > 0"),
+    (True, TypeError, "tol must be a finite number > 0"),
+])
+def test_tol_must_be_a_finite_positive_number(engine, tol, exc, words):
+    q, k, v = qkv()
+    with pytest.raises(exc, match=words):
+        attention(q, k, v, n_iters=None, tol=tol, backend=engine)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"return_weights": True}, {"backend": "streamed"}, {"backend": "tiled"}])
+def test_n_iters_and_tol_are_exclusive_on_every_path(kwargs):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="n_iters and tol are exclusive: pass n_iters=None"):
+        attention(q, k, v, n_iters=5, tol=1e-6, **kwargs)
+    with pytest.raises(ValueError, match="n_iters and tol are exclusive"):
+        sinkhorn(torch.randn(3, 3), 5, tol=1e-6)
+
+
+def test_unreachable_tolerance_warns_and_says_the_error():
+    """The README's tol example, asked for more than float32 reaches in 20 normalisations."""
+    q, k, v = torch.randn(3, 4, 8, 128, 64, generator=torch.Generator().manual_seed(1))
+    with pytest.warns(SinkhornConvergenceWarning, match=r"did not reach tol=1e-07 within max_iters=20 .*column error"):
+        attention(q, k, v, n_iters=None, tol=1e-7, max_iters=20)
+    assert issubclass(SinkhornConvergenceWarning, UserWarning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, W = attention(q, k, v, n_iters=None, tol=1e-5, return_weights=True)  # reachable: silent
+    assert (W.sum(-2) - 1).abs().max() <= 1e-5
+
+
+def test_implicit_backward_warns_when_not_balanced():
+    q, k, v = (t.double() for t in qkv(seed=2))
+    with pytest.warns(SinkhornConvergenceWarning, match="backward='implicit' .* column error"):
+        attention(q, k, v, n_iters=3, backward="implicit")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attention(q, k, v, n_iters=None, tol=1e-10, backward="implicit")
+
+
+def test_each_matrix_stops_on_its_own():
+    """In tolerance mode a matrix's result does not depend on the rest of its batch."""
+    q, k, v = qkv(batch=(4,), dtype=torch.float64, seed=3)
+    q[1] *= 4  # a harder matrix: more normalisations
+    for engine in ("dense", "tiled", "streamed"):
+        together = attention(q, k, v, n_iters=None, tol=1e-9, backend=engine)
+        alone = attention(q[:1], k[:1], v[:1], n_iters=None, tol=1e-9, backend=engine)
+        torch.testing.assert_close(together[:1], alone, atol=1e-12, rtol=0)
+    res = sinkhorn(q @ k.transpose(-1, -2), None, tol=1e-9, return_result=True)
+    assert res.iterations[1] > res.iterations[0] and res.n_iters == int(res.iterations.max())
+
+
+@pytest.mark.parametrize("scale, exc", [("a", TypeError), (float("nan"), ValueError), (float("inf"), ValueError),
+                                        (True, TypeError)])
+def test_scale_is_validated(scale, exc):
+    q, k, v = qkv()
+    with pytest.raises(exc, match="scale must be a finite float"):
+        attention(q, k, v, scale=scale)
+
+
+def test_warm_start_is_validated():
+    S = torch.randn(4, 5)
+    with pytest.raises(ValueError, match="warm_start contains NaN"):
+        sinkhorn(S, 3, warm_start=torch.full((5,), float("nan")))
+    res = sinkhorn(S, None, tol=1e-8, return_result=True)
+    again = sinkhorn(S, None, tol=1e-8, warm_start=res.g, return_result=True)
+    assert again.n_iters == 1 and torch.isfinite(again.matrix).all()
+
+
+def test_empty_problems_of_the_core():
+    for shape in [(0, 4), (3, 0), (2, 0, 0)]:
+        S = torch.randn(*shape, requires_grad=True)
+        P = sinkhorn(S, 5)
+        assert P.shape == S.shape
+        P.sum().backward()
+
+
+# ---- the streamed engine's float32 underflow -------------------------------------------------
+
+
+def test_streamed_column_that_underflows_stays_finite():
+    """A key whose scores sit > 88 below every row maximum: its column sum underflows in float32."""
+    q = torch.tensor([[10.0, 0.0], [0.0, 10.0]])
+    k = torch.tensor([[10.0, 0.0], [0.0, 10.0], [0.0, 0.0]])
+    v = torch.randn(3, 4)
+    for chunk in (1, 2):
+        out = attention(q, k, v, scale=1.0, n_iters=2, chunk_size=chunk)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, attention(q, k, v, scale=1.0, n_iters=2, backend="dense"), atol=1e-5, rtol=0)
+    q12 = 1.2 * q  # scores of 144: exp(-144) is 0 in float32
+    k12 = 1.2 * k
+    for n_iters in (2, 3, 6):
+        out = attention(q12, k12, v, scale=1.0, n_iters=n_iters, chunk_size=1)
+        ref = attention(q12.double(), k12.double(), v.double(), scale=1.0, n_iters=n_iters, backend="dense")
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+
+
+def test_long_sequence_with_an_unreachable_key_stays_finite():
+    """n = 4097 (auto-streamed: n^2 > 2^24), |q| = |k| = 12 and one zero key: no NaN anywhere."""
+    n = 4097
+    g = torch.Generator().manual_seed(0)
+    q = torch.nn.functional.normalize(torch.randn(1, n, 2, generator=g), dim=-1) * 12
+    k = q.clone()
+    k[:, 0] = 0.0
+    v = torch.randn(1, n, 3, generator=g)
+    assert attention.explain(q, k, v, scale=1.0).engine == "streamed"
+    out = attention(q, k, v, scale=1.0, n_iters=5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, attention(q, k, v, scale=1.0, n_iters=5, backend="tiled"), atol=1e-4, rtol=0)
+
+
+# ---- causal safety through every public entry point ------------------------------------------
+
+
+def future_gradient(fn, x, t=2):
+    """max |d (out[:, :t+1] . w) / d x[:, t+1:]| for ``fn(x) -> (batch, n, e)`` (``w`` random: a plain sum
+    of layer-normalised outputs is constant), beside the same for the past (which must not vanish)."""
+    x = x.clone().requires_grad_()
+    out = fn(x)
+    w = torch.randn(out[:, : t + 1].shape, generator=torch.Generator().manual_seed(5), dtype=out.dtype)
+    (grad,) = torch.autograd.grad((out[:, : t + 1] * w).sum(), x)
+    assert grad[:, : t + 1].abs().max() > 1e-4
+    return grad[:, t + 1 :].abs().max().item()
+
+
+def test_causal_sinkhorn_is_refused_and_causal_softmax_does_not_leak():
+    q, k, v = qkv(n=8, batch=(2,))
+    with pytest.raises(ValueError, match="leak from the future"):
+        attention(q, k, v, is_causal=True, n_iters=5)
+    with pytest.raises(ValueError, match="leak from the future"):
+        attention(q, k, v, is_causal=True, n_iters=None, tol=1e-5)
+    causal_mask = torch.nn.Transformer.generate_square_subsequent_mask(8)  # float, -inf above the diagonal
+    with pytest.raises(ValueError, match="leak from the future"):
+        attention(q, k, v, attn_mask=causal_mask, n_iters=3)
+    assert future_gradient(lambda x: attention(x, x, x, is_causal=True, n_iters=1), q) == 0.0
+    assert future_gradient(lambda x: attention(x, x, x, is_causal=True, normalization="softmax"), q) == 0.0
+
+
+def test_multihead_attention_refuses_causal_sinkhorn():
+    mha = sinkformer.nn.MultiheadAttention(12, 3, batch_first=True, n_iters=5)
+    x = torch.randn(2, 7, 12)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(7)
+    with pytest.raises(ValueError, match="leak from the future"):
+        mha(x, x, x, attn_mask=mask, is_causal=True)
+    with pytest.raises(ValueError, match="leak from the future"):
+        mha(x, x, x, attn_mask=mask)
+    mha.n_iters = 1
+    assert future_gradient(lambda y: mha(y, y, y, attn_mask=mask, is_causal=True, need_weights=False)[0], x) == 0.0
+
+
+def test_convert_keeps_decoder_self_attention_on_softmax():
+    torch.manual_seed(0)
+    model = torch.nn.Transformer(d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=2, dim_feedforward=32,
+                                 dropout=0.0, batch_first=True).eval()
+    with pytest.warns(UserWarning, match="kept 4 decoder attention module"):
+        _, count = sinkformer.convert(model, n_iters=5, verbose=False, return_count=True)
+    assert count == 1  # the encoder's self-attention
+    for layer in model.decoder.layers:
+        assert not isinstance(layer.self_attn, sinkformer.nn.MultiheadAttention)
+        assert not isinstance(layer.multihead_attn, sinkformer.nn.MultiheadAttention)
+    src = torch.randn(2, 6, 16)
+    mask = model.generate_square_subsequent_mask(5)
+    leak = future_gradient(lambda tgt: model(src, tgt, tgt_mask=mask, tgt_is_causal=True), torch.randn(2, 5, 16))
+    assert leak == 0.0
+    # converted anyway, the causal layers refuse the causal mask
+    sinkformer.convert(model, n_iters=5, causal=True, verbose=False)
+    with pytest.raises(ValueError, match="leak from the future"):
+        model(src, torch.randn(2, 5, 16), tgt_mask=mask, tgt_is_causal=True)
+
+
+def test_cross_attention_from_causal_queries_leaks_so_decoders_refuse_it():
+    """Column normalisation in cross-attention sums over all target positions: a leak too."""
+    q, k, v = qkv(n=6, batch=(1,))
+    assert future_gradient(lambda x: attention(x, k[:, :5], v[:, :5], n_iters=5), q) > 1e-3
+    for option in ("self_normalization", "cross_normalization"):
+        with pytest.raises(ValueError, match=f"{option}='sinkhorn' with n_iters=3 in a causal decoder"):
+            sinkformer.nn.TransformerDecoder(16, 2, 1, dim_feedforward=32, **{option: "sinkhorn"}, n_iters=3)
+    decoder = sinkformer.nn.TransformerDecoder(16, 2, 2, dim_feedforward=32, dropout=0.0)
+    memory = torch.randn(2, 4, 16)
+    assert future_gradient(lambda tgt: decoder(tgt, memory), torch.randn(2, 5, 16)) == 0.0
+
+
+# ---- the backend table ------------------------------------------------------------------------
+
+
+def test_explain_names_the_engine_and_the_reason():
+    q, k, v = qkv()
+    assert str(attention.explain(q, k, v)) == "tiled: Sinkhorn on cached tiles, O(n) saved per slice"
+    assert attention.explain(q, k, v, n_iters=1).engine == "sdpa"
+    assert attention.explain(q, k, v, normalization="softmax").engine == "sdpa"
+    choice = attention.explain(q, k, v, return_weights=True)
+    assert choice.engine == "dense" and "return_weights=True" in choice.reason and "memory" in choice.reason
+    bias = torch.zeros(12, 12, requires_grad=True)
+    assert "requires grad" in attention.explain(q, k, v, attn_mask=bias).reason
+    assert "key_weights" in attention.explain(q, k, v, key_weights=torch.ones(2, 12)).reason
+    assert attention.explain(q, k, v, normalization="relu").engine == "dense"
+    assert attention.explain(q, k, v, chunk_size=4).engine == "streamed"
+    assert attention.explain(q, k, v, backend="streamed").reason == "forced by backend="
+
+
+def test_auto_streams_above_the_threshold(monkeypatch):
+    q, k, v = qkv()
+    monkeypatch.setattr(backends, "STREAM_ABOVE", 12 * 12 - 1)
+    assert attention.explain(q, k, v).engine == "streamed"
+    assert "2^24" in attention.explain(q, k, v).reason
+
+
+@pytest.mark.parametrize("backend, kwargs, words", [
+    ("sdpa", {}, "engine 'sdpa' computes SoftMax only .* n_iters=5"),
+    ("tiled", {"return_weights": True}, "return_weights=True .* engine 'tiled'"),
+    ("streamed", {"dropout_p": 0.1}, "dropout_p=0.1 is not served by engine 'streamed'"),
+    ("dense", {"backward": "implicit"}, "backward='implicit' is served by engine 'tiled' only, not 'dense'"),
+    ("tiled", {"normalization": "relu"}, "engine 'tiled' computes Sinkhorn attention, got normalization='relu'"),
+    ("dense", {"chunk_size": 4}, "chunk_size is an option of the streamed engine"),
+    ("fast", {}, "backend must be one of"),
+])
+def test_a_forced_engine_that_cannot_serve_raises_with_the_reason(backend, kwargs, words):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=words):
+        attention(q, k, v, backend=backend, **kwargs)
+
+
+def test_engine_names_are_one_per_concept():
+    assert backends.ENGINES == ("sdpa", "dense", "tiled", "streamed")
+    assert backends.BACKENDS == ("auto",) + backends.ENGINES
+    assert math.isfinite(backends.STREAM_ABOVE)
