@@ -8,8 +8,8 @@ Methods, all on ``(b, h, n, d) = (4, 8, n, 64)`` float32, forward and forward+ba
 * ``naive-softmax`` — SoftMax with the ``n × n`` matrix materialised, through autograd;
 * ``paper-reference`` — the Sinkformers paper's implementation (Appendix B): log-domain
   iterations unrolled through autograd, every iterate stored;
-* ``ours`` — ``sinkformer.attention`` (custom autograd, tiled);
-* ``ours-chunked`` — ``sinkformer.attention(..., chunk_size=c)`` (streamed, no ``n × n`` matrix;
+* ``ours`` — ``sinkformer.attention`` (the tiled engine, custom ops);
+* ``ours-chunked`` — ``sinkformer.attention(..., chunk_size=c)`` (the streamed engine, no ``n × n`` matrix;
   ``c`` the automatic choice: about 2^20 scores per block, at least 64 query rows).
 
 Each configuration runs in two fresh subprocesses. Memory: with ``MALLOC_MMAP_THRESHOLD_`` fixed so
@@ -81,12 +81,12 @@ def make_fn(method: str, n_iters: int):
 
 
 def _chunk(q, k) -> int:
-    """The automatic choice of the streamed mode: (batch*heads, rows, n_k) tiles of about 2^20 scores,
+    """The automatic choice of the streamed engine: (batch*heads, rows, n_k) tiles of about 2^20 scores,
     at least 64 rows."""
-    from sinkformer.attention.streaming import BLOCK_ELEMENTS, MIN_CHUNK
+    from sinkformer.sinkhorn.problem import row_block
 
     slices = q.numel() // (q.shape[-2] * q.shape[-1])
-    return max(MIN_CHUNK, BLOCK_ELEMENTS // (slices * k.shape[-2]))
+    return row_block(slices, q.shape[-2], k.shape[-2], None)
 
 
 def estimated_gib(method: str, b: int, h: int, n: int, n_iters: int) -> float:

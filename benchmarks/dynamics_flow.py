@@ -4,7 +4,7 @@ The flow is :math:`\\dot x_i = \\Gamma^{\\rm Sk}_{\\mu_t}(x_i)` for ``N`` partic
 explicit Euler steps. Each step needs the bistochastic Sinkhorn coupling of the current cloud:
 
 * ``ours``: :class:`sinkformer.dynamics.ParticleField` — float32, Sinkhorn potentials by the streamed sweeps of
-  :mod:`sinkformer.attention.streaming` (memory ``O(N * chunk)``, never an ``N x N`` matrix), warm-started from
+  :mod:`sinkformer.sinkhorn.streamed` (memory ``O(N * chunk)``, never an ``N x N`` matrix), warm-started from
   the previous step, the averaged symmetric update when ``A`` is symmetric PSD;
 * ``pot``: each step from scratch, ``ot.sinkhorn(a, a, M=-C, reg=1, method="sinkhorn_log")`` on the dense
   float64 cost matrix (``K_inf = N * plan``, ``FORMULAS.md`` §1.4), then the field ``N * plan @ (x V^T)``.

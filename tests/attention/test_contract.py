@@ -68,12 +68,12 @@ def test_implicit_backward_warns_when_not_balanced():
 def test_each_matrix_stops_on_its_own():
     """In tolerance mode a matrix's result does not depend on the rest of its batch."""
     q, k, v = qkv(batch=(4,), dtype=torch.float64, seed=3)
-    q[1] *= 4  # a harder matrix: more normalisations
+    q[1] *= 2  # a harder matrix: more normalisations
     for engine in ("dense", "tiled", "streamed"):
         together = attention(q, k, v, n_iters=None, tol=1e-9, backend=engine)
         alone = attention(q[:1], k[:1], v[:1], n_iters=None, tol=1e-9, backend=engine)
         torch.testing.assert_close(together[:1], alone, atol=1e-12, rtol=0)
-    res = sinkhorn(q @ k.transpose(-1, -2), None, tol=1e-9, return_result=True)
+    res = sinkhorn(q @ k.transpose(-1, -2) / 6**0.5, None, tol=1e-9, return_result=True)
     assert res.iterations[1] > res.iterations[0] and res.n_iters == int(res.iterations.max())
 
 

@@ -8,7 +8,7 @@ from conftest import nr_nc_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sinkformer import SinkhornResult, sinkhorn
+from sinkformer import SinkhornConvergenceWarning, SinkhornResult, sinkhorn
 
 
 def converged(scores, **kw):
@@ -196,7 +196,8 @@ def test_result_object():
 
 def test_max_iters_caps_and_reports_not_converged():
     S = 10 * torch.randn(20, 20, dtype=torch.float64)
-    res = sinkhorn(S, None, tol=1e-12, max_iters=3, return_result=True)
+    with pytest.warns(SinkhornConvergenceWarning, match=r"did not reach tol=1e-12 within max_iters=3 .*column error"):
+        res = sinkhorn(S, None, tol=1e-12, max_iters=3, return_result=True)
     assert res.n_iters <= 3 and not res.converged
     assert res.col_error.item() > 1e-12
 

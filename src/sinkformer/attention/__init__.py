@@ -38,5 +38,7 @@ def __getattr__(name: str):
 # so that ``sinkformer.attention(q, k, v)`` is a plain function call, which torch.compile traces (it
 # cannot call a module object). The function carries this package's public names and submodules as
 # attributes, so ``sinkformer.attention.explain`` and ``import sinkformer.attention.masks`` keep working.
-for _name in __all__ + ["backends", "functional", "masks", "sparse", "sparse_baselines"]:
+for _module in (backends, functional, masks, sparse, sparse_baselines):
+    setattr(attention, _module.__name__.rpartition(".")[2], _module)
+for _name in __all__:
     setattr(attention, _name, globals()[_name])

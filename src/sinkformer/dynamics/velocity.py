@@ -19,7 +19,7 @@ temperature :math:`\varepsilon` (scores :math:`\langle Qx, Ky\rangle/\varepsilon
 
 A list of head triples sums the head fields (multi-head, §1.7). Every field is computed by
 :func:`sinkformer.attention` (and the Sinkhorn potentials by the streamed sweeps of
-:mod:`sinkformer.attention.streaming`); queries are processed in chunks, so that memory
+:mod:`sinkformer.sinkhorn.streamed`); queries are processed in chunks, so that memory
 stays ``O(N * chunk)`` and ``N = 50,000`` particles never build an ``N x N`` matrix.
 """
 

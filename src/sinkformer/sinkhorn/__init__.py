@@ -26,5 +26,7 @@ __all__ = [
 
 # ``sinkformer.sinkhorn`` (the attribute of the parent package) is the function ``sinkhorn`` itself, a
 # plain function call for torch.compile; it carries this package's names and submodules as attributes.
-for _name in __all__ + ["problem", "dense", "tiled", "streamed"]:
+for _module in (problem, dense, tiled, streamed):
+    setattr(sinkhorn, _module.__name__.rpartition(".")[2], _module)
+for _name in __all__:
     setattr(sinkhorn, _name, globals()[_name])

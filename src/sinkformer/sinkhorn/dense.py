@@ -36,6 +36,7 @@ from .problem import (
     SinkhornResult,
     Tolerance,
     check_iterations,
+    column_error,
     double_shift,
     marginals,
     warn_if_unconverged,
@@ -92,10 +93,7 @@ def log_sinkhorn_loop(
         f = torch.where(active, update(log_a, row_lse(g), row_valid), f)
         done += 1
         lse = col_lse(f)
-        gap = (torch.exp(g + lse) - b).abs()
-        if col_valid is not None:
-            gap = torch.where(col_valid, gap, torch.zeros_like(gap))
-        if stop.check(gap.amax(-1) if gap.shape[-1] else gap.sum(-1), done):
+        if stop.check(column_error(torch.exp(g + lse), b), done):
             warn_if_unconverged([stop])
             return f, g, stop.counts
         g = torch.where(stop.active.unsqueeze(-1), update(log_b, lse, col_valid), g)

@@ -42,6 +42,7 @@ __all__ = [
     "check_iterations",
     "check_scale",
     "marginals",
+    "column_error",
     "double_shift",
     "flatten",
     "group_size",
@@ -291,6 +292,12 @@ class Masks:
 
     def bias_of(self, start: int, end: int, row_start: int = 0, row_end: int | None = None) -> Tensor | None:
         return self._slice(self.bias, start, end, row_start, row_end)
+
+
+def column_error(col_sums: Tensor, b: Tensor) -> Tensor:
+    """Per-matrix column error :math:`\\max_j |\\sum_i P_{ij} - b_j|` ``(...)`` (0 on columns without mass)."""
+    gap = torch.where(b > 0, (col_sums - b).abs(), torch.zeros_like(b))
+    return gap.amax(-1) if gap.shape[-1] else gap.sum(-1)
 
 
 def valid_rows_cols(keep: Tensor | None, shape: tuple[int, int, int]) -> tuple[Tensor | None, Tensor | None]:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .problem import Masks, Tolerance, marginals, row_block, warn_if_unconverged
+from .problem import Masks, Tolerance, column_error, marginals, row_block, warn_if_unconverged
 
 __all__ = ["streamed_attention", "streamed_potentials", "streamed_softmax"]
 
@@ -187,11 +187,6 @@ def _column_update(problem: Streamed, f: Tensor, g: Tensor, col: Tensor) -> Tens
     return g_new
 
 
-def _gap(col: Tensor, b: Tensor) -> Tensor:
-    gap = torch.where(b > 0, (col - b).abs(), 0.0)
-    return gap.amax(-1) if gap.shape[-1] else gap.sum(-1)
-
-
 def _sweeps(problem: Streamed, n_iters: int | None, tol: float | None, max_iters: int, g0: Tensor | None,
             v: Tensor | None = None, symmetric: bool = False):
     """Run the updates; returns ``(fs, gs, counts, out, converged)``.
@@ -225,7 +220,7 @@ def _sweeps(problem: Streamed, n_iters: int | None, tol: float | None, max_iters
         done += 1
         fs.append(f)
         if stop is not None:
-            if stop.check(_gap(col, problem.b), done):
+            if stop.check(column_error(col, problem.b), done):
                 break
         elif last:
             break

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from .problem import (
     Masks,
+    column_error,
     Tolerance,
     converged_tol,
     double_shift,
@@ -149,7 +150,7 @@ def _forward_op(
     if implicit and tol is None and col_errors:
         warn_unbalanced(torch.cat(col_errors), n_iters, converged_tol(q.dtype), ENGINE)
     if B == 0:
-        lu, lv = options.history_length() or (0, 0)
+        m, lu, lv = k.shape[1], *(options.history_length() or (0, 0))
         return (out, q.new_zeros(0, n), q.new_zeros(0, m), q.new_zeros(0, n, lu), q.new_zeros(0, m, lv),
                 torch.zeros(0, dtype=torch.int64, device=q.device), torch.zeros(0, dtype=torch.bool, device=q.device))
     return (out, torch.cat(shifts_r), torch.cat(shifts_c), _pad_cat(us), _pad_cat(vs), torch.cat(counts),
@@ -196,7 +197,7 @@ def _forward_group(q, k, v, masks: Masks, start: int, end: int, options: _Option
             u, vt = us[-1], vs[-1]
             col_error = None
             if options.backward == "implicit" and options.tol is None:
-                col_error = _gap(vt * _mtv(K, u), b)
+                col_error = column_error(vt * _mtv(K, u), b)
             if drop is not None:
                 K.mul_(drop)
             torch.bmm(K, vt.unsqueeze(-1) * v, out=out).mul_(u.unsqueeze(-1))
@@ -205,20 +206,14 @@ def _forward_group(q, k, v, masks: Masks, start: int, end: int, options: _Option
             return _GroupState(row_shift, col_shift, torch.stack(us, -1), torch.stack(vs, -1), counts, False, stop,
                                col_error)
         del K  # extreme scores: the log domain for this group
-        x, _, _ = _shifted_scores(q, k, options.scale, keep, bias, row_shift, col_shift)
+        x = _shifted_scores(q, k, options.scale, keep, bias, row_shift, col_shift)
     fs, gs, counts, stop = _log_iterate(x, a, b, col_shift, options)
     P = x.add_(fs[-1].unsqueeze(-1)).add_(gs[-1].unsqueeze(-2)).exp_()
-    col_error = _gap(P.sum(-2), b) if options.backward == "implicit" and options.tol is None else None
+    col_error = column_error(P.sum(-2), b) if options.backward == "implicit" and options.tol is None else None
     torch.bmm(P if drop is None else P.mul_(drop), v, out=out)
     if not keep_all:
         fs, gs = fs[-1:], gs[-1:]
     return _GroupState(row_shift, col_shift, torch.stack(fs, -1), torch.stack(gs, -1), counts, True, stop, col_error)
-
-
-def _gap(col_sums: Tensor, b: Tensor) -> Tensor:
-    """Per-matrix column error :math:`\\max_j |\\sum_i P_{ij} - b_j|` (0 on columns without mass)."""
-    gap = torch.where(b > 0, (col_sums - b).abs(), torch.zeros_like(b))
-    return gap.amax(-1) if gap.shape[-1] else gap.sum(-1)
 
 
 def _scores(q: Tensor, k: Tensor, scale: float, keep: Tensor | None, bias: Tensor | None) -> Tensor:
@@ -231,10 +226,9 @@ def _scores(q: Tensor, k: Tensor, scale: float, keep: Tensor | None, bias: Tenso
     return S
 
 
-def _shifted_scores(q, k, scale, keep, bias, row_shift, col_shift):
+def _shifted_scores(q, k, scale, keep, bias, row_shift, col_shift) -> Tensor:
     """The forward's shifted tile again, from the saved shifts (same operations, same values)."""
-    S = _scores(q, k, scale, keep, bias)
-    return S.sub_(row_shift.unsqueeze(-1)).sub_(col_shift.unsqueeze(-2)), row_shift, col_shift
+    return _scores(q, k, scale, keep, bias).sub_(row_shift.unsqueeze(-1)).sub_(col_shift.unsqueeze(-2))
 
 
 def _ratio(num: Tensor, den: Tensor) -> Tensor:
@@ -270,7 +264,7 @@ def _scaling_iterate(K: Tensor, a: Tensor, b: Tensor, v0: Tensor, options: _Opti
         us.append(u if not us else torch.where(stop.active.unsqueeze(-1), u, us[-1]))
         done += 1
         col = _mtv(K, us[-1])
-        if stop.check(_gap(vs[-1] * col, b), done):
+        if stop.check(column_error(vs[-1] * col, b), done):
             return us, vs, stop.counts, stop
         vs.append(torch.where(stop.active.unsqueeze(-1), _ratio(b, col), vs[-1]))
         done += 1
@@ -303,7 +297,7 @@ def _log_iterate(x: Tensor, a: Tensor, b: Tensor, g0: Tensor, options: _Options)
         fs.append(f if not fs else torch.where(stop.active.unsqueeze(-1), f, fs[-1]))
         done += 1
         lse = col_lse(fs[-1])
-        if stop.check(_gap(torch.exp(gs[-1] + lse), b), done):
+        if stop.check(column_error(torch.exp(gs[-1] + lse), b), done):
             return fs, gs, stop.counts, stop
         g = torch.where(b > 0, log_b - lse, torch.zeros_like(b))
         gs.append(torch.where(stop.active.unsqueeze(-1), g, gs[-1]))
@@ -343,7 +337,7 @@ def _backward_op(
     for start in range(0, B, group):
         sl = slice(start, min(B, start + group))
         kp, bs = masks.keep_of(sl.start, sl.stop), masks.bias_of(sl.start, sl.stop)
-        x, _, _ = _shifted_scores(q[sl], k[sl], scale, kp, bs, row_shift[sl], col_shift[sl])
+        x = _shifted_scores(q[sl], k[sl], scale, kp, bs, row_shift[sl], col_shift[sl])
         a, b = marginals(*valid_rows_cols(kp, x.shape), x.shape, x)
         drop = _dropout_mask(x, dropout_p, seed, start)
         backward_group = _log_backward if _in_log_domain(options, q.device, log_domain, sl.start) else _scaling_backward
