@@ -241,9 +241,19 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
+def cpu_model() -> str:
+    """The CPU's model name (speeds, and SDPA's most of all, differ between CPU generations)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    match = re.search(r"model name\s*:\s*(.+)", text)
+    return match.group(1).strip() if match else "unknown CPU"
+
+
 def markdown(rows: list[dict], targets: dict, stamp: str) -> str:
     lines = [
-        f"Measured {stamp} on {platform.machine()} with {os.cpu_count()} CPU cores, "
+        f"Measured {stamp} on {platform.machine()} ({cpu_model()}) with {os.cpu_count()} CPU cores, "
         f"torch {_torch_version()}, b={B}, h={H}, d={D}, float32; medians.",
         "",
         "| method | n | n_iters | forward (ms) | forward+backward (ms) | peak memory (MiB) |",
@@ -344,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         stamp = " and ".join(sorted({row.get("date", stamp) for row in rows}))
     targets = summary(rows)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "attention.json").write_text(json.dumps({"date": stamp, "rows": rows, "targets": targets}, indent=2))
+    (out / "attention.json").write_text(json.dumps({"date": stamp, "cpu": cpu_model(), "rows": rows, "targets": targets},
+                                                   indent=2))
     text = markdown(rows, targets, stamp)
     (out / "attention.md").write_text(text)
     plot(rows, out / "attention.png")
