@@ -52,6 +52,18 @@ def test_compile_the_function_itself_and_the_streamed_engine():
     torch.testing.assert_close(grads_c[0], grads[0], atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_tolerance_mode_compiles_with_its_data_dependent_iteration_count(chunk_size):
+    """With ``tol`` the saved iterates have a data-dependent length (an unbacked size in the graph)."""
+    q, k, v, _ = (t.double() if t.is_floating_point() else t for t in qkv_and_padding())
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    fn = lambda q, k, v: sinkformer.attention(q, k, v, n_iters=None, tol=1e-8, chunk_size=chunk_size)  # noqa: E731
+    (out, grads), (out_c, grads_c) = eager_and_compiled(fn, (q, k, v), "aot_eager")
+    torch.testing.assert_close(out_c, out, atol=1e-12, rtol=0)
+    for a, b in zip(grads_c, grads):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
 def test_modules_compile_fullgraph_and_export():
     """A model using sinkformer.nn.MultiheadAttention compiles without graph breaks and exports."""
     torch.manual_seed(0)
