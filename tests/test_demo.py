@@ -6,7 +6,7 @@ import sys
 import torch
 
 from sinkformer.cli import main
-from sinkformer.experiments import normalizations
+from sinkformer.experiments.sinkformers import normalizations
 
 
 def test_figure1_matrices_behave_as_the_paper_says():

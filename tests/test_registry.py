@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from sinkformer.cli import main
-from sinkformer.experiments.registry import get, parse_overrides, registry, run_experiment
+from sinkformer.runs.registry import get, parse_overrides, registry, run_experiment
 
 
 def test_registry_lists_normalizations(capsys):

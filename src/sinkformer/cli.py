@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .experiments import normalizations
+    from .experiments.sinkformers import normalizations
 
     result = normalizations.compute(n_points=args.points, seed=args.seed)
     print("Figure 1 of the Sinkformers paper: K0 = exp(C), K1 = SoftMax(C), Kinf = Sinkhorn(C)")
@@ -25,7 +25,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_experiments(args: argparse.Namespace) -> int:
-    from .experiments.registry import registry
+    from .runs.registry import registry
 
     experiments = registry()
     width = max(len(name) for name in experiments)
@@ -39,8 +39,8 @@ def _cmd_experiments(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     import torch
 
-    from .experiments.registry import get, parse_overrides, run_experiment
-    from .experiments.suite import run_suite
+    from .runs.registry import get, parse_overrides, run_experiment
+    from .runs.suite import run_suite
 
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from sinkformer.experiments.registry import run_experiment
+from sinkformer.runs.registry import run_experiment
 
 TINY = {
     "riccati": {"n_particles": 100, "steps": 10},

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from sinkformer.data import load_dataset
-from sinkformer.experiments import _sinkformers as common
-from sinkformer.experiments.registry import Run, get, parse_overrides, run_experiment
+from sinkformer.experiments.sinkformers import _common as common
+from sinkformer.runs.registry import Run, get, parse_overrides, run_experiment
 
 EXPERIMENTS = ["column-sums", "modelnet", "sentiment", "translation", "vit", "patch-size"]
 
@@ -126,7 +126,7 @@ def test_column_sums(tmp_path):
 
 
 def test_shuffled_rows_keep_row_sums_and_move_column_sums():
-    from sinkformer.experiments.column_sums import SHUFFLED, ShuffledRowsRecorder, relative, spread
+    from sinkformer.experiments.sinkformers.column_sums import SHUFFLED, ShuffledRowsRecorder, relative, spread
 
     attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
     x = 3 * torch.randn(4, 6, 8)

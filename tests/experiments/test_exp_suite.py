@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from sinkformer.cli import main
-from sinkformer.experiments import registry as registry_module
-from sinkformer.experiments import suite
-from sinkformer.experiments.registry import Experiment, registry, render_html
+from sinkformer.runs import registry as registry_module
+from sinkformer.runs import suite
+from sinkformer.runs.registry import Experiment, registry
+from sinkformer.runs.report import render_html
 
 TINY_PATCH = {"patch_sizes": [8], "seeds": 1, "train": {"epochs": 1, "batch_size": 64, "max_train_batches": 2}}
 

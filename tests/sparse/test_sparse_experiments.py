@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from sinkformer.data.sorting import load_sorting
-from sinkformer.experiments._sparse_common import TokenLevel, fit
-from sinkformer.experiments.registry import registry, run_experiment
-from sinkformer.experiments.sortcut import read_sst_trees
+from sinkformer.experiments.sparse._common import TokenLevel, train
+from sinkformer.runs.registry import registry, run_experiment
+from sinkformer.experiments.sparse.sortcut import read_sst_trees
 from sinkformer.models.sinkhorn_transformer import AttentionConfig, SinkhornTransformerLM
 
 NAMES = ["sort", "charlm", "pixels", "sortcut", "nli", "sparse-ablations"]
@@ -62,7 +62,7 @@ def test_language_model_learns_a_repeating_text():
     data = DataBundle(LMDataset(ids, 32), LMDataset(ids[:400], 32), {"kind": "lm", "vocab_size": 260, "max_len": 32},
                       LMCollate())
     model = SinkhornTransformerLM(260, dim=32, depth=1, heads=2, max_len=32, attention=AttentionConfig.parse("sinkhorn:8"))
-    final, _ = fit(model, data, {"epochs": 6, "batch_size": 8, "lr": 3e-3}, seed=0, sequence=True)
+    final, _ = train(model, data, {"epochs": 6, "batch_size": 8, "lr": 3e-3}, seed=0, sequence=True)
     assert final["test_loss"] / math.log(2) < 1.0
 
 
@@ -79,13 +79,13 @@ def test_sst_trees_binary_labels(tmp_path):
 
 def test_sorting_decoding_metrics_after_training_the_copy_of_short_sequences():
     """A vanilla seq2seq trained briefly on length <= 4 sorting decodes most short test items exactly."""
-    from sinkformer.experiments.sort import decode_metrics
+    from sinkformer.experiments.sparse.sort import decode_metrics
     from sinkformer.models.sinkhorn_transformer import SinkhornSeq2Seq
 
     data = load_sorting(length=4, test_length=4, n_train=1500, n_test=50, n_symbols=4)
     model = SinkhornSeq2Seq(data.info["vocab_size"], dim=32, depth=1, heads=2, max_len=data.info["max_len"],
                             attention=AttentionConfig.parse("vanilla"))
-    fit(model, data, {"epochs": 2, "batch_size": 32, "lr": 3e-3}, seed=0, sequence=True)
+    train(model, data, {"epochs": 2, "batch_size": 32, "lr": 3e-3}, seed=0, sequence=True)
     metrics = decode_metrics(model, data, 50)
     assert metrics["exact_match"] > 60 and metrics["edit_distance"] < 0.2
 

@@ -169,3 +169,21 @@ def test_shipped_configs_are_valid():
     assert len(configs) >= 6
     for file in configs:
         check_config(resolve_config(file))
+
+
+@pytest.mark.parametrize("model, data, attention", [
+    ("sinkhorn_classifier", "sentiment", "sortcut:2x4"),
+    ("sinkhorn_lm", "stdlib_text", "sinkhorn:8"),
+])
+def test_cli_trains_the_sparse_sinkhorn_models(tmp_path, capsys, model, data, attention):
+    """The Sparse Sinkhorn models are in the model registry: `sinkformer train` builds them by attention=."""
+    common = ["--model", model, "--data", data, "--set", f"model.attention={attention}", "--set", "model.dim=16",
+              "--set", "model.depth=1", "--set", "model.heads=2", "--set", "train.epochs=1",
+              "--set", "train.max_train_batches=2", "--set", "train.max_eval_batches=1", "--set", "train.progress=false"]
+    if data == "stdlib_text":
+        common += ["--set", "data.seq_len=32", "--set", "data.max_chars=20000"]
+    assert main(["train", *common, "--out", str(tmp_path / "run")]) == 0
+    rows = _rows(tmp_path / "run" / "metrics.jsonl")
+    assert len(rows) == 1 and rows[0]["train_loss"] > 0
+    assert main(["train", *common, "--normalization", "sinkhorn"]) == 2
+    assert "switched by model.attention" in capsys.readouterr().err

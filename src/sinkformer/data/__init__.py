@@ -36,6 +36,7 @@ from .nli import load_generated_nli, load_nli  # Sparse Sinkhorn Attention (issu
 from .parallel_text import bleu, load_parallel_text
 from .sentiment import load_sentiment
 from .shapes3d import load_shapes3d
+from .text_lm import load_text_corpus, load_text_lm
 from .translation import load_translation
 
 __all__ = ["DataBundle", "KINDS", "DatasetSpec", "DATASETS", "get_dataset", "dataset_options", "load_dataset", "bleu"]
@@ -67,6 +68,8 @@ DATASETS: dict[str, DatasetSpec] = {
         DatasetSpec("iwslt14", "translation", load_parallel_text, False, "IWSLT'14 De-En parallel text"),
         DatasetSpec("nli_generated", "tokens", load_generated_nli, True, "generated entailment, premise <eos> hypothesis"),
         DatasetSpec("nli", "tokens", load_nli, False, "SNLI / MultiNLI JSONL release"),
+        DatasetSpec("stdlib_text", "lm", load_text_lm, True, "Python's standard library source, a text corpus"),
+        DatasetSpec("text_corpus", "lm", load_text_corpus, False, "LM1B folder, WikiText raw files or one text file"),
     ]
 }
 

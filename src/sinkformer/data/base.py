@@ -43,7 +43,7 @@ __all__ = [
     "TranslationCollate",
 ]
 
-KINDS = ("images", "points", "tokens", "translation")
+KINDS = ("images", "points", "tokens", "translation", "lm")
 
 
 @dataclass

@@ -33,7 +33,8 @@ from torch.utils.data import Dataset
 from .base import DataBundle, require_path
 from .text import EOS_ID, train_tokenizer
 
-__all__ = ["BYTE_OFFSET", "BYTE_VOCAB", "LEVELS", "encode_bytes", "python_stdlib_text", "read_text_corpus",
+__all__ = [
+    "load_text_corpus","BYTE_OFFSET", "BYTE_VOCAB", "LEVELS", "encode_bytes", "python_stdlib_text", "read_text_corpus",
            "LMDataset", "LMCollate", "load_text_lm"]
 
 BYTE_OFFSET = 4
@@ -140,6 +141,13 @@ def _subword_ids(tokenizer, text: str) -> Tensor:
     for enc in tokenizer.encode_batch(lines):
         ids += enc.ids + [EOS_ID]
     return torch.tensor(ids, dtype=torch.long)
+
+
+def load_text_corpus(path: str | Path, *, level: str = "char", seq_len: int = 128, vocab_size: int = 2000,
+                     max_chars: int = 2_000_000, max_files: int = 1, test_fraction: float = 0.1) -> DataBundle:
+    """:func:`load_text_lm` on a real corpus at ``path`` (the registry's ``text_corpus``)."""
+    return load_text_lm(path, level=level, seq_len=seq_len, vocab_size=vocab_size, max_chars=max_chars,
+                        max_files=max_files, test_fraction=test_fraction)
 
 
 def load_text_lm(path: str | Path | None = None, *, level: str = "char", seq_len: int = 128, vocab_size: int = 2000,

@@ -18,7 +18,15 @@ name                         class                             input kind
 ``vit``                      :class:`ViT`                      images
 ``vit_attention_only``       :class:`AttentionOnlyViT`         images
 ``seq2seq``                  :class:`Seq2SeqTransformer`       translation
+``sinkhorn_classifier``      :class:`SinkhornClassifier`       tokens
+``sinkhorn_seq2seq``         :class:`SinkhornSeq2Seq`          translation
+``sinkhorn_lm``              :class:`SinkhornTransformerLM`    lm
 ============================ ================================= ===========
+
+The last three are Sparse Sinkhorn Attention's models (Tay et al. 2020): they are switched by
+``attention=`` (``"vanilla"``, ``"local:32"``, ``"sinkhorn:32"``, ``"sortcut:2x8"``, ``"mixture:32"``,
+see :class:`~sinkformer.models.sinkhorn_transformer.AttentionConfig`), not by ``normalization=``;
+:func:`switched_by` tells which.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from .decoding import beam_search, greedy_decode
 from .point_cloud_transformer import PointCloudTransformer
 from .seq2seq import Seq2SeqTransformer
 from .set_transformer import SetTransformerClassifier
+from .sinkhorn_transformer import SinkhornClassifier, SinkhornSeq2Seq, SinkhornTransformerLM
 from .text_classifier import TextClassifier
 from .vit import AttentionOnlyViT, ViT
 
@@ -46,6 +55,10 @@ __all__ = [
     "ViT",
     "AttentionOnlyViT",
     "Seq2SeqTransformer",
+    "SinkhornClassifier",
+    "SinkhornSeq2Seq",
+    "SinkhornTransformerLM",
+    "switched_by",
     "greedy_decode",
     "beam_search",
 ]
@@ -57,6 +70,9 @@ MODELS: dict[str, type[torch.nn.Module]] = {
     "vit": ViT,
     "vit_attention_only": AttentionOnlyViT,
     "seq2seq": Seq2SeqTransformer,
+    "sinkhorn_classifier": SinkhornClassifier,
+    "sinkhorn_seq2seq": SinkhornSeq2Seq,
+    "sinkhorn_lm": SinkhornTransformerLM,
 }
 
 
@@ -65,6 +81,12 @@ def get_model_class(name: str) -> type[torch.nn.Module]:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; valid models: {', '.join(MODELS)}")
     return MODELS[name]
+
+
+def switched_by(name: str) -> str:
+    """``"normalization"`` for the Transformer/Sinkformer models (``normalization=``, ``n_iters=``,
+    identical parameters in both variants), ``"attention"`` for the Sparse Sinkhorn ones."""
+    return "normalization" if "normalization" in model_options(name) else "attention"
 
 
 def model_options(name: str) -> dict[str, Any]:

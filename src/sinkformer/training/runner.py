@@ -24,7 +24,7 @@ import torch
 import yaml
 
 from ..data import DATASETS, dataset_options, get_dataset, load_dataset
-from ..models import MODELS, build_model, get_model_class, model_options
+from ..models import MODELS, build_model, get_model_class, model_options, switched_by
 from .._options import REQUIRED, check_options
 from .config import TrainConfig
 from .distributed import broadcast_object, setup_distributed
@@ -126,6 +126,11 @@ def check_config(config: dict[str, dict[str, Any]]) -> Plan:
             f"model {model_name!r} reads {cls.input_kind} but dataset {data_name!r} gives {spec.kind}; "
             f"datasets for {model_name!r}: {', '.join(compatible)}"
         )
+    if switched_by(model_name) == "attention" and ({"normalization", "n_iters"} & set(model_cfg)):
+        raise ValueError(
+            f"model {model_name!r} is a Sparse Sinkhorn Attention model, switched by model.attention "
+            f"(e.g. --set model.attention=sinkhorn:16, vanilla, sortcut:2x8), not by --normalization / --n-iters"
+        )
     model_opts = check_options(f"model {model_name!r}", model_cfg, model_options(model_name))
     path = data_cfg.pop("path", None)
     if spec.embedded and path is not None:
@@ -136,7 +141,9 @@ def check_config(config: dict[str, dict[str, Any]]) -> Plan:
 
 def _default_out_dir(plan: Plan) -> Path:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    norm = plan.model_options.get("normalization", model_options(plan.model)["normalization"])
+    switch = switched_by(plan.model)
+    norm = plan.model_options.get(switch, model_options(plan.model)[switch]) or "sinkhorn"
+    norm = str(norm).replace(":", "")
     return Path("runs") / "train" / f"{plan.model}-{norm}-{plan.data}-{stamp}"
 
 

@@ -107,8 +107,26 @@ class Translation(Classification):
         return bleu([hyp for _, hyp in merged], [data.test.references[i] for i, _ in merged])
 
 
+class TokenLevel(Translation):
+    """Per-token cross-entropy and accuracy over non-padding targets (the translation task)
+    without its BLEU decoding: for language models (kind ``"lm"``), and for sorting, scored by its
+    own decoding. ``pad_id=None``: every target counts."""
+
+    def __init__(self, pad_id: int | None = None, label_smoothing: float = 0.0) -> None:
+        super().__init__(IGNORE_INDEX if pad_id is None else pad_id, label_smoothing)
+
+    def evaluate(self, model, data, batches, ctx, config, *, with_bleu: bool = False) -> dict[str, float]:
+        return Classification.evaluate(self, model, data, batches, ctx, config)
+
+
+#: torch's cross-entropy ``ignore_index``: the target no real token has.
+IGNORE_INDEX = -100
+
+
 def task_for(data: DataBundle, config: TrainConfig) -> Classification:
     """The task matching the kind of ``data``."""
     if data.kind == "translation":
         return Translation(data.info["pad_id"], config.label_smoothing)
+    if data.kind == "lm":
+        return TokenLevel(data.info.get("pad_id"), config.label_smoothing)
     return Classification(config.label_smoothing)

@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
-from ..plotting import pyplot
-from ..training import AttentionRecorder, TrainConfig
-from ._sinkformers import build, finding, fit, load_data, mode_line
-from .registry import Run, markdown_table, register
+from ...plotting import pyplot
+from ...runs import Run, fit, markdown_table, register
+from ...training import AttentionRecorder, TrainConfig
+from ._common import build, finding, load_data, mode_line
 
 __all__ = ["run", "ShuffledRowsRecorder", "spread"]
 
@@ -63,7 +63,7 @@ def _train_panel(ctx: Run, index: int, panel: dict, seed: int):
     config = TrainConfig.from_dict(panel["train"])
     train_options = {**panel["train"], "record_attention": True, "checkpoint_every": config.epochs}
     folder = ctx.out_dir / "training" / f"panel{index + 1}-{panel['model']}-{panel['dataset']}"
-    result = fit(ctx, model, data, train_options, seed=seed, label=panel["title"], out_dir=folder,
+    result = fit(model, data, train_options, seed=seed, ctx=ctx, label=panel["title"], out_dir=folder,
                  panel=panel["title"], model=panel["model"])
     sums = [relative(load_file(str(folder / "attention" / f"epoch_{e + 1:04d}.safetensors")))
             for e in range(len(result.history))]  # recorded on the first batch of epoch e + 1 = after e epochs

@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 import statistics
 
-from ..data.cifar10 import load_cifar10_pixels, load_digit_pixels
-from ..models.sinkhorn_transformer import AttentionConfig
-from ._sparse_common import bar_figure, markdown_table, train_language_model
-from .registry import Run, register
+from ...data.cifar10 import load_cifar10_pixels, load_digit_pixels
+from ...models.sinkhorn_transformer import AttentionConfig
+from ...runs import Run, markdown_table, register
+from ._common import bar_figure, train_language_model
 
 __all__ = ["PAPER", "run"]
 

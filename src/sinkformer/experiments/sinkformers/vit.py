@@ -12,12 +12,21 @@ The quick form uses scikit-learn's 8 × 8 digits with a small ViT; ``--full`` is
 
 from __future__ import annotations
 
-from ..plotting import pyplot
-from ._sinkformers import (
-    COLORS, SINKFORMER, TRANSFORMER, build, describe, finding, fit, load_data, median_curve, mode_line, seed_summary,
+from ...plotting import pyplot
+from ...runs import Run, fit, markdown_table, register
+from ._common import (
+    COLORS,
+    SINKFORMER,
+    TRANSFORMER,
+    build,
+    describe,
+    finding,
+    load_data,
+    median_curve,
+    mode_line,
+    seed_summary,
     training_line,
 )
-from .registry import Run, markdown_table, register
 
 __all__ = ["run"]
 
@@ -65,7 +74,7 @@ def run(ctx: Run) -> None:
     for seed in range(cfg["seeds"]):
         for name, n_iters in ((TRANSFORMER, 1), (SINKFORMER, cfg["n_iters"])):
             model = build("vit", data, n_iters, seed, cfg["model_options"])
-            result = fit(ctx, model, data, cfg["train"], seed=seed, label=name, model=name, n_iters=n_iters)
+            result = fit(model, data, cfg["train"], seed=seed, ctx=ctx, label=name, model=name, n_iters=n_iters)
             histories[name].append(result.history)
     ctx.save_figure(_figure(histories, cfg["dataset"]), "vit_accuracy")
 

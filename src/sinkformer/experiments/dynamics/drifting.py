@@ -14,10 +14,10 @@ import math
 
 import torch
 
-from ..dynamics import gaussian as G
-from ..dynamics import integrate, velocity
-from ..plotting import pyplot
-from .registry import Run, register
+from ...dynamics import gaussian as G
+from ...dynamics import integrate, velocity
+from ...plotting import pyplot
+from ...runs import Run, register
 
 __all__ = ["rotated", "paths", "particle_check", "run"]
 

@@ -6,8 +6,6 @@ Every experiment compares a Transformer with its Sinkformer, everything else equ
 * :func:`variant` — ``n_iters = 1`` is the Transformer (``normalization="softmax"``, PyTorch's
   fused kernel; one Sinkhorn normalisation *is* SoftMax), ``n_iters > 1`` the Sinkformer;
 * :func:`build` — the model, seeded, so both variants of one seed start from identical weights;
-* :func:`fit` — :func:`sinkformer.training.train` with one progress bar per run, every epoch
-  logged to the run's ``metrics.csv``;
 * :func:`load_data` — the experiment's dataset: embedded by default, the real one under
   ``--full`` (path from ``--data``);
 * :func:`seed_summary`, :func:`median_curve` — statistics over seeds (best/median/mean/worst,
@@ -25,15 +23,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
-from ..data import DataBundle, get_dataset, load_dataset
-from ..models import build_model
-from ..training import Callback, TrainConfig, TrainResult, train
-from .registry import Run
+from ...data import DataBundle, get_dataset, load_dataset
+from ...models import build_model
+from ...runs import Run
+from ...training import TrainConfig
 
 __all__ = [
-    "TRANSFORMER", "SINKFORMER", "COLORS", "variant", "load_data", "build", "fit", "seed_summary",
+    "TRANSFORMER", "SINKFORMER", "COLORS", "variant", "load_data", "build", "seed_summary",
     "median_curve", "finding", "mode_line", "describe", "training_line",
 ]
 
@@ -76,45 +73,6 @@ def build(model: str, data: DataBundle, n_iters: int, seed: int, options: dict[s
     normalization, n_iters = variant(n_iters)
     torch.manual_seed(seed)
     return build_model(model, data.info, normalization=normalization, n_iters=n_iters, **options)
-
-
-class _EpochBar(Callback):
-    """One progress bar per training run, advanced per epoch, showing the latest test metrics."""
-
-    def __init__(self, label: str, epochs: int) -> None:
-        self.bar = tqdm(total=epochs, desc=label, unit="epoch", leave=True, dynamic_ncols=True)
-
-    def on_epoch_end(self, row: dict[str, Any]) -> None:
-        shown = {k: v for k, v in row.items() if k in ("train_loss", "test_acc", "test_bleu")}
-        self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
-        self.bar.update(1)
-
-
-def fit(
-    ctx: Run,
-    module: torch.nn.Module,
-    data: DataBundle,
-    train_options: dict[str, Any],
-    *,
-    seed: int,
-    label: str,
-    out_dir=None,
-    **fields: Any,
-) -> TrainResult:
-    """Train ``module`` with :func:`sinkformer.training.train`; log every epoch with ``fields``.
-
-    ``label`` names the run on its progress bar (prefixed by the experiment's name); ``fields``
-    (``model=``, ``n_iters=``, ...) are prepended to each epoch's row in ``metrics.csv``.
-    """
-    config = TrainConfig.from_dict({**train_options, "seed": seed, "progress": False})
-    bar = _EpochBar(f"{ctx.name} | {label} (seed {seed})", config.epochs)
-    try:
-        result = train(module, data, config, out_dir=out_dir, callbacks=[bar])
-    finally:
-        bar.bar.close()
-    for row in result.history:
-        ctx.log(**fields, seed=seed, **row)
-    return result
 
 
 def seed_summary(values: Sequence[float]) -> dict[str, float]:

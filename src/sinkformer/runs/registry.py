@@ -17,18 +17,14 @@ self-contained page.
 
 from __future__ import annotations
 
-import base64
 import csv
-import datetime as _dt
-import html
 import importlib
 import json
 import math
 import os
 import pkgutil
-import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,11 +32,9 @@ from typing import Any
 import yaml
 
 from ..plotting import save_png
+from .report import atomic_write, new_run_dir, render_html
 
-__all__ = [
-    "Experiment", "Run", "register", "registry", "get", "parse_overrides", "run_experiment", "markdown_table",
-    "render_html",
-]
+__all__ = ["Experiment", "Run", "register", "registry", "get", "parse_overrides", "run_experiment"]
 
 
 @dataclass(frozen=True)
@@ -97,14 +91,20 @@ def register(
     return decorate
 
 
+#: The experiment groups, one package per paper family under :mod:`sinkformer.experiments`.
+GROUPS = ("sinkformers", "sparse", "dynamics")
+
+
 def _discover() -> None:
+    """Import every experiment module (``sinkformer.experiments.GROUP.MODULE``, not ``_private``)."""
     global _DISCOVERED
     if _DISCOVERED:
         return
-    package = importlib.import_module("sinkformer.experiments")
-    for info in pkgutil.iter_modules(package.__path__):
-        if not info.name.startswith("_") and info.name != "registry":
-            importlib.import_module(f"sinkformer.experiments.{info.name}")
+    for group in GROUPS:
+        package = importlib.import_module(f"sinkformer.experiments.{group}")
+        for info in pkgutil.iter_modules(package.__path__):
+            if not info.name.startswith("_"):
+                importlib.import_module(f"{package.__name__}.{info.name}")
     _DISCOVERED = True
 
 
@@ -190,62 +190,8 @@ class Run:
     def write_report(self, markdown: str) -> Path:
         """Write ``report.md`` and ``report.html``; figures are referenced by relative path (``![..](name.png)``)."""
         title = next((line.lstrip("# ") for line in markdown.splitlines() if line.startswith("# ")), self.name)
-        _atomic_write(self.out_dir / "report.html", render_html(markdown, self.out_dir, title))
-        return _atomic_write(self.out_dir / "report.md", markdown)
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 4) -> str:
-    """A GitHub markdown table; floats get ``digits`` significant digits, ``None`` and NaN a dash."""
-
-    def cell(x: Any) -> str:
-        if x is None or (isinstance(x, float) and math.isnan(x)):
-            return "—"
-        return f"{x:.{digits}g}" if isinstance(x, float) else str(x)
-
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-_HTML_STYLE = """body{font-family:system-ui,sans-serif;max-width:62rem;margin:2rem auto;padding:0 1rem;line-height:1.45}
-img{max-width:100%}table{border-collapse:collapse;margin:.8rem 0}th,td{border:1px solid #ccc;padding:.25rem .6rem}
-th{background:#f3f3f3}pre{background:#f6f6f6;padding:.6rem;overflow-x:auto}code{font-size:90%}"""
-
-
-def render_html(markdown_text: str, base_dir: str | os.PathLike, title: str) -> str:
-    """``markdown_text`` as one self-contained HTML page: PNGs referenced by a path relative to
-    ``base_dir`` are embedded as base64 data, so the page can be mailed or opened anywhere."""
-    import markdown  # Python-Markdown, imported lazily (listing experiments stays fast)
-
-    def embed(match: re.Match) -> str:
-        path = Path(base_dir) / html.unescape(match.group(2))
-        if path.suffix.lower() != ".png" or not path.is_file():
-            return match.group(0)
-        data = base64.b64encode(path.read_bytes()).decode("ascii")
-        return f"{match.group(1)}data:image/png;base64,{data}{match.group(3)}"
-
-    body = markdown.markdown(markdown_text, extensions=["tables", "fenced_code"])
-    body = re.sub(r'(<img\b[^>]*?\bsrc=")([^"]+)(")', embed, body)
-    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-            f"<style>{_HTML_STYLE}</style></head>\n<body>\n{body}\n</body></html>\n")
-
-
-def _new_run_dir(parent: Path) -> Path:
-    """A new folder ``parent/<timestamp>`` (``-2``, ``-3``, ... appended if it exists)."""
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out_dir, suffix = parent / stamp, 1
-    while out_dir.exists():
-        suffix += 1
-        out_dir = parent / f"{stamp}-{suffix}"
-    out_dir.mkdir(parents=True)
-    return out_dir
-
-
-def _atomic_write(path: Path, text: str) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return path
+        atomic_write(self.out_dir / "report.html", render_html(markdown, self.out_dir, title))
+        return atomic_write(self.out_dir / "report.md", markdown)
 
 
 def _jsonable(x: Any) -> Any:
@@ -287,14 +233,14 @@ def run_experiment(
         data = Path(data)
         if not data.exists():
             raise FileNotFoundError(f"--data {data}: no such file or folder")
-    out_dir = _new_run_dir(Path(runs_dir) / name)
+    out_dir = new_run_dir(Path(runs_dir) / name)
     ctx = Run(name, config, out_dir, quick=not full, data=data, seeds=int(config.get("seeds", 1)))
     meta = {"experiment": name, "mode": "full" if full else "quick", "data": str(data) if data else "embedded"}
-    _atomic_write(out_dir / "config.yaml", yaml.safe_dump({**meta, **_jsonable(config)}, sort_keys=False))
+    atomic_write(out_dir / "config.yaml", yaml.safe_dump({**meta, **_jsonable(config)}, sort_keys=False))
     start = time.perf_counter()
     exp.run(ctx)
     ctx.results.setdefault("wall_seconds", round(time.perf_counter() - start, 2))
-    _atomic_write(out_dir / "results.json", json.dumps(_jsonable(ctx.results), indent=2))
+    atomic_write(out_dir / "results.json", json.dumps(_jsonable(ctx.results), indent=2))
     if not (out_dir / "metrics.csv").exists():
         ctx.log(**{k: v for k, v in _jsonable(ctx.results).items() if not isinstance(v, (dict, list))})
     if not (out_dir / "report.md").exists():

@@ -16,11 +16,11 @@ import statistics
 
 import torch
 
-from ..data.sorting import load_sorting, load_sorting_tsv, sequence_metrics
-from ..models.decoding import greedy_decode
-from ..models.sinkhorn_transformer import AttentionConfig, SinkhornSeq2Seq
-from ._sparse_common import bar_figure, fit, markdown_table
-from .registry import Run, register
+from ...data.sorting import load_sorting, load_sorting_tsv, sequence_metrics
+from ...models.decoding import greedy_decode
+from ...models.sinkhorn_transformer import AttentionConfig, SinkhornSeq2Seq
+from ...runs import Run, markdown_table, register
+from ._common import bar_figure, train
 
 __all__ = ["PAPER", "decode_metrics", "run"]
 
@@ -85,7 +85,7 @@ def run(ctx: Run) -> None:
             model = SinkhornSeq2Seq(data.info["vocab_size"], dim=cfg["dim"], depth=cfg["depth"], heads=cfg["heads"],
                                     max_len=data.info["max_len"], attention=attention, pad_id=data.info["pad_id"],
                                     bos_id=data.info["bos_id"], eos_id=data.info["eos_id"])
-            final, seconds = fit(model, data, cfg, seed=seed, sequence=True)
+            final, seconds = train(model, data, cfg, seed=seed, sequence=True)
             metrics = decode_metrics(model, data, cfg["n_test"])
             row = {"model": attention.label, "spec": spec, "seed": seed, **metrics,
                    "train_loss": final["train_loss"], "train_seconds": round(seconds, 1),

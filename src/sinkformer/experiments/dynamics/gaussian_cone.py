@@ -20,10 +20,10 @@ import math
 
 import torch
 
-from ..dynamics import gaussian as G
-from ..dynamics import split_heads
-from ..plotting import pyplot
-from .registry import Run, register
+from ...dynamics import gaussian as G
+from ...dynamics import split_heads
+from ...plotting import pyplot
+from ...runs import Run, register
 
 __all__ = ["to_cone", "initial_grid", "panels", "evolve", "figure_cone", "figure_disk", "run"]
 
@@ -146,7 +146,7 @@ def figure_disk(results: dict, names: list[str]):
 
 def sinkhorn_particle_check(params, seed: int, n: int = 1000, t1: float = 2.0) -> float:
     """Relative covariance error of ``n`` Sinkhorn particles (RK4) vs the moment ODE at ``t1``."""
-    from ..dynamics import simulate
+    from ...dynamics import simulate
 
     cov0 = torch.tensor([[0.7, 0.2], [0.2, 0.3]], dtype=D64)
     gen = torch.Generator().manual_seed(seed)

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import statistics
 
-from ..data.text_lm import load_text_lm
-from ..plotting import pyplot
-from ..models.sinkhorn_transformer import AttentionConfig
-from ._sparse_common import markdown_table, train_language_model
-from .registry import Run, register
+from ...data.text_lm import load_text_lm
+from ...models.sinkhorn_transformer import AttentionConfig
+from ...plotting import pyplot
+from ...runs import Run, markdown_table, register
+from ._common import train_language_model
 
 __all__ = ["SORT_NET_ROWS", "PAPER", "variants", "run"]
 

@@ -13,11 +13,20 @@ rates (1e-3 Transformer, 2e-3 Sinkformer). The quick form gives both the same le
 
 from __future__ import annotations
 
-from ..plotting import pyplot
-from ._sinkformers import (
-    COLORS, SINKFORMER, TRANSFORMER, build, describe, finding, fit, load_data, mode_line, seed_summary, training_line,
+from ...plotting import pyplot
+from ...runs import Run, fit, markdown_table, register
+from ._common import (
+    COLORS,
+    SINKFORMER,
+    TRANSFORMER,
+    build,
+    describe,
+    finding,
+    load_data,
+    mode_line,
+    seed_summary,
+    training_line,
 )
-from .registry import Run, markdown_table, register
 
 __all__ = ["run"]
 
@@ -72,7 +81,7 @@ def run(ctx: Run) -> None:
             for name, n_iters in ((TRANSFORMER, 1), (SINKFORMER, cfg["n_iters"])):
                 options = {**cfg["model_options"], "patch_size": patch}
                 model = build("vit_attention_only", data, n_iters, seed, options)
-                result = fit(ctx, model, data, {**cfg["train"], "lr": lrs[name]}, seed=seed,
+                result = fit(model, data, {**cfg["train"], "lr": lrs[name]}, seed=seed, ctx=ctx,
                              label=f"patch {patch}, {name}", model=name, n_iters=n_iters, patch_size=patch)
                 accuracy[name].setdefault(patch, []).append(result.final["test_acc"])
                 seconds[name] += [row["epoch_seconds"] for row in result.history]

@@ -24,10 +24,10 @@ import math
 
 import torch
 
-from ..dynamics import ParticleField, integrate
-from ..dynamics import heat as H
-from ..plotting import pyplot
-from .registry import Run, register
+from ...dynamics import ParticleField, integrate
+from ...dynamics import heat as H
+from ...plotting import pyplot
+from ...runs import Run, register
 
 __all__ = ["SYSTEMS", "mixture_quantiles", "w2_to_mixture", "simulate_system", "run"]
 

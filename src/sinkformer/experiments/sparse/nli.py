@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import statistics
 
-from ..data.nli import load_generated_nli, load_nli
-from ..models.sinkhorn_transformer import AttentionConfig
-from ._sparse_common import bar_figure, markdown_table, short_label, train_classifier
-from .registry import Run, register
+from ...data.nli import load_generated_nli, load_nli
+from ...models.sinkhorn_transformer import AttentionConfig
+from ...runs import Run, markdown_table, register
+from ._common import bar_figure, short_label, train_classifier
 
 __all__ = ["PAPER", "run"]
 

@@ -19,14 +19,19 @@ from pathlib import Path
 
 import torch
 
-from ..data.base import DataBundle, TokenCollate
-from ..data.imdb import load_imdb, read_imdb_split
-from ..data.sentiment import generate_reviews, load_sentiment
-from ..data.text import PAD_ID, UNK_ID, TextClassificationDataset, text_classification_bundle
-from ..data.text_lm import BYTE_VOCAB, encode_bytes
-from ..models.sinkhorn_transformer import AttentionConfig
-from ._sparse_common import bar_figure, markdown_table, short_label, train_classifier
-from .registry import Run, register
+from ...data.base import DataBundle, TokenCollate
+from ...data.imdb import load_imdb, read_imdb_split
+from ...data.sentiment import generate_reviews, load_sentiment
+from ...data.text import (
+    PAD_ID,
+    UNK_ID,
+    TextClassificationDataset,
+    text_classification_bundle,
+)
+from ...data.text_lm import BYTE_VOCAB, encode_bytes
+from ...models.sinkhorn_transformer import AttentionConfig
+from ...runs import Run, markdown_table, register
+from ._common import bar_figure, short_label, train_classifier
 
 __all__ = ["PAPER", "read_sst_trees", "byte_classification_bundle", "run"]
 

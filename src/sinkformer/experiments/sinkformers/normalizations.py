@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from ..plotting import pyplot, save_png
-from ..sinkhorn import sinkhorn
-from ._sinkformers import finding
-from .registry import Run, register
+from ...plotting import pyplot, save_png
+from ...runs import Run, register
+from ...sinkhorn import sinkhorn
+from ._common import finding
 
 __all__ = ["NormalizationsResult", "compute", "format_table", "figure", "plot", "run", "LINK_THRESHOLD"]
 

@@ -19,9 +19,9 @@ import math
 
 import torch
 
-from ..dynamics import gaussian as G
-from ..plotting import pyplot
-from .registry import Run, register
+from ...dynamics import gaussian as G
+from ...plotting import pyplot
+from ...runs import Run, register
 
 __all__ = ["sample_problems", "limit_ranks", "figure", "run"]
 

@@ -19,11 +19,18 @@ points; ``--full`` is Appendix C.1 on ModelNet40 (``--data``: the ``ModelNet40/`
 
 from __future__ import annotations
 
-from ..plotting import pyplot
-from ._sinkformers import (
-    build, describe, finding, fit, load_data, median_curve, mode_line, seed_summary, training_line,
+from ...plotting import pyplot
+from ...runs import Run, fit, markdown_table, register
+from ._common import (
+    build,
+    describe,
+    finding,
+    load_data,
+    median_curve,
+    mode_line,
+    seed_summary,
+    training_line,
 )
-from .registry import Run, markdown_table, register
 
 __all__ = ["run"]
 
@@ -60,7 +67,7 @@ def _train_family(ctx: Run, data, model: str, family: str, iterations, seeds, mo
         for n_iters in iterations:
             net = build(model, data, n_iters, seed, model_options)
             label = f"{family}, {'SoftMax' if n_iters == 1 else f'{n_iters} it.'}"
-            result = fit(ctx, net, data, train_options, seed=seed, label=label, model=family, n_iters=n_iters)
+            result = fit(net, data, train_options, seed=seed, ctx=ctx, label=label, model=family, n_iters=n_iters)
             curves.setdefault(n_iters, []).append(result.history)
     return curves
 

@@ -18,10 +18,10 @@ import math
 
 import torch
 
-from ..dynamics import heat as H
-from ..dynamics.distances import w2_gaussian, w2_particles
-from ..plotting import pyplot
-from .registry import Run, register
+from ...dynamics import heat as H
+from ...dynamics.distances import w2_gaussian, w2_particles
+from ...plotting import pyplot
+from ...runs import Run, register
 
 __all__ = ["gaussian_orders", "particle_orders", "fit_slope", "figure", "run"]
 

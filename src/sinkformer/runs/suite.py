@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from ..plotting import pyplot
-from .registry import _atomic_write, _new_run_dir, markdown_table, registry, render_html, run_experiment
+from .registry import registry, run_experiment
+from .report import atomic_write, markdown_table, new_run_dir, render_html
 
 __all__ = ["SuiteEntry", "ExperimentTimeout", "run_suite", "summary_markdown"]
 
@@ -93,7 +94,7 @@ def run_suite(
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     started, clock = _dt.datetime.now(), time.perf_counter()
-    summary_dir = _new_run_dir(Path(runs_dir) / "summary")
+    summary_dir = new_run_dir(Path(runs_dir) / "summary")
     expected = sum(experiments[n].quick_minutes for n in names)
     echo(f"sinkformer run: {len(names)} experiments, quick form on embedded data (expected about {expected:.1f} min"
          + (f" of work on {jobs} processes)" if jobs > 1 else ")"))
@@ -115,8 +116,8 @@ def run_suite(
     else:
         entries = _run_parallel(names, task, jobs, clock, echo)
     markdown = summary_markdown(entries, summary_dir, started, time.perf_counter() - clock, jobs=jobs)
-    _atomic_write(summary_dir / "report.html", render_html(markdown, summary_dir, "sinkformer: summary of the experiments"))
-    path = _atomic_write(summary_dir / "report.md", markdown)
+    atomic_write(summary_dir / "report.html", render_html(markdown, summary_dir, "sinkformer: summary of the experiments"))
+    path = atomic_write(summary_dir / "report.md", markdown)
     failed = [e.name for e in entries if not e.ok]
     echo(f"\n{len(entries) - len(failed)} of {len(entries)} experiments done in {_minutes(time.perf_counter() - clock)}"
          + (f"; failed: {', '.join(failed)}" if failed else ""))

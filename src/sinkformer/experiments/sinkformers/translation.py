@@ -20,13 +20,22 @@ from __future__ import annotations
 
 import copy
 
-from ..nn import convert
-from ..plotting import pyplot
-from ..training import TrainConfig, evaluate
-from ._sinkformers import (
-    COLORS, SINKFORMER, TRANSFORMER, build, describe, finding, fit, load_data, mode_line, seed_summary, training_line,
+from ...nn import convert
+from ...plotting import pyplot
+from ...runs import Run, fit, markdown_table, register
+from ...training import TrainConfig, evaluate
+from ._common import (
+    COLORS,
+    SINKFORMER,
+    TRANSFORMER,
+    build,
+    describe,
+    finding,
+    load_data,
+    mode_line,
+    seed_summary,
+    training_line,
 )
-from .registry import Run, markdown_table, register
 
 __all__ = ["run", "finetune_options"]
 
@@ -111,7 +120,7 @@ def run(ctx: Run) -> None:
     converted = 0
     for seed in range(cfg["seeds"]):
         transformer = build("seq2seq", data, 1, seed, cfg["model_options"])
-        result = fit(ctx, transformer, data, cfg["train"], seed=seed, label="Transformer, training",
+        result = fit(transformer, data, cfg["train"], seed=seed, ctx=ctx, label="Transformer, training",
                      model=TRANSFORMER, phase="train", n_iters=1)
         curves["pretrain"].append(result.history)
         trained = result.final
@@ -122,7 +131,7 @@ def run(ctx: Run) -> None:
         for name, model, start in ((TRANSFORMER, transformer, trained), (SINKFORMER, sinkformer, unadapted)):
             bleu[name]["trained"].append(start["test_bleu"])
             curves["start"][name].append(start["test_loss"])
-            tuned = fit(ctx, model, data, tuning, seed=seed, label=f"{name}, fine-tuning at lr/{cfg['lr_divisor']:g}",
+            tuned = fit(model, data, tuning, seed=seed, ctx=ctx, label=f"{name}, fine-tuning at lr/{cfg['lr_divisor']:g}",
                         model=name, phase="finetune", n_iters=1 if name == TRANSFORMER else cfg["n_iters"])
             bleu[name]["finetuned"].append(tuned.final["test_bleu"])
             curves["finetune"][name].append(tuned.history)

@@ -18,10 +18,10 @@ import statistics
 
 import torch
 
-from ..data.text_lm import BYTE_OFFSET, load_text_lm
-from ..models.sinkhorn_transformer import AttentionConfig
-from ._sparse_common import bar_figure, markdown_table, train_language_model
-from .registry import Run, register
+from ...data.text_lm import BYTE_OFFSET, load_text_lm
+from ...models.sinkhorn_transformer import AttentionConfig
+from ...runs import Run, markdown_table, register
+from ._common import bar_figure, train_language_model
 
 __all__ = ["PAPER_CHAR", "PAPER_WORD", "run", "decode_sample"]
 

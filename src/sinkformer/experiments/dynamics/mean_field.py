@@ -22,11 +22,11 @@ import math
 
 import torch
 
-from ..dynamics import gaussian as G
-from ..dynamics import simulate
-from ..dynamics.distances import conditional_w2
-from ..plotting import pyplot
-from .registry import Run, register
+from ...dynamics import gaussian as G
+from ...dynamics import simulate
+from ...dynamics.distances import conditional_w2
+from ...plotting import pyplot
+from ...runs import Run, register
 
 __all__ = ["setup", "gaussian_errors", "masked_errors", "fit_slope", "run"]
 
