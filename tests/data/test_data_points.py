@@ -98,6 +98,51 @@ def test_modelnet40_hdf5_release(tmp_path):
         load_dataset("modelnet40", tmp_path / "nothing")
 
 
+@pytest.mark.parametrize("label_keys", [("tr_label", "test_label"), ("tr_labels", "test_labels")])
+def test_modelnet40_sinkformers_cloud_file_matches_the_hdf5_folder(tmp_path, label_keys):
+    rng = np.random.default_rng(0)
+    clouds = {"tr": rng.normal(size=(6, 50, 3)), "test": rng.normal(size=(4, 50, 3))}  # float64, as written there
+    labels = {"tr": np.array([0, 1, 2, 0, 1, 2]), "test": np.array([2, 1, 0, 0])}
+    with h5py.File(tmp_path / "ModelNet40_cloud.h5", "w") as h5:
+        for split, key in zip(("tr", "test"), label_keys):
+            h5[f"{split}_cloud"], h5[key] = clouds[split], labels[split]
+    folder = tmp_path / "modelnet40_ply_hdf5_2048"  # the same shapes in the PointNet release's layout
+    folder.mkdir()
+    for split, name in (("tr", "train"), ("test", "test")):
+        with h5py.File(folder / f"ply_data_{name}0.h5", "w") as h5:
+            h5["data"], h5["label"] = clouds[split].astype(np.float32), labels[split].reshape(-1, 1).astype(np.uint8)
+    data = load_dataset("modelnet40", tmp_path / "ModelNet40_cloud.h5", n_points=20, augment=False)
+    assert data.info == {"kind": "points", "n_classes": 3, "in_features": 3, "n_points": 20,
+                         "class_names": ["class_0", "class_1", "class_2"]}
+    assert len(data.train) == 6 and len(data.test) == 4
+    x, y = data.test[1]
+    torch.testing.assert_close(x, normalize_points(torch.from_numpy(clouds["test"][1, :20]).float()))
+    assert y == 1 and [data.train[i][1] for i in range(6)] == labels["tr"].tolist()
+    same = load_dataset("modelnet40", folder, n_points=20, augment=False)
+    assert same.info == data.info
+    for a, b in ((data.train, same.train), (data.test, same.test)):
+        assert torch.equal(a.points, b.points) and torch.equal(a.labels, b.labels)
+    holder = load_dataset("modelnet40", tmp_path, n_points=20, augment=False)  # the folder holding the file
+    assert torch.equal(holder.train.points, data.train.points)
+    with pytest.raises(ValueError, match="n_points=60 exceeds the 50 points"):
+        load_dataset("modelnet40", tmp_path / "ModelNet40_cloud.h5", n_points=60)
+
+
+def test_modelnet40_cloud_file_with_unknown_keys_lists_them(tmp_path):
+    with h5py.File(tmp_path / "clouds.h5", "w") as h5:
+        h5["tr_cloud"], h5["test_cloud"] = np.zeros((2, 5, 3)), np.zeros((1, 5, 3))
+        h5["tr_y"], h5["test_y"] = np.zeros(2), np.zeros(1)
+    with pytest.raises(ValueError, match="clouds.h5: expected datasets .*; found test_cloud, test_y, tr_cloud, tr_y"):
+        load_dataset("modelnet40", tmp_path / "clouds.h5")
+    with h5py.File(tmp_path / "clouds.h5", "a") as h5:
+        h5["tr_label"], h5["test_label"] = np.array([0.0, 1.5]), np.array([1.0])
+    with pytest.raises(ValueError, match="clouds.h5: tr labels are not integers"):
+        load_dataset("modelnet40", tmp_path / "clouds.h5")
+    (tmp_path / "garbage.h5").write_bytes(b"not hdf5")
+    with pytest.raises(ValueError, match="corrupt ModelNet40 cloud file .*garbage.h5"):
+        load_dataset("modelnet40", tmp_path / "garbage.h5")
+
+
 def test_modelnet40_meshes_are_sampled_and_cached(tmp_path):
     for cls, text in (("cube", CUBE_OFF), ("tetra", TETRA_OFF)):
         for split, n in (("train", 2), ("test", 1)):

@@ -1,8 +1,13 @@
-"""ModelNet40: the HDF5 point-cloud release and the raw ``.off`` meshes.
+"""ModelNet40: the HDF5 point-cloud releases and the raw ``.off`` meshes.
 
 * **HDF5** (``modelnet40_ply_hdf5_2048``, Qi et al.'s release used by PCT): files
   ``ply_data_train*.h5`` / ``ply_data_test*.h5`` holding ``data (N, 2048, 3)`` float32 and
   ``label (N, 1)``, plus ``shape_names.txt`` (one class name per line).
+* **Sinkformers' cloud file** (``ModelNet40_cloud.h5``, the file the official Sinkformers and Set
+  Transformer code read): one HDF5 file holding ``tr_cloud (N, P, 3)`` and ``test_cloud (M, P, 3)``
+  float (P = 10000 points sampled uniformly on each mesh), ``tr_label (N,)`` and ``test_label (M,)``
+  ints (the Set Transformer's version names them ``tr_labels`` / ``test_labels``). Classes are the
+  ModelNet40 folders in sorted order; the file holds no names, so they are ``class_<i>``.
 * **Meshes** (``ModelNet40/<class>/{train,test}/*.off``, Wu et al.): each mesh is sampled once,
   uniformly on its surface (area-weighted, see :mod:`sinkformer.data.point_clouds`), to
   ``n_points`` points — the Set Transformer experiment uses 5000 — and the samples are cached
@@ -24,13 +29,24 @@ from tqdm.auto import tqdm
 from .base import DataBundle, FixedCollate, require_path
 from .point_clouds import PointCloudDataset, normalize_points, sample_surface
 
-__all__ = ["read_off", "read_modelnet_h5", "meshes_to_hdf5", "load_modelnet40", "load_modelnet40_off"]
+__all__ = [
+    "read_off",
+    "read_modelnet_h5",
+    "read_modelnet_cloud_h5",
+    "meshes_to_hdf5",
+    "load_modelnet40",
+    "load_modelnet40_off",
+]
 
 HDF5_INSTRUCTIONS = (
     "Download modelnet40_ply_hdf5_2048.zip (the PointNet/PCT release, "
     "https://shapenet.cs.stanford.edu/media/modelnet40_ply_hdf5_2048.zip or a mirror), unzip it and pass "
-    "the modelnet40_ply_hdf5_2048 folder."
+    "the modelnet40_ply_hdf5_2048 folder; or pass the ModelNet40_cloud.h5 file of the Sinkformers / "
+    "Set Transformer code (https://github.com/michaelsdr/sinkformers)."
 )
+CLOUD_FILE = "ModelNet40_cloud.h5"
+# (train labels, test labels): the official Sinkformers file, then the Set Transformer's spelling
+CLOUD_LABEL_KEYS = (("tr_label", "test_label"), ("tr_labels", "test_labels"))
 OFF_INSTRUCTIONS = (
     "Download ModelNet40.zip (https://modelnet.cs.princeton.edu/, http://modelnet.cs.princeton.edu/ModelNet40.zip), "
     "unzip it and pass the ModelNet40 folder (holding <class>/train/*.off and <class>/test/*.off)."
@@ -92,9 +108,45 @@ def read_modelnet_h5(files: list[Path]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(points), torch.cat(labels)
 
 
-def _bundle(train_files, test_files, class_names, n_points, augment, seed) -> DataBundle:
-    (train_x, train_y), (test_x, test_y) = read_modelnet_h5(train_files), read_modelnet_h5(test_files)
+def read_modelnet_cloud_h5(
+    file: str | Path, n_points: int | None = None
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Both splits of a ``ModelNet40_cloud.h5`` file: ``((train (N, n, 3) float32, labels (N,)), (test, labels))``.
+
+    Only the first ``n_points`` points of each cloud are read (all when ``None``): the stored points
+    are independent uniform samples, so a prefix is a uniform subsample, and reading it spares memory.
+    """
+    import h5py
+
+    try:
+        with h5py.File(file, "r") as h5:
+            keys = sorted(h5.keys())
+            labels = next((pair for pair in CLOUD_LABEL_KEYS if set(pair) <= set(keys)), None)
+            if "tr_cloud" not in keys or "test_cloud" not in keys or labels is None:
+                raise ValueError(
+                    f"expected datasets tr_cloud, test_cloud and tr_label, test_label (or tr_labels, test_labels); "
+                    f"found {', '.join(keys) or 'none'}"
+                )
+            splits = [
+                (np.asarray(h5[cloud][:, :n_points], dtype=np.float32), np.asarray(h5[label]).reshape(-1))
+                for cloud, label in zip(("tr_cloud", "test_cloud"), labels)
+            ]
+    except (OSError, KeyError, IndexError, ValueError, TypeError) as err:
+        raise ValueError(f"corrupt ModelNet40 cloud file {file}: {err}") from None
+    for name, (points, label) in zip(("tr", "test"), splits):
+        if points.ndim != 3 or points.shape[-1] != 3 or len(points) != len(label):
+            raise ValueError(f"corrupt ModelNet40 cloud file {file}: {name}_cloud {points.shape}, labels {label.shape}")
+        if label.dtype.kind not in "iuf" or not np.array_equal(label, np.round(label)):
+            raise ValueError(f"corrupt ModelNet40 cloud file {file}: {name} labels are not integers ({label.dtype})")
+    return tuple((torch.from_numpy(points), torch.from_numpy(label.astype(np.int64))) for points, label in splits)
+
+
+def _bundle(train, test, class_names, n_points, augment, seed) -> DataBundle:
+    """Turn ``train``/``test`` = ``(points (N, n_stored, 3), labels (N,))`` into a ``points`` bundle."""
+    (train_x, train_y), (test_x, test_y) = train, test
     stored = train_x.shape[1]
+    if n_points < 1:
+        raise ValueError(f"n_points must be >= 1, got {n_points}")
     if n_points > stored:
         raise ValueError(f"n_points={n_points} exceeds the {stored} points stored per shape")
     n_classes = len(class_names) if class_names else int(max(train_y.max(), test_y.max())) + 1
@@ -111,16 +163,26 @@ def _bundle(train_files, test_files, class_names, n_points, augment, seed) -> Da
 def load_modelnet40(
     path: str | Path | None = None, *, n_points: int = 1024, augment: bool = True, seed: int = 0
 ) -> DataBundle:
-    """The ``modelnet40_ply_hdf5_2048`` release: the first ``n_points`` (<= 2048) points of each shape."""
+    """ModelNet40 point clouds: the first ``n_points`` points of each shape.
+
+    ``path`` is the ``modelnet40_ply_hdf5_2048`` folder (2048 points per shape) or a
+    ``ModelNet40_cloud.h5`` file (10000 points per shape), or a folder holding that file.
+    """
     root = require_path(path, "modelnet40", HDF5_INSTRUCTIONS)
+    if root.is_dir() and not any(root.glob("ply_data_*.h5")) and (root / CLOUD_FILE).is_file():
+        root = root / CLOUD_FILE
+    if root.is_file():
+        train, test = read_modelnet_cloud_h5(root, n_points)
+        return _bundle(train, test, None, n_points, augment, seed)
     train, test = sorted(root.glob("ply_data_train*.h5")), sorted(root.glob("ply_data_test*.h5"))
     if not train or not test:
         raise FileNotFoundError(
-            f"dataset 'modelnet40': no ply_data_train*.h5 / ply_data_test*.h5 in {root}. {HDF5_INSTRUCTIONS}"
+            f"dataset 'modelnet40': no ply_data_train*.h5 / ply_data_test*.h5 (nor {CLOUD_FILE}) in {root}. "
+            f"{HDF5_INSTRUCTIONS}"
         )
     names_file = root / "shape_names.txt"
     names = names_file.read_text().split() if names_file.exists() else None
-    return _bundle(train, test, names, n_points, augment, seed)
+    return _bundle(read_modelnet_h5(train), read_modelnet_h5(test), names, n_points, augment, seed)
 
 
 def meshes_to_hdf5(root: str | Path, split: str, n_points: int, out: str | Path, *, seed: int = 0) -> Path:
@@ -177,4 +239,4 @@ def load_modelnet40_off(
         files.append([file])
     with h5py.File(files[0][0], "r") as h5:
         names = str(h5.attrs["class_names"]).split()
-    return _bundle(files[0], files[1], names, n_points, augment, seed)
+    return _bundle(read_modelnet_h5(files[0]), read_modelnet_h5(files[1]), names, n_points, augment, seed)
