@@ -104,7 +104,9 @@ class PointCloudTransformer(torch.nn.Module):
         k_neighbors: neighbours per centre (32).
         n_attention_layers: offset-attention layers (4).
         dropout: classifier dropout (0.5).
-        normalization: ``"softmax"`` (PCT) or ``"sinkhorn"``. n_iters: Sinkhorn iterations.
+        normalization: ``"softmax"`` (PCT) or ``"sinkhorn"``. n_iters: Sinkhorn iterations; even by
+            default (4), ending on a column normalisation like PCT's own (row SoftMax, then column L1),
+            since offset-attention aggregates along columns.
     """
 
     input_kind = "points"
@@ -120,7 +122,7 @@ class PointCloudTransformer(torch.nn.Module):
         n_attention_layers: int = 4,
         dropout: float = 0.5,
         normalization: str = "sinkhorn",
-        n_iters: int = 5,
+        n_iters: int = 4,
     ) -> None:
         super().__init__()
         if len(n_samples) != 2 or n_samples[1] > n_samples[0]:

@@ -15,9 +15,17 @@ and the set operations built on it are
   learned inducing points :math:`I` — two rectangular cross-attentions (``m × n`` then
   ``n × m``), linear in ``n``. With Sinkhorn, the ``m × n`` matrix has rows summing to 1 and
   columns to ``m / n`` (every point sends the same mass to the inducing points);
-* :math:`\mathrm{PMA}_k(Z) = \mathrm{MAB}(S, \mathrm{rFF}(Z))` with ``k`` learned seeds — pooling.
-  With a single seed and Sinkhorn (``n_iters >= 2``) every element gets weight ``1/n``: the
-  doubly stochastic ``1 × n`` matrix is the mean.
+* :math:`\mathrm{PMA}_k(Z) = \mathrm{MAB}(S, \mathrm{rFF}(Z))` with ``k`` learned seeds — pooling
+  (``rff=False``: :math:`\mathrm{MAB}(S, Z)`, as in Lee et al.'s and the Sinkformers authors' ModelNet
+  code). With a single seed and Sinkhorn (``n_iters >= 2``) every element gets weight ``1/n``: the
+  doubly stochastic ``1 × n`` matrix is the mean; ``normalization="softmax"`` on the PMA alone keeps a
+  learned pooling.
+
+``official=True`` computes the attention as the Sinkformers authors' ``MABSINK``/``MAB`` do (their
+code, not the paper's text): scores :math:`QK^\top/\sqrt{d}` with :math:`d` the *model* width (not
+the head width), no output projection, and Sinkhorn weights whose rows sum to :math:`1/n_q` (their
+Sinkhorn uses the marginals :math:`1/n_q, 1/n_k` and does not rescale), a quirk that shrinks the
+cross-attention outputs of ISAB by the number of queries.
 
 Shapes: sets are ``(batch, n, dim)``; ``padding_mask (batch, n)`` bool, True = padding element.
 The attention is :class:`sinkformer.nn.MultiheadAttention`; ``normalization`` and ``n_iters``
@@ -27,8 +35,10 @@ are passed to it.
 from __future__ import annotations
 
 import torch
+from einops import rearrange
 from torch import Tensor
 
+from ..attention import attention
 from .multihead import MultiheadAttention
 
 __all__ = ["MAB", "SAB", "ISAB", "PMA"]
@@ -39,7 +49,8 @@ class MAB(torch.nn.Module):
 
     Queries are first mapped to ``dim`` by a linear layer when ``dim_q != dim`` (for the
     residual connection); keys/values of width ``dim_k`` are projected inside the attention.
-    ``layer_norm=False`` drops both LayerNorms (as in Lee et al.'s ``ln=False``).
+    ``layer_norm=False`` drops both LayerNorms (as in Lee et al.'s ``ln=False``); ``official=True``
+    the authors' attention (see the module docstring).
     """
 
     def __init__(
@@ -52,12 +63,18 @@ class MAB(torch.nn.Module):
         layer_norm: bool = True,
         normalization: str = "sinkhorn",
         n_iters: int = 5,
+        official: bool = False,
     ) -> None:
         super().__init__()
-        self.fc_q = torch.nn.Linear(dim_q, dim) if dim_q != dim else torch.nn.Identity()
-        self.attn = MultiheadAttention(
-            dim, num_heads, kdim=dim_k, vdim=dim_k, batch_first=True, normalization=normalization, n_iters=n_iters
-        )
+        self.official = official
+        if official:  # the authors' MAB: fc_q/fc_k/fc_v, no output projection
+            self.fc_q, self.fc_k, self.fc_v = (torch.nn.Linear(d, dim) for d in (dim_q, dim_k, dim_k))
+            self.num_heads, self.normalization, self.n_iters = num_heads, normalization, n_iters
+        else:
+            self.fc_q = torch.nn.Linear(dim_q, dim) if dim_q != dim else torch.nn.Identity()
+            self.attn = MultiheadAttention(
+                dim, num_heads, kdim=dim_k, vdim=dim_k, batch_first=True, normalization=normalization, n_iters=n_iters
+            )
         self.fc_o = torch.nn.Linear(dim, dim)
         self.ln0 = torch.nn.LayerNorm(dim) if layer_norm else torch.nn.Identity()
         self.ln1 = torch.nn.LayerNorm(dim) if layer_norm else torch.nn.Identity()
@@ -71,13 +88,27 @@ class MAB(torch.nn.Module):
         take no part in Sinkhorn's column normalisation either.
         """
         q = self.fc_q(x)
-        attn_mask = None
-        if query_padding_mask is not None:  # torch convention: True = not allowed, (batch*heads, n, m)
-            n, m, heads = x.shape[1], y.shape[1], self.attn.num_heads
-            attn_mask = query_padding_mask[:, None, :, None].expand(-1, heads, n, m).reshape(-1, n, m)
-        out = self.attn(q, y, y, key_padding_mask=key_padding_mask, attn_mask=attn_mask, need_weights=False)[0]
+        if self.official:
+            out = self._official_attention(q, y, key_padding_mask, query_padding_mask)
+        else:
+            attn_mask = None
+            if query_padding_mask is not None:  # torch convention: True = not allowed, (batch*heads, n, m)
+                n, m, heads = x.shape[1], y.shape[1], self.attn.num_heads
+                attn_mask = query_padding_mask[:, None, :, None].expand(-1, heads, n, m).reshape(-1, n, m)
+            out = self.attn(q, y, y, key_padding_mask=key_padding_mask, attn_mask=attn_mask, need_weights=False)[0]
         h = self.ln0(q + out)
         return self.ln1(h + torch.relu(self.fc_o(h)))
+
+    def _official_attention(self, q: Tensor, y: Tensor, key_padding_mask, query_padding_mask) -> Tensor:
+        """The authors' attention output ``A V`` (heads concatenated), ``(batch, n, dim)``."""
+        heads = lambda t: rearrange(t, "b n (h e) -> b h n e", h=self.num_heads)  # noqa: E731
+        k, v = heads(self.fc_k(y)), heads(self.fc_v(y))
+        out = attention(heads(q), k, v, normalization=self.normalization, n_iters=self.n_iters,
+                        scale=q.shape[-1] ** -0.5, key_padding_mask=key_padding_mask,
+                        query_padding_mask=query_padding_mask)
+        if self.normalization == "sinkhorn":  # their Sinkhorn's rows sum to 1 / n_q
+            out = out / q.shape[1]
+        return rearrange(out, "b h n e -> b n (h e)")
 
 
 class SAB(torch.nn.Module):
@@ -107,13 +138,15 @@ class ISAB(torch.nn.Module):
 
 
 class PMA(torch.nn.Module):
-    """Pooling by multihead attention with ``num_seeds`` seeds: ``(batch, n, dim) -> (batch, num_seeds, dim)``."""
+    """Pooling by multihead attention with ``num_seeds`` seeds: ``(batch, n, dim) -> (batch, num_seeds, dim)``.
 
-    def __init__(self, dim: int, num_heads: int, num_seeds: int = 1, **options) -> None:
+    ``rff=False`` pools the set itself rather than ``rFF(Z)`` (the authors' ModelNet code)."""
+
+    def __init__(self, dim: int, num_heads: int, num_seeds: int = 1, *, rff: bool = True, **options) -> None:
         super().__init__()
         self.seeds = torch.nn.Parameter(torch.empty(1, num_seeds, dim))
         torch.nn.init.xavier_uniform_(self.seeds)
-        self.rff = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.ReLU())
+        self.rff = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.ReLU()) if rff else torch.nn.Identity()
         self.mab = MAB(dim, dim, dim, num_heads, **options)
 
     def forward(self, z: Tensor, padding_mask: Tensor | None = None) -> Tensor:

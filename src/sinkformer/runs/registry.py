@@ -9,8 +9,8 @@ Modules of :mod:`sinkformer.experiments` are discovered automatically: adding a 
 :func:`register` at import time is all it takes to appear in ``sinkformer experiments``. Modules
 must import heavy dependencies (matplotlib, datasets) inside functions, so that listing stays fast.
 
-Each run writes ``runs/NAME/<timestamp>/``: ``config.yaml``, ``metrics.csv``, ``results.json``,
-PNG figures, ``report.md`` and ``report.html`` (the same report, figures embedded).
+Each run writes ``runs/NAME/<timestamp>/``: ``config.yaml``, ``provenance.json``, ``metrics.csv``,
+``results.json``, PNG figures, ``report.md`` and ``report.html`` (the same report, figures embedded).
 :func:`markdown_table` formats a report's tables; :func:`render_html` turns a report into one
 self-contained page.
 """
@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 
 from ..plotting import save_png
+from .provenance import provenance
 from .report import atomic_write, new_run_dir, render_html
 
 __all__ = ["Experiment", "Run", "register", "registry", "get", "parse_overrides", "run_experiment"]
@@ -218,8 +219,13 @@ def run_experiment(
     seeds: int | None = None,
     overrides: dict[str, Any] | None = None,
     runs_dir: str | os.PathLike = "runs",
+    command: str | None = None,
 ) -> Run:
-    """Run experiment ``name`` and write its folder; returns the finished :class:`Run`."""
+    """Run experiment ``name`` and write its folder; returns the finished :class:`Run`.
+
+    The folder gets ``config.yaml``, ``provenance.json`` (code version, libraries, machine, threads,
+    device and ``command`` — by default this process's command line), ``metrics.csv``,
+    ``results.json``, figures and ``report.md``/``report.html``."""
     exp = get(name)
     config = dict(exp.defaults)
     if full:
@@ -237,6 +243,7 @@ def run_experiment(
     ctx = Run(name, config, out_dir, quick=not full, data=data, seeds=int(config.get("seeds", 1)))
     meta = {"experiment": name, "mode": "full" if full else "quick", "data": str(data) if data else "embedded"}
     atomic_write(out_dir / "config.yaml", yaml.safe_dump({**meta, **_jsonable(config)}, sort_keys=False))
+    atomic_write(out_dir / "provenance.json", json.dumps(provenance(command), indent=2))
     start = time.perf_counter()
     exp.run(ctx)
     ctx.results.setdefault("wall_seconds", round(time.perf_counter() - start, 2))

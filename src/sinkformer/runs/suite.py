@@ -23,6 +23,7 @@ other, so they are switched off and one bar shows experiments done, elapsed time
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import multiprocessing
 import os
 import re
@@ -38,8 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from ..plotting import pyplot
+from .provenance import WHAT_CHANGES_RESULTS, provenance
 from .registry import registry, run_experiment
 from .report import atomic_write, markdown_table, new_run_dir, render_html
+from .verdicts import RULE, VERDICTS, Comparison, count_verdicts
 
 __all__ = ["SuiteEntry", "ExperimentTimeout", "run_suite", "summary_markdown"]
 
@@ -206,33 +209,44 @@ def _environment(**values: str) -> Iterator[None]:
 
 def summary_markdown(entries: list[SuiteEntry], summary_dir: Path, started: _dt.datetime, seconds: float,
                      jobs: int = 1) -> str:
-    """The summary report: overview, findings, failures, then each experiment's report."""
-    import torch
-
-    verdicts = {True: "yes", False: "no", None: "tie"}
+    """The summary report: verdicts counted by kind, overview, every paired comparison with its
+    interval next to the paper's number, provenance, failures, then each experiment's report."""
+    comparisons = [(e.name, c) for e in entries for c in e.results.get("comparisons", [])]
+    counts = count_verdicts([c for _, c in comparisons])
     overview = markdown_table(
-        ["experiment", "paper", "direction of the paper's finding reproduced", "time", "expected", "status"],
+        ["experiment", "paper", "verdicts (same / opposite / inconclusive)", "time", "expected", "status"],
         [[f"[{e.name}]({_rel(e.out_dir / 'report.md', summary_dir)})" if e.ok else e.name, e.paper,
-          verdicts[e.results["finding"]["reproduced"]] if "finding" in e.results else "—",
-          f"{e.seconds:.0f} s", f"{60 * e.expected_minutes:.0f} s", "ok" if e.ok else "**failed**"]
+          _verdict_counts(e.results.get("comparisons", [])), f"{e.seconds:.0f} s", f"{60 * e.expected_minutes:.0f} s",
+          "ok" if e.ok else "**failed**"]
          for e in entries],
     )
+    facts = provenance("sinkformer run")
     parts = [
         "# sinkformer: the papers' experiments, quick form",
         f"*Produced by `sinkformer run` on {started:%Y-%m-%d %H:%M}: {len(entries)} experiments in "
-        f"{_minutes(seconds)} on {os.cpu_count()} CPU core(s), torch {torch.__version__} with "
-        f"{torch.get_num_threads()} thread(s){f' in each of {jobs} processes' if jobs > 1 else ''}. Quick configurations on embedded data: small models, few epochs — "
-        f"they test the direction of each finding, not the papers' numbers (`sinkformer run NAME --full --data PATH` "
-        f"runs a paper's configuration).*",
+        f"{_minutes(seconds)} on {facts['cpu']} ({facts['cpu_count']} CPU core(s)), torch {facts['torch']} with "
+        f"{facts['torch_threads']} thread(s){f' in each of {jobs} processes' if jobs > 1 else ''}, sinkformer "
+        f"{facts['sinkformer']} at {facts['git_commit']}. Quick configurations on embedded data: small models, few "
+        f"epochs — they test the direction of each finding, not the papers' numbers "
+        f"(`sinkformer run NAME --full --data PATH` runs a paper's configuration).*",
+        "## Verdicts",
+        f"{len(comparisons)} paired comparisons of a Sinkformer (or Sparse Sinkhorn variant) with its Transformer: "
+        + ", ".join(f"**{n} {v}**" for v, n in counts.items()) + f". {RULE}",
         "## Overview",
         overview,
     ]
+    if comparisons:
+        rows = [[name, c["metric"], f"{c['variant']} − {c['baseline']}", c["paper"],
+                 Comparison.from_dict(c).interval(), c["seeds"], c["verdict"]] for name, c in comparisons]
+        parts += ["## Every comparison: the paper and this run", markdown_table(
+            ["experiment", "metric", "difference", "the paper", "this run: mean [95 % interval]", "seeds", "verdict"],
+            rows)]
     found = [e for e in entries if "finding" in e.results]
     if found:
-        parts += ["## Paper vs these runs", markdown_table(
-            ["experiment", "the paper found", "this run found", "reproduced"],
-            [[e.name, e.results["finding"]["paper"], e.results["finding"]["this_run"],
-              verdicts[e.results["finding"]["reproduced"]]] for e in found])]
+        parts += ["## Paper vs these runs, in words", markdown_table(
+            ["experiment", "the paper found", "this run found"],
+            [[e.name, e.results["finding"]["paper"], e.results["finding"]["this_run"]] for e in found])]
+    parts += ["## Reproducibility", WHAT_CHANGES_RESULTS, "```json\n" + json.dumps(facts, indent=2) + "\n```"]
     failed = [e for e in entries if not e.ok]
     if failed:
         parts.append("## Failures")
@@ -241,6 +255,13 @@ def summary_markdown(entries: list[SuiteEntry], summary_dir: Path, started: _dt.
         if e.ok and (e.out_dir / "report.md").exists():
             parts.append(_embedded_report(e.out_dir, summary_dir))
     return "\n\n".join(parts) + "\n"
+
+
+def _verdict_counts(comparisons: list[dict]) -> str:
+    if not comparisons:
+        return "—"
+    counts = count_verdicts(comparisons)
+    return " / ".join(str(counts[v]) for v in VERDICTS)
 
 
 def _embedded_report(out_dir: Path, summary_dir: Path) -> str:

@@ -10,8 +10,9 @@ Every experiment compares a Transformer with its Sinkformer, everything else equ
   ``--full`` (path from ``--data``);
 * :func:`seed_summary`, :func:`median_curve` — statistics over seeds (best/median/mean/worst,
   median curve with its min–max band);
-* :func:`finding` — the "paper found / this run found" table every report ends with; it also
-  stores ``results["finding"]`` for the summary report; :func:`mode_line`, :func:`describe`,
+* :func:`compare`, :func:`finding` — the paired comparisons over seeds (interval and verdict,
+  :mod:`sinkformer.runs.verdicts`) and the "paper found / this run found" section every report ends
+  with; it also stores ``results["finding"]`` and ``results["comparisons"]`` for the summary report; :func:`mode_line`, :func:`describe`,
   :func:`training_line` — how a run was made, in words.
 """
 
@@ -27,11 +28,12 @@ import torch
 from ...data import DataBundle, get_dataset, load_dataset
 from ...models import build_model
 from ...runs import Run
+from ...runs.verdicts import Comparison, paired, record
 from ...training import TrainConfig
 
 __all__ = [
     "TRANSFORMER", "SINKFORMER", "COLORS", "variant", "load_data", "build", "seed_summary",
-    "median_curve", "finding", "mode_line", "describe", "training_line",
+    "median_curve", "finding", "compare", "mode_line", "describe", "training_line",
 ]
 
 TRANSFORMER, SINKFORMER = "Transformer", "Sinkformer"
@@ -111,17 +113,26 @@ def training_line(train_options: dict[str, Any]) -> str:
     return f"{line}, ×{c.gamma:g} after epoch(s) {', '.join(map(str, c.milestones))}" if c.milestones else line
 
 
-def finding(ctx: Run, *, paper: str, this_run: str, reproduced: bool | None) -> str:
-    """The report's closing table, paper and this run side by side; stored in ``results["finding"]``.
+def finding(ctx: Run, *, paper: str, this_run: str, comparisons: Sequence[Comparison] = ()) -> str:
+    """The report's closing section, paper and this run side by side, stored in ``results["finding"]``.
 
-    ``reproduced`` says whether this run goes in the direction of the paper's finding
-    (``None``: cannot tell, e.g. a tie).
+    With ``comparisons`` (the paired Transformer-vs-Sinkformer comparisons over seeds) it also
+    gives each one's interval and verdict (:func:`sinkformer.runs.verdicts.record`); without, the
+    experiment describes rather than compares (no verdict).
     """
-    verdict = {True: "yes", False: "no", None: "undecided (a tie)"}[reproduced]
-    ctx.results["finding"] = {"paper": paper, "this_run": this_run, "reproduced": reproduced}
+    if comparisons:
+        return record(ctx.results, comparisons, paper=paper, this_run=this_run)
+    ctx.results["finding"] = {"paper": paper, "this_run": this_run}
     return (
         "## Paper vs this run\n\n"
         "| the paper found | this run found |\n|---|---|\n"
         f"| {paper} | {this_run} |\n\n"
-        f"**Direction of the paper's finding reproduced:** {verdict}.\n"
+        "*(A measurement, not a paired comparison of two models: no verdict.)*\n"
     )
+
+
+def compare(per_seed: dict[str, Sequence[float]], variant: str, *, metric: str, paper: str,
+            higher_is_better: bool = True, paper_better: bool = True, baseline: str = TRANSFORMER) -> Comparison:
+    """The paired comparison of ``per_seed[variant]`` with ``per_seed[baseline]`` (same seeds, in order)."""
+    return paired(per_seed[baseline], per_seed[variant], metric=metric, higher_is_better=higher_is_better,
+                  paper_better=paper_better, paper=paper, baseline_name=baseline, variant_name=variant)

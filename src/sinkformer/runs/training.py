@@ -1,0 +1,65 @@
+"""The one way experiments train a model: :func:`fit`, over :func:`sinkformer.training.train`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..data import DataBundle
+from ..training import Callback, TrainConfig, TrainResult, train
+from .registry import Run
+
+__all__ = ["fit", "training_seconds"]
+
+
+class _EpochBar(Callback):
+    """One progress bar per training run, advanced per epoch, showing the latest test metrics."""
+
+    def __init__(self, label: str, epochs: int) -> None:
+        self.bar = tqdm(total=epochs, desc=label, unit="epoch", leave=True, dynamic_ncols=True)
+
+    def on_epoch_end(self, row: dict[str, Any]) -> None:
+        shown = {k: v for k, v in row.items() if k in ("train_loss", "test_acc", "test_bleu")}
+        self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
+        self.bar.update(1)
+
+
+def fit(
+    module: torch.nn.Module,
+    data: DataBundle,
+    train_options: dict[str, Any],
+    *,
+    seed: int,
+    ctx: Run | None = None,
+    label: str = "",
+    task=None,
+    out_dir: str | Path | None = None,
+    **fields: Any,
+) -> TrainResult:
+    """Train ``module`` on ``data`` with :func:`sinkformer.training.train`, seeded, one progress bar.
+
+    ``train_options`` are :class:`~sinkformer.training.TrainConfig` keys (``seed`` and ``progress``
+    are set here); ``task`` the trainer's task (default: from the data). With ``ctx``, every epoch's
+    row is logged to the run's ``metrics.csv``, prefixed by ``fields`` (``model=``, ``n_iters=``, ...)
+    and the seed; ``label`` names the run on its progress bar.
+    """
+    config = TrainConfig.from_dict({**train_options, "seed": seed, "progress": False})
+    name = f"{ctx.name} | " if ctx is not None else ""
+    bar = _EpochBar(f"{name}{label} (seed {seed})", config.epochs)
+    torch.manual_seed(seed)
+    try:
+        result = train(module, data, config, out_dir=out_dir, callbacks=[bar], task=task)
+    finally:
+        bar.bar.close()
+    if ctx is not None:
+        for row in result.history:
+            ctx.log(**fields, seed=seed, **row)
+    return result
+
+
+def training_seconds(result: TrainResult) -> float:
+    """Training time of a run (the sum of its epochs' ``epoch_seconds``; evaluation excluded)."""
+    return float(sum(row.get("epoch_seconds", 0.0) for row in result.history))
