@@ -186,3 +186,28 @@ def test_point_augmentation_depends_on_epoch_only():
     torch.testing.assert_close(data.train[2][0], a)
     assert not torch.allclose(a, b)
     assert not torch.allclose(a, data.train.points[2])
+
+
+def test_rotate_scale_augmentation_is_the_set_transformer_authors():
+    """A rotation about z by at most 0.15 pi, then a per-axis scale in [0.8, 1.25]; seeded per (epoch, index)."""
+    import math
+
+    from sinkformer.data.point_clouds import PointCloudDataset
+
+    points = torch.eye(3).repeat(8, 1, 1)  # clouds of the three unit vectors: e_x, e_y, e_z
+    data = PointCloudDataset(points, torch.zeros(8, dtype=torch.long), augment=True, augmentation="rotate_scale")
+    for index in range(8):
+        x, _ = data[index]  # rows: (c sx, s sy, 0), (-s sx, c sy, 0), (0, 0, sz)
+        sx, sy, sz = math.hypot(x[0, 0], x[1, 0]), math.hypot(x[0, 1], x[1, 1]), float(x[2, 2])
+        theta = math.atan2(-float(x[1, 0]), float(x[0, 0]))
+        assert all(0.8 <= s <= 1.25 for s in (sx, sy, sz)) and abs(theta) <= 0.15 * math.pi
+        assert x[0, 1] == pytest.approx(math.sin(theta) * sy, abs=1e-6)
+        assert x[1, 1] == pytest.approx(math.cos(theta) * sy, abs=1e-6)
+        assert torch.count_nonzero(x[2, :2]) == 0 and torch.count_nonzero(x[:2, 2]) == 0  # z only scaled
+    first = data[3][0]
+    data.set_epoch(1)
+    assert not torch.equal(data[3][0], first)
+    data.set_epoch(0)
+    assert torch.equal(data[3][0], first)
+    with pytest.raises(ValueError, match="augmentation must be one of"):
+        PointCloudDataset(points, torch.zeros(8), augmentation="jitter")

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from sinkformer.data import bleu, load_dataset
+from sinkformer.data.parallel_text import moses_like_tokenize, tokenized_bleu
 from sinkformer.data.base import TokenCollate, TranslationCollate
 from sinkformer.data.sentiment import INTENSIFIERS, NEGATIVE, NEGATORS, POSITIVE, generate_review
 from sinkformer.data.text import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
@@ -126,6 +127,18 @@ def test_iwslt_parallel_text(tmp_path):
         load_dataset("iwslt14", tmp_path, eval_split="test")
 
 
+def test_iwslt_evaluation_split_is_the_one_asked_for_and_named(tmp_path):
+    _write_parallel(tmp_path, "train", [("ich sehe den hund .", "i see the dog ."), ("der hund sieht mich .", "the dog sees me .")])
+    _write_parallel(tmp_path, "valid", [("ich sehe das haus .", "i see the house .")])
+    _write_parallel(tmp_path, "test", [("der hund .", "the dog ."), ("das haus ist gro@@ ß .", "the house is big .")])
+    test = load_dataset("iwslt14", tmp_path, vocab_size=120, eval_split="test")
+    assert test.test.references == ["the dog .", "the house is big ."] and len(test.test) == 2
+    assert test.info["eval_split"] == "test"
+    valid = load_dataset("iwslt14", tmp_path, vocab_size=120)  # the loader's default: the validation set
+    assert valid.test.references == ["i see the house ."] and valid.info["eval_split"] == "valid"
+    assert load_dataset("translation", n_train=20, n_test=3).info["eval_split"] == "test"  # generated, held out
+
+
 def _translate_by_rule(source: str) -> str:
     """The documented grammar, re-implemented: NP verb NP [prep NP] -> NP' NP' [prep' NP'] verb'."""
     words, phrases, verb = source.split(), [], None
@@ -163,3 +176,24 @@ def test_bleu():
     assert bleu(["completely unrelated words here", "nothing matches"], refs) < 5.0
     with pytest.raises(ValueError, match="2 hypotheses but 1 references"):
         bleu(refs, refs[:1])
+
+
+def test_tokenized_bleu_scores_lowercased_moses_like_tokens():
+    refs = ["It's a dog, isn't it?", "The house is big."]
+    assert tokenized_bleu(refs, refs) == pytest.approx(100.0)
+    assert moses_like_tokenize("Hello, world! It's 3.5 &quot;well-known&quot; 1,000 (ok) dogs' ted.com.") == (
+        'Hello , world ! It \'s 3.5 " well-known " 1,000 ( ok ) dogs \' ted.com .')
+    # prepare-iwslt14.sh's text (Moses-tokenised, escaped, lower-cased) has the same tokens: tokenised BLEU 100
+    moses = ["it &apos;s a dog , isn &apos;t it ?", "the house is big ."]
+    assert moses_like_tokenize(moses[0]) == "it 's a dog , isn 't it ?"
+    assert tokenized_bleu(moses, refs) == pytest.approx(100.0)
+    assert bleu(moses, refs) < 50.0  # sacreBLEU is case-sensitive and keeps "&apos;" and "It's" as they are
+    assert bleu([r.lower() for r in refs], refs) < 100.0 and tokenized_bleu([r.upper() for r in refs], refs) == pytest.approx(100.0)
+    spaced = ["It 's a dog , isn 't it ?", "The house is big ."]  # punctuation split off: no difference for either
+    assert tokenized_bleu(spaced, refs) == pytest.approx(100.0) and bleu(spaced, refs) < 100.0
+    assert bleu(["It's a dog , isn't it ?", "The house is big ."], refs) == pytest.approx(100.0)  # 13a splits "," too
+    no_comma = ["It's a dog isn't it?", "The house is big."]  # a missing comma lowers both
+    assert tokenized_bleu(no_comma, refs) < 100.0 and bleu(no_comma, refs) < 100.0
+    assert tokenized_bleu(["completely unrelated words here", "nothing matches"], refs) < 5.0
+    with pytest.raises(ValueError, match="2 hypotheses but 1 references"):
+        tokenized_bleu(refs, refs[:1])

@@ -9,6 +9,7 @@ import torch
 from sinkformer.data import load_dataset
 from sinkformer.experiments.sinkformers import _common as common
 from sinkformer.runs.registry import Run, get, parse_overrides, run_experiment
+from sinkformer.runs.verdicts import INCONCLUSIVE, OPPOSITE, SAME, VERDICTS, Comparison
 
 EXPERIMENTS = ["column-sums", "modelnet", "sentiment", "translation", "vit", "patch-size"]
 
@@ -27,13 +28,13 @@ TINY = {
     "column-sums": {"panels": [{"title": "tiny ViT", "model": "vit", "dataset": "digits", "model_options": TINY_VIT,
                                 "train": {"epochs": 3, "batch_size": 32, "max_train_batches": 2,
                                           "max_eval_batches": 2}}]},
-    "modelnet": {"set_n_iters": [1, 3], "set_data": {"n_points": 16, "n_train": 4, "n_test": 2},
+    "modelnet": {"seeds": 2, "set_n_iters": [1, 3], "pct_n_iters": 2, "set_data": {"n_points": 16, "n_train": 4, "n_test": 2},
                  "pct_data": {"n_points": 16, "n_train": 4, "n_test": 2},
                  "set_model": {"dim": 8, "num_heads": 2, "num_inducing": 2, "dropout": 0.0},
                  "set_train": {"epochs": 2, "batch_size": 16}, "pct_train": {"epochs": 1, "batch_size": 16},
                  "pct_model": {"dim": 8, "n_samples": [8, 4], "k_neighbors": 4, "n_attention_layers": 1,
                                "dropout": 0.0}},
-    "sentiment": {"data_options": {"n_train": 64, "n_test": 32},
+    "sentiment": {"seeds": 2, "data_options": {"n_train": 64, "n_test": 32},
                   "model_options": {"dim": 8, "depth": 1, "num_heads": 2, "dim_feedforward": 8, "dropout": 0.0},
                   "train": {"epochs": 2, "batch_size": 32}},
     "translation": {"data_options": {"n_train": 64, "n_test": 8}, "finetune_epochs": 1, "seeds": 1,
@@ -54,7 +55,11 @@ def _check_run_folder(ctx, figure: str) -> tuple[dict, str]:
     report = (ctx.out_dir / "report.md").read_text()
     assert "![" in report and f"({figure}.png)" in report
     assert results["finding"]["this_run"] in report and results["finding"]["paper"] in report
-    assert results["finding"]["reproduced"] in (True, False, None)
+    finding = results["finding"]  # comparisons (with the counts of their verdicts) or a measurement without verdict
+    assert all(isinstance(n, int) and n >= 0 for n in finding.get("verdicts", {}).values())
+    for c in results.get("comparisons", []):
+        assert c["verdict"] in VERDICTS and len(c["differences"]) == c["seeds"]
+        assert c["verdict"] in report and Comparison.from_dict(c).interval() in report
     html = (ctx.out_dir / "report.html").read_text()
     assert "data:image/png;base64," in html and "<table>" in html
     rows = list(csv.DictReader((ctx.out_dir / "metrics.csv").open()))
@@ -104,13 +109,61 @@ def test_translation_reuses_the_trained_weights(tmp_path):
     assert all(float(r["lr"]) == pytest.approx(2e-3 / 10) for r in finetune)  # lr divided by 10
     converted = next(r for r in rows if r["phase"] == "converted")
     assert float(converted["test_bleu"]) == pytest.approx(results["bleu"]["Sinkformer"]["trained"][0])
+    assert float(converted["test_tok_bleu"]) == pytest.approx(results["tokenized_bleu"]["Sinkformer"]["trained"][0])
+    assert results["eval_split"] == "test" and "**test** split" in report  # the generated held-out set
+    for name in ("Transformer", "Sinkformer"):  # tokenised BLEU beside sacreBLEU, in results and the table
+        for stage in ("trained", "finetuned"):
+            assert 0 <= results["median_tokenized_bleu"][name][stage] <= 100
+            assert f"{results['median_tokenized_bleu'][name][stage]:.2f}" in report
+    assert "tok. BLEU epoch 1" in report and "sacreBLEU epoch 2" in report
+    assert all("sacreBLEU" in c["metric"] for c in results["comparisons"])  # paired comparisons stay on sacreBLEU
+
+
+def test_translation_finetuning_continues_the_schedule_at_lr_over_10():
+    from sinkformer.experiments.sinkformers.translation import finetune_options
+
+    quick = get("translation").defaults["train"]
+    assert finetune_options(quick, 2, 10.0, steps=150) == {**quick, "epochs": 2, "lr": quick["lr"] / 10,
+                                                            "schedule": "step", "milestones": [], "warmup_steps": 0}
+    full = get("translation").full["train"]
+    tuning = finetune_options(full, 5, 10.0, steps=30_000)
+    assert tuning == {**full, "epochs": 5, "lr": 5e-5, "schedule_offset": 30_000}
+
+
+def test_translation_full_scores_the_test_split_and_continues_inverse_sqrt(tmp_path):
+    import random
+
+    from sinkformer.data.translation import generate_pair
+
+    rng = random.Random(0)
+    for split, n in (("train", 40), ("valid", 3), ("test", 5)):
+        pairs = [generate_pair(rng) for _ in range(n)]
+        (tmp_path / f"{split}.de").write_text("".join(src + "\n" for src, _ in pairs), encoding="utf-8")
+        (tmp_path / f"{split}.en").write_text("".join(tgt + "\n" for _, tgt in pairs), encoding="utf-8")
+    assert get("translation").full["data_options"]["eval_split"] == "test"
+    overrides = {"seeds": 1, "finetune_epochs": 2, "model_options": TINY["translation"]["model_options"],
+                 "data_options.vocab_size": 120, "train.epochs": 2, "train.batch_size": 16, "train.warmup_steps": 2,
+                 "train.beam_size": 2}
+    ctx = run_experiment("translation", full=True, data=tmp_path, overrides=overrides, runs_dir=tmp_path / "runs")
+    results, report = _check_run_folder(ctx, "translation_bleu")
+    assert results["eval_split"] == "test" and "**test** split" in report
+    assert results["trained_steps"] == results["finetune_schedule_offset"] == 2 * 3  # 40 sentences, batches of 16
+    rows = list(csv.DictReader((ctx.out_dir / "metrics.csv").open()))
+    train = [float(r["lr"]) for r in rows if r["phase"] == "train"]  # the lr of each epoch's last step
+    assert train == pytest.approx([5e-4 * (2 / 3) ** 0.5, 5e-4 * (2 / 6) ** 0.5])
+    for name in ("Transformer", "Sinkformer"):  # lr/10 · sqrt(warmup / (t0 + k)), t0 = 6, k = 3 and 6
+        tuned = [float(r["lr"]) for r in rows if r["phase"] == "finetune" and r["model"] == name]
+        assert tuned == pytest.approx([5e-5 * (2 / 9) ** 0.5, 5e-5 * (2 / 12) ** 0.5])
 
 
 def test_modelnet(tmp_path):
     ctx = run_experiment("modelnet", overrides=TINY["modelnet"], runs_dir=tmp_path)
     results, report = _check_run_folder(ctx, "modelnet_set")
-    assert set(results["test_acc"]) == {"Set Transformer", "Set Sinkformer (3 it.)", "Point Cloud Transformer",
-                                        "Point Cloud Sinkformer (3 it.)"}
+    assert set(results["test_acc"]) == {"Set Transformer", "Set Sinkformer (3 it.)",
+                                        "Set Sinkformer (3 it.), SoftMax pooling", "Point Cloud Transformer",
+                                        "Point Cloud Sinkformer (2 it.)"}
+    assert [c["variant"] for c in results["comparisons"]] == ["Set Sinkformer (3 it.)", "Point Cloud Sinkformer (2 it.)"]
+    assert "Pooling ablation" in report
     for name, stats in results["test_acc"].items():
         assert f"| {name} | {100 * stats['best']:.1f} | {100 * stats['median']:.1f} |" in report
 
@@ -195,6 +248,12 @@ def test_seed_statistics():
 
 def test_finding_is_stored_and_rendered(tmp_path):
     ctx = Run("x", {}, tmp_path)
-    text = common.finding(ctx, paper="P found", this_run="we found", reproduced=False)
-    assert ctx.results["finding"] == {"paper": "P found", "this_run": "we found", "reproduced": False}
-    assert "| P found | we found |" in text and "reproduced:** no." in text
+    text = common.finding(ctx, paper="P found", this_run="we found")
+    assert ctx.results["finding"] == {"paper": "P found", "this_run": "we found"}
+    assert "| P found | we found |" in text and "no verdict" in text
+    per_seed = {common.TRANSFORMER: [80.0, 82.0, 81.0], common.SINKFORMER: [81.0, 83.5, 82.0]}
+    comparison = common.compare(per_seed, common.SINKFORMER, metric="acc (%)", paper="+1")
+    text = common.finding(ctx, paper="P found", this_run="we found", comparisons=[comparison])
+    assert ctx.results["finding"]["verdicts"] == {SAME: 1, OPPOSITE: 0, INCONCLUSIVE: 0}
+    assert ctx.results["comparisons"][0]["differences"] == [1.0, 1.5, 1.0]
+    assert "+1.17 [+0.45, +1.88]" in text and f"**{SAME}**" in text

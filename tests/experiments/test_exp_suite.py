@@ -1,6 +1,7 @@
 """The summary suite (`sinkformer run` with no name), its HTML report and the `run` command."""
 
 import os
+import json
 import re
 import time
 from pathlib import Path
@@ -13,8 +14,9 @@ from sinkformer.runs import registry as registry_module
 from sinkformer.runs import suite
 from sinkformer.runs.registry import Experiment, registry
 from sinkformer.runs.report import render_html
+from sinkformer.runs.verdicts import Comparison, count_verdicts
 
-TINY_PATCH = {"patch_sizes": [8], "seeds": 1, "train": {"epochs": 1, "batch_size": 64, "max_train_batches": 2}}
+TINY_PATCH = {"patch_sizes": [4], "seeds": 2, "train": {"epochs": 1, "batch_size": 64, "max_train_batches": 2}}
 
 
 def _boom(ctx):
@@ -51,10 +53,16 @@ def test_suite_reports_every_experiment_and_survives_a_failure(tmp_path, failing
     figures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report)
     assert len(figures) == 2 and all((path.parent / f).is_file() for f in figures)
     assert any(str(Path(f).parent.name) == patch_dir.name for f in figures)
-    # findings side by side, with the numbers the experiment measured
-    finding = (patch_dir / "results.json").read_text()
+    # findings side by side, every paired comparison with its interval, the verdicts counted, provenance
+    results = json.loads((patch_dir / "results.json").read_text())
     assert "## Paper vs these runs" in report and "patch-size" in report.split("## Paper vs these runs")[1]
-    assert '"reproduced"' in finding
+    comparisons = results["comparisons"]
+    assert len(comparisons) == 1 and comparisons[0]["seeds"] == 2
+    counts = count_verdicts(comparisons)
+    assert "1 paired comparisons" in report and all(f"**{n} {v}**" in report for v, n in counts.items())
+    assert Comparison.from_dict(comparisons[0]).interval() in report.split("## Every comparison")[1]
+    assert "## Reproducibility" in report and "BLAS" in report and '"git_commit"' in report
+    assert json.loads((patch_dir / "provenance.json").read_text())["torch"] == torch.__version__
     html = (path.parent / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 2 and "<table>" in html
     # progress: a line before and after each experiment, and the total

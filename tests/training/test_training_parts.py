@@ -18,7 +18,7 @@ from sinkformer.training.checkpoint import (
     save_checkpoint,
     save_weights,
 )
-from sinkformer.training.schedules import build_optimizer, learning_rate
+from sinkformer.training.schedules import build_optimizer, learning_rate, set_learning_rate, steps_per_epoch
 
 
 def test_step_decay_as_in_the_paper():
@@ -35,6 +35,47 @@ def test_inverse_sqrt_with_warmup():
     assert learning_rate(config, 0, 1999) == pytest.approx(5e-4 / 2)
     assert learning_rate(config, 0, 3999) == pytest.approx(5e-4)
     assert learning_rate(config, 3, 15_999) == pytest.approx(5e-4 * math.sqrt(4000 / 16_000))
+
+
+def test_schedule_offset_continues_the_inverse_sqrt_schedule_at_lr_over_10():
+    train = TrainConfig(lr=5e-4, schedule="inverse_sqrt", warmup_steps=4000)
+    assert train.schedule_offset == 0  # the default: the schedule starts at step 1
+    t0 = 12_000  # fine-tuning after 12,000 steps of training, at lr / 10
+    tune = TrainConfig(lr=5e-5, schedule="inverse_sqrt", warmup_steps=4000, schedule_offset=t0)
+    for k in (1, 2, 3, 1000):  # the k-th fine-tuning step (0-based step k - 1)
+        assert learning_rate(tune, 0, k - 1) == pytest.approx(5e-5 * math.sqrt(4000 / (t0 + k)))
+        assert learning_rate(tune, 5, k - 1) == pytest.approx(learning_rate(train, 0, t0 + k - 1) / 10)
+    early = TrainConfig(lr=5e-4, schedule="inverse_sqrt", warmup_steps=4000, schedule_offset=1000)
+    assert learning_rate(early, 0, 0) == pytest.approx(learning_rate(train, 0, 1000))  # still warming up
+    step = TrainConfig(lr=1e-3, milestones=(3,), warmup_steps=10, schedule_offset=20)
+    assert learning_rate(step, 2, 0) == pytest.approx(1e-3) and learning_rate(step, 3, 0) == pytest.approx(1e-4)
+    with pytest.raises(ValueError, match="schedule_offset must be >= 0, got -1"):
+        TrainConfig.from_dict({"schedule_offset": -1})
+
+
+def test_a_run_with_schedule_offset_takes_the_lr_of_the_shifted_steps(monkeypatch):
+    from sinkformer.data import load_dataset
+    from sinkformer.training import loop, train
+
+    lrs = []
+
+    def recording(optimizer, lr):  # the optimizer's lr for each step of the run
+        set_learning_rate(optimizer, lr)
+        lrs.append(optimizer.param_groups[0]["lr"])
+
+    monkeypatch.setattr(loop, "set_learning_rate", recording)
+    data = load_dataset("digits")
+    config = TrainConfig(epochs=2, batch_size=64, max_train_batches=3, max_eval_batches=1, lr=1e-4,
+                         schedule="inverse_sqrt", warmup_steps=4, schedule_offset=10, progress=False)
+    assert steps_per_epoch(len(data.train), config) == 3
+    assert steps_per_epoch(130, TrainConfig(batch_size=64)) == 3
+    assert steps_per_epoch(129, TrainConfig(batch_size=64), world_size=2) == 2  # a batch of 1 for 2 processes: skipped
+    torch.manual_seed(0)
+    model = build_model("vit", data.info, patch_size=4, dim=8, depth=1, num_heads=2, dim_feedforward=8)
+    result = train(model, data, config)
+    expected = [1e-4 * math.sqrt(4 / (10 + k)) for k in range(1, 7)]  # 2 epochs of 3 steps, after 10 steps
+    assert lrs == pytest.approx(expected)
+    assert [row["lr"] for row in result.history] == pytest.approx([expected[2], expected[5]])
 
 
 def test_train_config_mistakes_name_the_option():

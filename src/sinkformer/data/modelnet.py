@@ -13,8 +13,10 @@
   ``n_points`` points — the Set Transformer experiment uses 5000 — and the samples are cached
   as an HDF5 file in the same layout, which is then read like the release.
 
-Clouds are centred and scaled into the unit ball; the training split gets PCT's random
-scale/translation augmentation (``augment=True``).
+Clouds are centred and scaled into the unit ball; the training split gets a random augmentation
+(``augment=True``): ``augmentation="pct"`` (PCT's scale/translation, the HDF5 release's default) or
+``"rotate_scale"`` (the Set Transformer authors' rotation + scaling, the meshes' default, as the
+Sinkformers authors' ModelNet code uses).
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ def read_modelnet_cloud_h5(
     return tuple((torch.from_numpy(points), torch.from_numpy(label.astype(np.int64))) for points, label in splits)
 
 
-def _bundle(train, test, class_names, n_points, augment, seed) -> DataBundle:
+def _bundle(train, test, class_names, n_points, augment, augmentation, seed) -> DataBundle:
     """Turn ``train``/``test`` = ``(points (N, n_stored, 3), labels (N,))`` into a ``points`` bundle."""
     (train_x, train_y), (test_x, test_y) = train, test
     stored = train_x.shape[1]
@@ -153,7 +155,8 @@ def _bundle(train, test, class_names, n_points, augment, seed) -> DataBundle:
     info = {"kind": "points", "n_classes": n_classes, "in_features": 3, "n_points": n_points,
             "class_names": class_names or [f"class_{i}" for i in range(n_classes)]}
     return DataBundle(
-        PointCloudDataset(normalize_points(train_x[:, :n_points]), train_y, augment=augment, seed=seed),
+        PointCloudDataset(normalize_points(train_x[:, :n_points]), train_y, augment=augment, augmentation=augmentation,
+                          seed=seed),
         PointCloudDataset(normalize_points(test_x[:, :n_points]), test_y),
         info,
         FixedCollate("points"),
@@ -161,7 +164,8 @@ def _bundle(train, test, class_names, n_points, augment, seed) -> DataBundle:
 
 
 def load_modelnet40(
-    path: str | Path | None = None, *, n_points: int = 1024, augment: bool = True, seed: int = 0
+    path: str | Path | None = None, *, n_points: int = 1024, augment: bool = True, augmentation: str = "pct",
+    seed: int = 0,
 ) -> DataBundle:
     """ModelNet40 point clouds: the first ``n_points`` points of each shape.
 
@@ -173,7 +177,7 @@ def load_modelnet40(
         root = root / CLOUD_FILE
     if root.is_file():
         train, test = read_modelnet_cloud_h5(root, n_points)
-        return _bundle(train, test, None, n_points, augment, seed)
+        return _bundle(train, test, None, n_points, augment, augmentation, seed)
     train, test = sorted(root.glob("ply_data_train*.h5")), sorted(root.glob("ply_data_test*.h5"))
     if not train or not test:
         raise FileNotFoundError(
@@ -182,7 +186,7 @@ def load_modelnet40(
         )
     names_file = root / "shape_names.txt"
     names = names_file.read_text().split() if names_file.exists() else None
-    return _bundle(read_modelnet_h5(train), read_modelnet_h5(test), names, n_points, augment, seed)
+    return _bundle(read_modelnet_h5(train), read_modelnet_h5(test), names, n_points, augment, augmentation, seed)
 
 
 def meshes_to_hdf5(root: str | Path, split: str, n_points: int, out: str | Path, *, seed: int = 0) -> Path:
@@ -222,6 +226,7 @@ def load_modelnet40_off(
     *,
     n_points: int = 5000,
     augment: bool = True,
+    augmentation: str = "rotate_scale",
     seed: int = 0,
     cache_dir: str | Path | None = None,
 ) -> DataBundle:
@@ -239,4 +244,4 @@ def load_modelnet40_off(
         files.append([file])
     with h5py.File(files[0][0], "r") as h5:
         names = str(h5.attrs["class_names"]).split()
-    return _bundle(read_modelnet_h5(files[0]), read_modelnet_h5(files[1]), names, n_points, augment, seed)
+    return _bundle(read_modelnet_h5(files[0]), read_modelnet_h5(files[1]), names, n_points, augment, augmentation, seed)

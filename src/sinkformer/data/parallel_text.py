@@ -4,12 +4,22 @@ On disk: one folder with ``{split}.{lang}`` files holding one sentence per line,
 by line (``train.de`` / ``train.en``, ``valid.*``, ``test.*`` — the layout of fairseq's
 ``prepare-iwslt14.sh``). subword-nmt's ``@@ `` continuation markers, if present, are removed so
 that text is plain again. A joint BPE tokenizer is trained on both sides of the training split.
+The bundle's ``info["eval_split"]`` names the split its ``test`` dataset holds (``"valid"`` or
+``"test"`` for IWSLT'14), so that reports can say which one they scored.
 
-BLEU is sacreBLEU's corpus BLEU on detokenised text (:func:`bleu`).
+Two BLEU scores of the same translations:
+
+* :func:`bleu` — sacreBLEU's corpus BLEU with its own (``13a``) tokenisation, case-sensitive:
+  the standard, comparable figure for detokenised output;
+* :func:`tokenized_bleu` — "tokenised BLEU", BLEU on whitespace-separated tokens of lower-cased,
+  Moses-like tokenised text: an approximation of what ``fairseq-generate --scoring bleu``
+  prints on IWSLT'14 prepared by ``prepare-iwslt14.sh`` (Moses-tokenised, lower-cased), i.e. the
+  kind of number papers such as the Sinkformers paper report for IWSLT'14.
 """
 
 from __future__ import annotations
 
+import html
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,7 +30,10 @@ from torch.utils.data import Dataset
 from .base import DataBundle, TranslationCollate, require_path
 from .text import BOS_ID, EOS_ID, PAD_ID, encode, train_tokenizer
 
-__all__ = ["ParallelTextDataset", "parallel_text_bundle", "read_parallel", "load_parallel_text", "bleu"]
+__all__ = [
+    "ParallelTextDataset", "parallel_text_bundle", "read_parallel", "load_parallel_text", "bleu", "moses_like_tokenize",
+    "tokenized_bleu",
+]
 
 INSTRUCTIONS = (
     "Prepare IWSLT'14 German-English with fairseq's examples/translation/prepare-iwslt14.sh "
@@ -54,11 +67,13 @@ def parallel_text_bundle(
     vocab_size: int,
     max_len: int,
     lowercase: bool = False,
+    eval_split: str = "test",
 ) -> DataBundle:
     """Train a joint tokenizer on the ``(sources, targets)`` of ``train`` and encode both splits.
 
     Sentences are cut to ``max_len - 1`` subwords so that, with ``<bos>``/``<eos>``, every
-    sequence fed to the model has at most ``max_len`` positions.
+    sequence fed to the model has at most ``max_len`` positions. ``eval_split`` names the split
+    ``test`` comes from (``info["eval_split"]``, for reports).
     """
     tokenizer = train_tokenizer(list(train[0]) + list(train[1]), vocab_size, lowercase=lowercase)
 
@@ -68,7 +83,7 @@ def parallel_text_bundle(
         return ParallelTextDataset(src_ids, tgt_ids, list(tgt))
 
     info = {"kind": "translation", "vocab_size": tokenizer.get_vocab_size(), "pad_id": PAD_ID, "bos_id": BOS_ID,
-            "eos_id": EOS_ID, "max_len": max_len}
+            "eos_id": EOS_ID, "max_len": max_len, "eval_split": eval_split}
     return DataBundle(dataset(*train), dataset(*test), info, TranslationCollate(PAD_ID), tokenizer=tokenizer)
 
 
@@ -103,11 +118,15 @@ def load_parallel_text(
     max_len: int = 128,
     lowercase: bool = True,
 ) -> DataBundle:
-    """IWSLT'14-style parallel text: ``train`` for training, ``eval_split`` (``valid``/``test``) for evaluation."""
+    """IWSLT'14-style parallel text: ``train`` for training, ``eval_split`` (``valid``/``test``) for evaluation.
+
+    The bundle's ``test`` dataset holds the ``eval_split`` sentences and ``info["eval_split"]``
+    says which split that is (papers report ``test``; ``valid`` is for choosing settings).
+    """
     root = require_path(path, "iwslt14", INSTRUCTIONS)
     return parallel_text_bundle(
         read_parallel(root, "train", src_lang, tgt_lang), read_parallel(root, eval_split, src_lang, tgt_lang),
-        vocab_size=vocab_size, max_len=max_len, lowercase=lowercase,
+        vocab_size=vocab_size, max_len=max_len, lowercase=lowercase, eval_split=eval_split,
     )
 
 
@@ -118,3 +137,60 @@ def bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
     if len(hypotheses) != len(references):
         raise ValueError(f"got {len(hypotheses)} hypotheses but {len(references)} references")
     return float(sacrebleu.corpus_bleu(list(hypotheses), [list(references)]).score)
+
+
+def _spaced(text: str, i: int) -> str:
+    """Character ``i`` of ``text`` with the spaces the tokenisation of :func:`moses_like_tokenize` puts around it."""
+    ch = text[i]
+    if ch.isalnum() or ch.isspace() or ch == "-":
+        return ch
+    before, after = text[i - 1] if i else " ", text[i + 1] if i + 1 < len(text) else " "
+    if ch == "'":
+        return (" " if not before.isspace() else "") + ch + ("" if after.isalpha() else " ")
+    if (ch == "." and before.isalnum() and after.isalnum()) or (ch == "," and before.isdigit() and after.isdigit()):
+        return ch
+    return f" {ch} "
+
+
+def moses_like_tokenize(text: str) -> str:
+    """A simple approximation of the Moses tokeniser (``tokenizer.perl -l en``, as ``prepare-iwslt14.sh`` runs it).
+
+    1. HTML entities are unescaped (Moses writes ``'`` as ``&apos;``, ``"`` as ``&quot;``, ...);
+    2. an apostrophe starts a new token and stays attached to the letters after it (``it's`` ->
+       ``it 's``, ``don't`` -> ``don 't``; ``dogs'`` -> ``dogs '``; an opening quote ``'hello`` stays
+       whole, where Moses splits it);
+    3. a period between two letters or digits (``3.5``, ``u.s``, ``ted.com``) and a comma between
+       two digits (``1,000``) stay inside their word;
+    4. hyphens stay where they are (``well-known``: Moses without ``-a``);
+    5. every other character that is neither a letter, a digit nor white space becomes a token of
+       its own (``hello, world!`` -> ``hello , world !``);
+
+    then runs of white space become one space. Already-tokenised IWSLT'14 text comes out with the
+    same tokens (apart from rule 3 on abbreviations: Moses keeps ``u.s.`` whole, here ``u.s .``).
+    No lower-casing here (:func:`tokenized_bleu` does it).
+    """
+    text = html.unescape(text)
+    return " ".join("".join(_spaced(text, i) for i in range(len(text))).split())
+
+
+def tokenized_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
+    """Tokenised BLEU (0–100): corpus BLEU of lower-cased, :func:`moses_like_tokenize`-d text, one reference each.
+
+    Exactly: ``sacrebleu.corpus_bleu(H, [R], tokenize="none", lowercase=True, force=True)`` with
+    ``H``/``R`` the hypotheses/references passed through :func:`moses_like_tokenize` — BLEU-4,
+    uniform weights, brevity penalty, no smoothing, n-grams of whitespace-separated tokens. This
+    approximates the BLEU ``fairseq-generate --scoring bleu`` prints on IWSLT'14 as prepared by
+    ``prepare-iwslt14.sh`` (which is BLEU-4 on the whitespace tokens of Moses-tokenised,
+    lower-cased text with BPE removed): on such references and hypotheses made of the same kind of
+    tokens the two agree up to tokenisation details (abbreviations, HTML escapes; fairseq scores
+    token ids, so ``<unk>`` matches differ). Unlike :func:`bleu` (sacreBLEU's own tokenisation,
+    case-sensitive), its numbers are not comparable across tokenisations — report it beside
+    sacreBLEU, as a bridge to fairseq-era papers.
+    """
+    import sacrebleu
+
+    if len(hypotheses) != len(references):
+        raise ValueError(f"got {len(hypotheses)} hypotheses but {len(references)} references")
+    hyps = [moses_like_tokenize(h) for h in hypotheses]
+    refs = [moses_like_tokenize(r) for r in references]
+    return float(sacrebleu.corpus_bleu(hyps, [refs], tokenize="none", lowercase=True, force=True).score)

@@ -12,13 +12,15 @@ which is uniform on the triangle :math:`(a, b, c)` — hence uniform on the surf
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
 from .base import item_seed
 
-__all__ = ["sample_surface", "normalize_points", "PointCloudDataset"]
+__all__ = ["sample_surface", "normalize_points", "PointCloudDataset", "AUGMENTATIONS"]
 
 
 def sample_surface(vertices: Tensor, faces: Tensor, n: int, generator: torch.Generator | None = None) -> Tensor:
@@ -47,16 +49,28 @@ def normalize_points(points: Tensor) -> Tensor:
     return centred / radius.unsqueeze(-1)
 
 
-class PointCloudDataset(Dataset):
-    """``(points (n, 3), label)`` items, with PCT's training augmentation when ``augment``.
+#: Training augmentations of point clouds: PCT's, and the Set Transformer authors' (used by the
+#: Sinkformers authors' ModelNet code).
+AUGMENTATIONS = ("pct", "rotate_scale")
 
-    The augmentation (anisotropic scale in [2/3, 3/2] per axis and a translation in
-    [-0.2, 0.2]) is drawn from a generator seeded by ``(seed, epoch, index)``: the trainer calls
-    :meth:`set_epoch`, and a resumed run sees exactly the same data.
+
+class PointCloudDataset(Dataset):
+    """``(points (n, 3), label)`` items, with a training augmentation when ``augment``.
+
+    ``augmentation="pct"`` (PCT): anisotropic scale in [2/3, 3/2] per axis and a translation in
+    [-0.2, 0.2]. ``"rotate_scale"`` (Lee et al.'s ``ModelFetcher``, the Sinkformers authors'
+    ModelNet loader): a rotation about the z axis by an angle in [-0.15π, 0.15π], then an
+    anisotropic scale in [0.8, 1.25] per axis. Draws come from a generator seeded by
+    ``(seed, epoch, index)``: the trainer calls :meth:`set_epoch`, and a resumed run sees exactly
+    the same data.
     """
 
-    def __init__(self, points: Tensor, labels: Tensor, *, augment: bool = False, seed: int = 0) -> None:
+    def __init__(self, points: Tensor, labels: Tensor, *, augment: bool = False, augmentation: str = "pct",
+                 seed: int = 0) -> None:
+        if augmentation not in AUGMENTATIONS:
+            raise ValueError(f"augmentation must be one of {list(AUGMENTATIONS)}, got {augmentation!r}")
         self.points, self.labels, self.augment, self.seed, self.epoch = points, labels, augment, seed, 0
+        self.augmentation = augmentation
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -68,7 +82,19 @@ class PointCloudDataset(Dataset):
         x = self.points[index]
         if self.augment:
             gen = torch.Generator().manual_seed(item_seed(self.seed, self.epoch, index))
-            scale = torch.empty(3).uniform_(2 / 3, 3 / 2, generator=gen)
-            shift = torch.empty(3).uniform_(-0.2, 0.2, generator=gen)
-            x = x * scale + shift
+            x = (_pct if self.augmentation == "pct" else _rotate_scale)(x, gen)
         return x, int(self.labels[index])
+
+
+def _pct(x: Tensor, gen: torch.Generator) -> Tensor:
+    scale = torch.empty(3).uniform_(2 / 3, 3 / 2, generator=gen)
+    shift = torch.empty(3).uniform_(-0.2, 0.2, generator=gen)
+    return x * scale + shift
+
+
+def _rotate_scale(x: Tensor, gen: torch.Generator) -> Tensor:
+    theta = float(torch.empty(()).uniform_(-0.15, 0.15, generator=gen)) * math.pi
+    c, s = math.cos(theta), math.sin(theta)
+    rotation = torch.tensor([[c, s, 0.0], [-s, c, 0.0], [0.0, 0.0, 1.0]], dtype=x.dtype)  # x' = c x - s y, y' = s x + c y
+    scale = torch.empty(3).uniform_(0.8, 1.25, generator=gen).to(x.dtype)
+    return (x @ rotation) * scale

@@ -148,6 +148,7 @@ def generate_shapes(n_per_class: int, n_points: int, *, seed: int = 0, split: in
 
 def load_shapes3d(
     *, n_points: int = 256, n_train: int = 100, n_test: int = 25, noise: float = 0.02, augment: bool = True,
+    augmentation: str = "pct",
     seed: int = 0,
 ) -> DataBundle:
     """Generated shapes: ``n_train`` / ``n_test`` clouds per class of ``n_points`` points."""
@@ -156,7 +157,7 @@ def load_shapes3d(
     info = {"kind": "points", "n_classes": len(SHAPES), "in_features": 3, "n_points": n_points,
             "class_names": list(SHAPES)}
     return DataBundle(
-        PointCloudDataset(train_x, train_y, augment=augment, seed=seed),
+        PointCloudDataset(train_x, train_y, augment=augment, augmentation=augmentation, seed=seed),
         PointCloudDataset(test_x, test_y),
         info,
         FixedCollate("points"),

@@ -75,7 +75,8 @@ class Comparison:
     def from_dict(cls, data: dict) -> "Comparison":
         """The comparison that :meth:`to_dict` wrote (e.g. read back from ``results.json``)."""
         fields = {k: v for k, v in data.items() if k != "seeds"}
-        return cls(**{**fields, "differences": tuple(fields["differences"])})
+        numbers = {k: float(fields[k]) for k in ("mean", "low", "high")}  # JSON writes nan as "nan"
+        return cls(**{**fields, **numbers, "differences": tuple(float(d) for d in fields["differences"])})
 
 
 def paired(

@@ -26,6 +26,9 @@ class TrainConfig:
     ``gamma`` after each epoch listed in ``milestones`` (the paper's step decay, e.g. ``[200]``
     for 300 epochs); ``"inverse_sqrt"`` is fairseq's ``lr * sqrt(warmup_steps / step)``.
     ``warmup_steps`` > 0 ramps the lr up linearly over the first steps with either schedule.
+    ``schedule_offset`` (default 0) starts the step count there: step ``k`` of this run gets the
+    lr of step ``schedule_offset + k`` (warm-up and ``inverse_sqrt``; epoch ``milestones`` are
+    not shifted) — to continue a schedule, e.g. fine-tuning after ``t0`` steps of training.
 
     Data: ``batch_size`` is the *global* batch (split over processes), ``eval_batch_size``
     (0 = ``batch_size``), ``max_train_batches`` / ``max_eval_batches`` (0 = all; for quick
@@ -53,6 +56,7 @@ class TrainConfig:
     milestones: tuple = ()
     gamma: float = 0.1
     warmup_steps: int = 0
+    schedule_offset: int = 0
     grad_clip: float = 0.0
     label_smoothing: float = 0.0
     seed: int = 0
@@ -76,7 +80,7 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"train option {name} must be >= 1, got {getattr(self, name)}")
         for name in ("eval_batch_size", "max_train_batches", "max_eval_batches", "num_workers", "warmup_steps",
-                     "bleu_samples", "weight_decay", "grad_clip", "momentum"):
+                     "schedule_offset", "bleu_samples", "weight_decay", "grad_clip", "momentum"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train option {name} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0:

@@ -11,6 +11,13 @@ nothing to get wrong on resume:
   1-based step :math:`t \ge w` = ``warmup_steps``;
 * with ``warmup_steps`` :math:`w > 0` both are multiplied by :math:`\min(1, t / w)` (linear
   warm-up from :math:`\eta_0/w`).
+
+``schedule_offset`` :math:`t_0` (default 0) shifts the step count: the 0-based step ``s`` of a run
+uses :math:`t = t_0 + s + 1`, so a run started with :math:`t_0` = the steps another run took
+continues that run's schedule — e.g. fine-tuning at :math:`\eta_0/10` after :math:`t_0` steps of
+training has :math:`\eta = \eta_0/10\,\sqrt{w/(t_0 + k)}` at its :math:`k`-th step (once
+:math:`t_0 + k \ge w`). Epoch milestones of ``"step"`` are not shifted.
+:func:`steps_per_epoch` counts the steps of an epoch, to compute :math:`t_0`.
 """
 
 from __future__ import annotations
@@ -20,14 +27,16 @@ from collections.abc import Iterable
 
 import torch
 
+from .batches import epoch_batches
 from .config import TrainConfig
 
-__all__ = ["learning_rate", "build_optimizer", "set_learning_rate"]
+__all__ = ["learning_rate", "build_optimizer", "set_learning_rate", "steps_per_epoch"]
 
 
 def learning_rate(config: TrainConfig, epoch: int, step: int) -> float:
-    """Learning rate for 0-based ``epoch`` and 0-based global optimisation ``step``."""
-    t = step + 1
+    """Learning rate for 0-based ``epoch`` and 0-based global optimisation ``step`` (of this run;
+    the schedule sees step ``config.schedule_offset + step``)."""
+    t = config.schedule_offset + step + 1
     warm = min(1.0, t / config.warmup_steps) if config.warmup_steps else 1.0
     if config.schedule == "step":
         return config.lr * config.gamma ** sum(m <= epoch for m in config.milestones) * warm
@@ -46,3 +55,12 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], config: TrainConfig) -
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def steps_per_epoch(n_examples: int, config: TrainConfig, world_size: int = 1) -> int:
+    """Optimisation steps of one epoch of :func:`~sinkformer.training.train` on ``n_examples``
+    training examples: global batches of ``batch_size`` (a batch smaller than ``world_size`` is
+    skipped), at most ``max_train_batches``. The same every epoch."""
+    sizes = [len(b) for b in epoch_batches(n_examples, config.batch_size, seed=0, epoch=0, shuffle=False)]
+    steps = sum(size >= world_size for size in sizes)
+    return min(steps, config.max_train_batches) if config.max_train_batches else steps

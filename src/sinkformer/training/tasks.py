@@ -88,7 +88,14 @@ class Translation(Classification):
         return metrics
 
     def bleu(self, model, data: DataBundle, batches: list[list[int]], ctx: Distributed, config: TrainConfig) -> float:
-        """Corpus BLEU of the translations of the sentences in ``batches`` (all processes together)."""
+        """Corpus BLEU (sacreBLEU) of the translations of the sentences in ``batches`` (all processes together)."""
+        hypotheses, references = self.translations(model, data, batches, ctx, config)
+        return bleu(hypotheses, references) if hypotheses else float("nan")
+
+    def translations(self, model, data: DataBundle, batches: list[list[int]], ctx: Distributed,
+                     config: TrainConfig) -> tuple[list[str], list[str]]:
+        """``(hypotheses, references)`` of the test sentences in ``batches`` (greedy or beam decoding as
+        ``config.decode`` says; at most ``config.bleu_samples`` sentences), in sentence order."""
         translated: list[tuple[int, str]] = []
         for batch in batches:
             if config.bleu_samples:
@@ -102,9 +109,7 @@ class Translation(Classification):
                 ids = greedy_decode(model, inputs["src"], inputs["src_padding_mask"])
             translated += [(i, data.tokenizer.decode(x, skip_special_tokens=True)) for i, x in zip(batch, ids)]
         merged = sorted(pair for part in all_gather_objects(translated, ctx) for pair in part)
-        if not merged:
-            return float("nan")
-        return bleu([hyp for _, hyp in merged], [data.test.references[i] for i, _ in merged])
+        return [hyp for _, hyp in merged], [data.test.references[i] for i, _ in merged]
 
 
 class TokenLevel(Translation):

@@ -47,8 +47,9 @@ def variant(n_iters: int) -> tuple[str, int]:
     return ("softmax", 1) if n_iters == 1 else ("sinkhorn", n_iters)
 
 
-def load_data(ctx: Run, dataset: str, options: dict[str, Any] | None = None) -> DataBundle:
-    """Dataset ``dataset`` with loader ``options``; a real dataset reads ``--data`` (``ctx.data``).
+def load_data(ctx: Run, dataset: str, options: dict[str, Any] | None = None, subpath: str | None = None) -> DataBundle:
+    """Dataset ``dataset`` with loader ``options``; a real dataset reads ``--data`` (``ctx.data``),
+    or ``--data``/``subpath`` when an experiment reads two datasets from one folder.
 
     A real dataset without ``--data`` raises the loader's ``FileNotFoundError``, which says
     what to download and where to put it.
@@ -60,7 +61,8 @@ def load_data(ctx: Run, dataset: str, options: dict[str, Any] | None = None) -> 
             f"add --full (the paper's configuration) or --set dataset=NAME"
         )
     try:
-        return load_dataset(dataset, None if spec.embedded else ctx.data, **(options or {}))
+        path = None if spec.embedded else (ctx.data / subpath if subpath and ctx.data is not None else ctx.data)
+        return load_dataset(dataset, path, **(options or {}))
     except FileNotFoundError as err:
         if ctx.data is not None:
             raise

@@ -169,5 +169,5 @@ links of at least 1e-12 drawn.
 {format_table(result)}
 ```
 
-{finding(ctx, paper=paper, this_run=this_run, reproduced=same)}"""
+{finding(ctx, paper=paper, this_run=this_run)}"""
     )
