@@ -12,8 +12,8 @@ from sinkformer.runs.registry import registry, run_experiment
 from sinkformer.experiments.sparse.sortcut import read_sst_trees
 from sinkformer.models.sinkhorn_transformer import AttentionConfig, SinkhornTransformerLM
 
-NAMES = ["sort", "charlm", "pixels", "sortcut", "nli", "sparse-ablations"]
-TINY = {"dim": 16, "depth": 1, "heads": 2, "epochs": 1, "max_train_batches": 2}
+NAMES = ["sort", "charlm", "wordlm", "pixels", "sortcut", "nli", "sparse-ablations"]
+TINY = {"dim": 16, "depth": 1, "heads": 2, "epochs": 1, "max_train_batches": 2, "seeds": 2}
 CASES = {
     "sort": {"models": ["vanilla", "sinkhorn:4"], "n_train": 64, "n_test": 8, "length": 8, "test_length": 12},
     "charlm": {"models": ["local:8", "mixture:8"], "max_chars": 20000, "seq_len": 32, "max_eval_batches": 2,
@@ -23,8 +23,12 @@ CASES = {
                 "char_max_len": 64},
     "nli": {"models": ["vanilla", "sortcut:2x8"], "n_train": 64, "n_test": 16},
     "sparse-ablations": {"temperatures": [0.5, 0.75], "iterations": [0, 5], "max_chars": 20000, "seq_len": 32,
-                         "max_eval_batches": 2},
+                         "max_eval_batches": 2, "seeds": 1},
+    "wordlm": {"models": ["vanilla", "sinkhorn:8"], "max_chars": 20000, "seq_len": 32, "max_eval_batches": 2,
+               "sample_chars": 10, "vocab_size": 300},
 }
+#: the Sparse Sinkhorn models of each case compared with its vanilla Transformer (with verdicts)
+COMPARED = {"sort": ["Sinkhorn Transformer (4)"], "nli": ["SortCut (2x8)"], "wordlm": ["Sinkhorn Transformer (8)"]}
 
 
 def test_experiments_are_registered_with_quick_and_full_forms():
@@ -41,6 +45,10 @@ def test_tiny_run_writes_report_table_and_figure(name, tmp_path):
     assert "| " in report and list(ctx.out_dir.glob("*.png"))
     results = json.loads((ctx.out_dir / "results.json").read_text())
     assert results and (ctx.out_dir / "metrics.csv").read_text().count("\n") >= 2
+    comparisons = results.get("comparisons", [])
+    assert [c["variant"] for c in comparisons] == COMPARED.get(name, [])
+    for c in comparisons:
+        assert c["baseline"] == "Transformer" and c["seeds"] == 2 and c["verdict"] in report
 
 
 def test_token_level_task_ignores_padding():

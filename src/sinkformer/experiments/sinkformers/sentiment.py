@@ -72,7 +72,7 @@ def _figure(histories: dict[str, list[list[dict]]], seconds: dict[str, float], d
     },
     full={
         "dataset": "imdb", "data_options": {"vocab_size": 16000, "max_len": 512},
-        "model_options": {"dim": 256, "depth": 6, "num_heads": 8, "dim_feedforward": 256, "dropout": 0.1},
+        "model_options": {"dim": 256, "depth": 6, "num_heads": 8, "dim_feedforward": 1024, "dropout": 0.1},
         "train": {"epochs": 15, "batch_size": 32, "lr": 1e-4, "milestones": [12]},
     },
 )

@@ -4,6 +4,8 @@
   training keys; sequence models (language models, sorting) with the per-token task :class:`TokenLevel`;
 * :func:`train_language_model`, :func:`train_classifier` — one model of a comparison, trained
   and scored (bits / perplexity per token, or accuracy);
+* :func:`versus_vanilla` — every Sparse Sinkhorn model's paired comparison (over seeds) with the
+  vanilla Transformer, its verdict oriented by the paper's table (:func:`paper_row`);
 * :func:`bar_figure` — the report's figure (tables: :func:`sinkformer.runs.markdown_table`).
 """
 
@@ -24,9 +26,11 @@ from ...models.sinkhorn_transformer import (
 )
 from ...plotting import pyplot
 from ...runs import fit, training_seconds
+from ...runs.verdicts import Comparison, paired
 from ...training.tasks import TokenLevel
 
-__all__ = ["short_label", "TokenLevel", "train", "train_language_model", "train_classifier", "bar_figure", "LN2"]
+__all__ = ["short_label", "TokenLevel", "train", "train_language_model", "train_classifier", "bar_figure", "LN2",
+           "SINKHORN_KINDS", "paper_row", "versus_vanilla"]
 
 LN2 = math.log(2.0)
 
@@ -91,3 +95,37 @@ def bar_figure(labels: Sequence[str], panels: dict[str, Sequence[float]], title:
     fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+#: Attention kinds of the Sparse Sinkhorn family (compared with the vanilla Transformer, with verdicts);
+#: local and fixed attention are the paper's other baselines.
+SINKHORN_KINDS = ("sinkhorn", "sortcut", "mixture")
+
+
+def paper_row(paper: dict[str, Any], attention: AttentionConfig) -> str | None:
+    """The paper's row for ``attention``: its label (long or short) if the table has it, else the
+    first row of the same kind (``"Sinkhorn Transformer (256)"`` for a quick ``sinkhorn:8``)."""
+    for name in (attention.label, short_label(attention)):
+        if name in paper:
+            return name
+    kinds = {attention.label.split(" (")[0], short_label(attention).split(" (")[0]}
+    return next((row for row in paper if row.split(" (")[0] in kinds), None)
+
+
+def versus_vanilla(per_seed: dict[str, list[float]], attentions: dict[str, AttentionConfig], paper: dict[str, float],
+                   *, metric: str, higher_is_better: bool, baseline: str = "Transformer") -> list[Comparison]:
+    """The paired comparison (same seeds) of every Sparse Sinkhorn model with the vanilla Transformer.
+
+    ``per_seed``/``attentions`` are keyed by the models' labels; ``paper`` maps the paper's rows to the
+    value of the metric the quick run stands for (its direction decides the verdict)."""
+    comparisons = []
+    for label, attention in attentions.items():
+        row = paper_row(paper, attention)
+        if attention.kind not in SINKHORN_KINDS or row is None or baseline not in per_seed:
+            continue
+        better = (paper[row] > paper[baseline]) == higher_is_better
+        comparisons.append(paired(
+            per_seed[baseline], per_seed[label], metric=metric, higher_is_better=higher_is_better, paper_better=better,
+            paper=f"{row}: {paper[row]:g} vs {paper[baseline]:g}", baseline_name=baseline, variant_name=label,
+        ))
+    return comparisons

@@ -18,7 +18,8 @@ import statistics
 from ...data.cifar10 import load_cifar10_pixels, load_digit_pixels
 from ...models.sinkhorn_transformer import AttentionConfig
 from ...runs import Run, markdown_table, register
-from ._common import bar_figure, train_language_model
+from ...runs.verdicts import record
+from ._common import bar_figure, train_language_model, versus_vanilla
 
 __all__ = ["PAPER", "run"]
 
@@ -39,10 +40,10 @@ PAPER = {
     quick_minutes=2.0,
     full_minutes=30000.0,
     defaults={
-        "models": ["vanilla", "local:8", "fixed:8", "sinkhorn:8", "mixture:8"],
+        "models": ["vanilla", "sinkhorn:8", "mixture:8"],
         "fixed_stride": 2, "sort_iters": 5, "temperature": 0.75,
         "dim": 64, "depth": 2, "heads": 4, "dropout": 0.0,
-        "epochs": 4, "batch_size": 32, "lr": 2e-3, "grad_clip": 1.0, "max_eval_batches": 0, "seed": 0,
+        "epochs": 3, "batch_size": 32, "lr": 2e-3, "grad_clip": 1.0, "max_eval_batches": 0, "seed": 0, "seeds": 5,
         "max_train": 0, "max_test": 0,
     },
     full={
@@ -58,7 +59,7 @@ def run(ctx: Run) -> None:
         data = load_digit_pixels(seed=cfg["seed"])
     results: dict[str, list[dict]] = {}
     labels = {}
-    for seed in range(cfg["seed"], cfg["seed"] + ctx.seeds):
+    for seed in range(cfg["seed"], cfg["seed"] + cfg["seeds"]):
         for spec in cfg["models"]:
             attention = AttentionConfig.parse(spec, sort_iters=cfg["sort_iters"], temperature=cfg["temperature"],
                                             stride=cfg["fixed_stride"])
@@ -73,13 +74,16 @@ def run(ctx: Run) -> None:
     ctx.save_figure(bar_figure([r[0] for r in rows], {"bits per dimension ↓": [r[1] for r in rows]},
                                f"Pixel-by-pixel generation ({data.info['source']}, {data.info['max_len']} dimensions)"),
                     "pixels")
+    per_seed = {labels[s]: [r["bits"] for r in results[s]] for s in cfg["models"]}
+    attentions = {labels[s]: AttentionConfig.parse(s) for s in cfg["models"]}
+    comparisons = versus_vanilla(per_seed, attentions, PAPER, metric="bits per dimension", higher_is_better=False)
     levels = data.info["levels"]
     ctx.write_report(f"""# Pixel-by-pixel image generation (Sparse Sinkhorn Attention, Table 5)
 
 Data: {data.info['source']} — {len(data.train)} training and {len(data.test)} test images as sequences of
 {data.info['max_len']} intensities ({levels} levels; a uniform guess costs {math.log2(levels):.2f} bits per
 dimension). Causal models of width {cfg['dim']}, {cfg['depth']} layers, {cfg['heads']} heads; {cfg['epochs']} epoch(s),
-batch {cfg['batch_size']}, lr {cfg['lr']}; {ctx.seeds} seed(s).
+batch {cfg['batch_size']}, lr {cfg['lr']}; {cfg['seeds']} seed(s), means.
 
 ## Measured (bits per dimension on the test images, lower is better)
 
@@ -92,5 +96,9 @@ batch {cfg['batch_size']}, lr {cfg['lr']}; {ctx.seeds} seed(s).
 {markdown_table(["model", "bits per dimension ↓"], [[k, v] for k, v in PAPER.items()])}
 
 Bits per dimension on 17-level 8×8 digits are not comparable in value with CIFAR-10's on 256
-levels; compare the ordering of the models.
+levels; compare the models with each other.
+
+{record(ctx.results, comparisons, paper="CIFAR-10: Sinkhorn Transformer 3.197 vs Transformer 3.198 bits per dimension, "
+        "Sinkhorn Mixture 3.199 — differences of a thousandth (Table 5).",
+        this_run="; ".join(f"{c.variant} − Transformer: {c.interval(3)} bits per dimension" for c in comparisons) + ".")}
 """)

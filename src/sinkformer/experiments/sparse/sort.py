@@ -20,7 +20,8 @@ from ...data.sorting import load_sorting, load_sorting_tsv, sequence_metrics
 from ...models.decoding import greedy_decode
 from ...models.sinkhorn_transformer import AttentionConfig, SinkhornSeq2Seq
 from ...runs import Run, markdown_table, register
-from ._common import bar_figure, train
+from ...runs.verdicts import record
+from ._common import bar_figure, train, versus_vanilla
 
 __all__ = ["PAPER", "decode_metrics", "run"]
 
@@ -55,8 +56,8 @@ def decode_metrics(model: SinkhornSeq2Seq, data, n: int, batch_size: int = 50) -
     quick_minutes=2.5,
     full_minutes=6000.0,
     defaults={
-        "length": 32, "test_length": 64, "n_symbols": 16, "n_train": 3000, "n_test": 100,
-        "models": ["vanilla", "local:8", "fixed:8", "sinkhorn:4", "sinkhorn:8", "sinkhorn:16"],
+        "length": 32, "test_length": 64, "n_symbols": 16, "n_train": 2000, "n_test": 100,
+        "models": ["vanilla", "local:8", "sinkhorn:8"], "seeds": 5,
         "fixed_stride": 2, "sort_iters": 5, "temperature": 0.75,
         "dim": 64, "depth": 2, "heads": 4,
         "epochs": 2, "batch_size": 32, "lr": 2e-3, "grad_clip": 1.0, "seed": 0,
@@ -76,7 +77,7 @@ def run(ctx: Run) -> None:
                             n_test=cfg["n_test"], n_symbols=cfg["n_symbols"], seed=cfg["seed"])
     results: dict[str, list[dict]] = {}
     labels: dict[str, str] = {}
-    for seed in range(cfg["seed"], cfg["seed"] + ctx.seeds):
+    for seed in range(cfg["seed"], cfg["seed"] + cfg["seeds"]):
         for spec in cfg["models"]:
             attention = AttentionConfig.parse(spec, sort_iters=cfg["sort_iters"], temperature=cfg["temperature"],
                                             stride=cfg["fixed_stride"])
@@ -101,14 +102,19 @@ def run(ctx: Run) -> None:
     ctx.save_figure(bar_figure([r[0] for r in table_rows],
                                {"exact match (%) ↑": [r[2] for r in table_rows], "edit distance ↓": [r[1] for r in table_rows]},
                                f"Sorting: trained up to length {cfg['length']}, tested up to {cfg['test_length']}"), "sort")
+    per_seed = {labels[s]: [r["exact_match"] for r in results[s]] for s in cfg["models"]}
+    attentions = {labels[s]: AttentionConfig.parse(s) for s in cfg["models"]}
+    comparisons = versus_vanilla(per_seed, attentions, {k: v[1] for k, v in PAPER.items()},
+                                 metric="exact match (%), tested up to twice the trained length", higher_is_better=True)
     best = max(table_rows, key=lambda r: r[2])
+    this_run = "; ".join(f"{c.variant} − Transformer: {c.interval(1)} points" for c in comparisons) + "."
     source = f"`{ctx.data}`" if ctx.data else (
         f"generated: {cfg['n_train']} training sequences of lengths 1..{cfg['length']}, {cfg['n_test']} test sequences "
         f"of lengths 1..{cfg['test_length']}, {cfg['n_symbols']} symbols")
     ctx.write_report(f"""# Algorithmic sorting (Sparse Sinkhorn Attention, Table 1)
 
 Data: {source}. Encoder-decoder of width {cfg['dim']}, {cfg['depth']}+{cfg['depth']} layers, {cfg['heads']} heads;
-{cfg['epochs']} epoch(s), batch {cfg['batch_size']}, lr {cfg['lr']}; {ctx.seeds} seed(s). Greedy decoding.
+{cfg['epochs']} epoch(s), batch {cfg['batch_size']}, lr {cfg['lr']}; {cfg['seeds']} seed(s), means. Greedy decoding.
 
 ## Measured
 
@@ -123,6 +129,8 @@ Best exact match here: {best[0]} ({best[2]:.1f} %).
 {markdown_table(["model", "edit distance ↓", "exact match (%) ↑"], [[k, *v] for k, v in PAPER.items()])}
 
 The quick run is a much smaller problem (shorter sequences, a tiny model, minutes of CPU
-training), so its absolute numbers are not the paper's; compare the ordering of the models, and
-expect noise of several points of exact match between seeds at this size.
+training), so its absolute numbers are not the paper's; compare the models with each other.
+
+{record(ctx.results, comparisons, paper="Sinkhorn Transformers (16, 32) above the Transformer's 45.69 % exact match, "
+        "Sinkhorn (8) below (43.65 %); local attention far below (Table 1).", this_run=this_run)}
 """)
