@@ -25,14 +25,26 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_experiments(args: argparse.Namespace) -> int:
+    from .runs.cost import GPU_NAME, load_costs
+    from .runs.readme import load_quick_run
     from .runs.registry import registry
 
-    experiments = registry()
+    experiments, costs, quick = registry(), load_costs(), load_quick_run()
     width = max(len(name) for name in experiments)
-    print(f"{'name':<{width}}  {'quick':>7}  {'full':>7}  description")
+    print(f"{'name':<{width}}  {'quick here':>10}  {'--full':>14}  description")
     for exp in experiments.values():
-        full = f"{exp.full_minutes:g} min" if exp.full_minutes is not None else "-"
-        print(f"{exp.name:<{width}}  {exp.quick_minutes:>3g} min  {full:>7}  {exp.description} ({exp.paper})")
+        measured = quick.get(exp.name)
+        here = f"{measured // 60}:{measured % 60:02d} min" if measured is not None else f"~{exp.quick_minutes:g} min"
+        if exp.name in costs:
+            full = f"{costs[exp.name]['gpu_hours']:,.0f} GPU-h"
+        elif exp.cost is None:
+            full = f"{exp.full_minutes or exp.quick_minutes:g} CPU-min"
+        else:
+            full = "not measured"
+        print(f"{exp.name:<{width}}  {here:>10}  {full:>14}  {exp.description} ({exp.paper})")
+    print(f"\nquick: measured in the committed quick run (docs/results/quick-run.json; ~ = expected); --full: GPU-hours "
+          f"on {GPU_NAME}, from training steps timed on this project's CPU and the paper's step counts "
+          f"(docs/results/full-cost.json, `python -m sinkformer.runs.cost`), or CPU minutes for CPU-only experiments.")
     return 0
 
 
@@ -50,6 +62,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             raise ValueError(f"{', '.join(given)} only apply to a single experiment: sinkformer run NAME {' '.join(given)} ...")
         if args.jobs is not None and args.jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+        if args.device != "auto":
+            raise ValueError("--device applies to a single experiment: sinkformer run NAME --full --device cuda")
     else:
         if args.jobs is not None:
             raise ValueError("--jobs only applies to the suite (sinkformer run without NAME)")
@@ -63,7 +77,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             print(f"summary report: {path.resolve()}\n                {path.with_suffix('.html').resolve()}")
             return 0
         ctx = run_experiment(
-            args.name, full=args.full, data=args.data, seeds=args.seeds, overrides=overrides, runs_dir=args.runs_dir
+            args.name, full=args.full, data=args.data, seeds=args.seeds, overrides=overrides, runs_dir=args.runs_dir,
+            device=args.device,
         )
     finally:
         torch.set_num_threads(threads)
@@ -154,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "for --full")
     run.add_argument("--jobs", type=int, default=None,
                      help="without NAME: experiments run at once, one process each (default: min(2, CPU cores))")
+    run.add_argument("--device", default="auto",
+                     help="where the models train: auto (CUDA when present, else the CPU), cpu, cuda, cuda:1, ...")
     run.set_defaults(func=_cmd_run)
 
     train = sub.add_parser(

@@ -257,3 +257,14 @@ def test_finding_is_stored_and_rendered(tmp_path):
     assert ctx.results["finding"]["verdicts"] == {SAME: 1, OPPOSITE: 0, INCONCLUSIVE: 0}
     assert ctx.results["comparisons"][0]["differences"] == [1.0, 1.5, 1.0]
     assert "+1.17 [+0.45, +1.88]" in text and f"**{SAME}**" in text
+
+
+def test_device_option_reaches_every_training_run(tmp_path, capsys):
+    """`sinkformer run NAME --device cpu` trains there (CUDA runs take the same path where present)."""
+    from sinkformer.cli import main
+    from sinkformer.runs.training import _DEVICE
+
+    ctx = run_experiment("sentiment", overrides=TINY["sentiment"], runs_dir=tmp_path, device="cpu")
+    assert "device: cpu" in (ctx.out_dir / "config.yaml").read_text() and _DEVICE.get() == "auto"
+    assert main(["run", "--device", "cuda"]) == 2
+    assert "--device applies to a single experiment" in capsys.readouterr().err

@@ -57,3 +57,18 @@ def test_official_attention_is_the_authors_mab(normalization):
     torch.testing.assert_close(mab(x, y), want, atol=1e-5, rtol=0)
     net = model(official_attention=True)
     assert net(torch.randn(2, 10, 3)).shape == (2, 5)
+
+
+def test_vit_with_the_authors_head_width():
+    """dim 32 with 2 heads of 24: the inner width 48 is decoupled from dim; both variants share parameters."""
+    models = []
+    for normalization in ("softmax", "sinkhorn"):
+        torch.manual_seed(0)
+        models.append(build_model("vit", {"n_classes": 3, "image_size": 8, "channels": 1}, patch_size=4, dim=32,
+                                  depth=2, num_heads=2, head_dim=24, dim_feedforward=16, normalization=normalization,
+                                  n_iters=3))
+    assert models[0].encoder[0].to_qkv.weight.shape == (3 * 48, 32)
+    assert all(torch.equal(a, b) for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values()))
+    images = torch.randn(5, 1, 8, 8)
+    assert models[1](images).shape == (5, 3)
+    assert not torch.allclose(models[0](images), models[1](images))  # the attention normalisation differs

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
+from ..attention import attention
 from ..nn.layers import TransformerEncoder
 from ..nn.multihead import MultiheadAttention
 
@@ -61,6 +62,10 @@ class ViT(torch.nn.Module):
         n_classes, image_size, channels: task shape.
         patch_size: side of the square patches (divides ``image_size``).
         dim, depth, num_heads, dim_feedforward, dropout: encoder shape (paper: depth 6, 8 heads).
+        head_dim: width of each head. ``None``: ``dim / num_heads`` (a standard encoder of
+            :class:`sinkformer.nn.MultiheadAttention` layers). Given, the attention's inner width
+            ``num_heads * head_dim`` is decoupled from ``dim``, as in the authors' cats-vs-dogs model
+            (``vit-pytorch``: dim 128, 8 heads of 64, feed-forward 128).
         normalization, n_iters: attention normalisation (paper's ViT Sinkformer: 3 iterations).
     """
 
@@ -78,25 +83,52 @@ class ViT(torch.nn.Module):
         num_heads: int = 8,
         dim_feedforward: int = 256,
         dropout: float = 0.0,
+        head_dim: int | None = None,
         normalization: str = "sinkhorn",
         n_iters: int = 5,
     ) -> None:
         super().__init__()
-        if dim % num_heads:
+        if head_dim is None and dim % num_heads:
             raise ValueError(f"dim must be divisible by num_heads, got dim={dim}, num_heads={num_heads}")
         self.patches = PatchEmbedding(image_size, patch_size, channels, dim)
         self.cls_token = torch.nn.Parameter(torch.randn(1, 1, dim))
         self.positions = torch.nn.Parameter(torch.randn(1, self.patches.n_patches + 1, dim))
-        self.encoder = TransformerEncoder(
-            dim, num_heads, depth, dim_feedforward=dim_feedforward, dropout=dropout, activation=F.gelu,
-            norm_first=True, final_norm=True, normalization=normalization, n_iters=n_iters,
-        )
+        if head_dim is None:
+            self.encoder = TransformerEncoder(
+                dim, num_heads, depth, dim_feedforward=dim_feedforward, dropout=dropout, activation=F.gelu,
+                norm_first=True, final_norm=True, normalization=normalization, n_iters=n_iters,
+            )
+        else:
+            blocks = [_Block(dim, num_heads, head_dim, dim_feedforward, dropout, normalization, n_iters)
+                      for _ in range(depth)]
+            self.encoder = torch.nn.Sequential(*blocks, torch.nn.LayerNorm(dim))
         self.classifier = torch.nn.Linear(dim, n_classes)
 
     def forward(self, images: Tensor) -> Tensor:
         x = self.patches(images)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.positions
         return self.classifier(self.encoder(x)[:, 0])
+
+
+class _Block(torch.nn.Module):
+    """Pre-norm block with a decoupled head width: ``x + Attn(LN x)``, then ``+ FF(LN x)`` (GELU)."""
+
+    def __init__(self, dim, heads, head_dim, dim_feedforward, dropout, normalization, n_iters) -> None:
+        super().__init__()
+        inner = heads * head_dim
+        self.heads, self.normalization, self.n_iters, self.dropout = heads, normalization, n_iters, dropout
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.to_qkv = torch.nn.Linear(dim, 3 * inner, bias=False)
+        self.to_out = torch.nn.Sequential(torch.nn.Linear(inner, dim), torch.nn.Dropout(dropout))
+        self.ff = torch.nn.Sequential(torch.nn.Linear(dim, dim_feedforward), torch.nn.GELU(), torch.nn.Dropout(dropout),
+                                      torch.nn.Linear(dim_feedforward, dim), torch.nn.Dropout(dropout))
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = rearrange(self.to_qkv(self.norm1(x)), "b n (three h e) -> three b h n e", three=3, h=self.heads)
+        out = attention(q, k, v, normalization=self.normalization, n_iters=self.n_iters,
+                        dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.to_out(rearrange(out, "b h n e -> b n (h e)"))
+        return x + self.ff(self.norm2(x))
 
 
 class AttentionOnlyViT(torch.nn.Module):

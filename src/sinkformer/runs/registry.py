@@ -51,6 +51,8 @@ class Experiment:
         defaults: the quick configuration (every key a user may ``--set``).
         full: overrides applied by ``--full``.
         run: the function doing the work.
+        cost: ``config -> [Workload]``, the models a configuration trains, for the GPU-hour
+            estimate of :mod:`sinkformer.runs.cost` (``None``: runs on the CPU, no GPU needed).
     """
 
     name: str
@@ -61,6 +63,7 @@ class Experiment:
     defaults: dict[str, Any]
     full: dict[str, Any]
     run: Callable[["Run"], None]
+    cost: Callable[[dict], list] | None = None
 
 
 _REGISTRY: dict[str, Experiment] = {}
@@ -76,6 +79,7 @@ def register(
     full_minutes: float | None = None,
     defaults: dict[str, Any] | None = None,
     full: dict[str, Any] | None = None,
+    cost: Callable[[dict], list] | None = None,
 ) -> Callable[[Callable[["Run"], None]], Callable[["Run"], None]]:
     """Decorator registering ``run(ctx)`` as experiment ``name``."""
 
@@ -86,7 +90,8 @@ def register(
         unknown = set(full or {}) - set(defaults_)
         if unknown:
             raise ValueError(f"experiment {name!r}: full overrides {sorted(unknown)} are not keys of its defaults")
-        _REGISTRY[name] = Experiment(name, description, paper, quick_minutes, full_minutes, defaults_, dict(full or {}), fn)
+        _REGISTRY[name] = Experiment(name, description, paper, quick_minutes, full_minutes, defaults_, dict(full or {}), fn,
+                                     cost)
         return fn
 
     return decorate
@@ -220,12 +225,16 @@ def run_experiment(
     overrides: dict[str, Any] | None = None,
     runs_dir: str | os.PathLike = "runs",
     command: str | None = None,
+    device: str = "auto",
 ) -> Run:
     """Run experiment ``name`` and write its folder; returns the finished :class:`Run`.
 
     The folder gets ``config.yaml``, ``provenance.json`` (code version, libraries, machine, threads,
     device and ``command`` — by default this process's command line), ``metrics.csv``,
-    ``results.json``, figures and ``report.md``/``report.html``."""
+    ``results.json``, figures and ``report.md``/``report.html``. ``device``: where every model trains
+    (``"auto"``: CUDA when present, else the CPU)."""
+    from .training import on_device
+
     exp = get(name)
     config = dict(exp.defaults)
     if full:
@@ -241,11 +250,13 @@ def run_experiment(
             raise FileNotFoundError(f"--data {data}: no such file or folder")
     out_dir = new_run_dir(Path(runs_dir) / name)
     ctx = Run(name, config, out_dir, quick=not full, data=data, seeds=int(config.get("seeds", 1)))
-    meta = {"experiment": name, "mode": "full" if full else "quick", "data": str(data) if data else "embedded"}
+    meta = {"experiment": name, "mode": "full" if full else "quick", "data": str(data) if data else "embedded",
+            "device": device}
     atomic_write(out_dir / "config.yaml", yaml.safe_dump({**meta, **_jsonable(config)}, sort_keys=False))
     atomic_write(out_dir / "provenance.json", json.dumps(provenance(command), indent=2))
     start = time.perf_counter()
-    exp.run(ctx)
+    with on_device(device):
+        exp.run(ctx)
     ctx.results.setdefault("wall_seconds", round(time.perf_counter() - start, 2))
     atomic_write(out_dir / "results.json", json.dumps(_jsonable(ctx.results), indent=2))
     if not (out_dir / "metrics.csv").exists():

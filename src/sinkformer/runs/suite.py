@@ -4,6 +4,7 @@
 in its quick configuration on embedded data (one after the other, with its progress shown), and
 ``runs/summary/<timestamp>/`` receives
 
+* ``summary.json`` — the same as data (entries, comparisons, provenance; see :mod:`.readme`);
 * ``report.md`` — an overview table (status, run time, whether the run goes in the direction of
   the paper's finding, a link to the experiment's own folder), the "paper found / this run found"
   findings side by side, the errors of failed experiments, then every experiment's report
@@ -118,7 +119,9 @@ def run_suite(
             echo(f"    elapsed {_minutes(time.perf_counter() - clock)} of the suite")
     else:
         entries = _run_parallel(names, task, jobs, clock, echo)
-    markdown = summary_markdown(entries, summary_dir, started, time.perf_counter() - clock, jobs=jobs)
+    seconds = time.perf_counter() - clock
+    markdown = summary_markdown(entries, summary_dir, started, seconds, jobs=jobs)
+    atomic_write(summary_dir / "summary.json", json.dumps(_summary_json(entries, started, seconds, jobs), indent=1))
     atomic_write(summary_dir / "report.html", render_html(markdown, summary_dir, "sinkformer: summary of the experiments"))
     path = atomic_write(summary_dir / "report.md", markdown)
     failed = [e.name for e in entries if not e.ok]
@@ -255,6 +258,18 @@ def summary_markdown(entries: list[SuiteEntry], summary_dir: Path, started: _dt.
         if e.ok and (e.out_dir / "report.md").exists():
             parts.append(_embedded_report(e.out_dir, summary_dir))
     return "\n\n".join(parts) + "\n"
+
+
+def _summary_json(entries: list[SuiteEntry], started: _dt.datetime, seconds: float, jobs: int) -> dict:
+    """Everything the summary shows, as data (read by :mod:`sinkformer.runs.readme`)."""
+    return {
+        "started": started.isoformat(timespec="seconds"), "seconds": round(seconds, 1), "jobs": jobs,
+        "provenance": provenance("sinkformer run"),
+        "entries": [{"name": e.name, "paper": e.paper, "ok": e.ok, "seconds": round(e.seconds, 1),
+                     "out_dir": str(e.out_dir) if e.out_dir else None, "error": e.error,
+                     "results": {k: e.results[k] for k in ("comparisons", "finding") if k in e.results}}
+                    for e in entries],
+    }
 
 
 def _verdict_counts(comparisons: list[dict]) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,20 @@ from ..data import DataBundle
 from ..training import Callback, TrainConfig, TrainResult, train
 from .registry import Run
 
-__all__ = ["fit", "training_seconds"]
+__all__ = ["fit", "training_seconds", "on_device"]
+
+#: The device of the experiment being run (``sinkformer run --device``); ``"auto"``: CUDA when present.
+_DEVICE: ContextVar[str] = ContextVar("device", default="auto")
+
+
+@contextmanager
+def on_device(device: str):
+    """Every :func:`fit` in the block trains on ``device`` (unless its options name one)."""
+    token = _DEVICE.set(device)
+    try:
+        yield
+    finally:
+        _DEVICE.reset(token)
 
 
 class _EpochBar(Callback):
@@ -42,11 +57,11 @@ def fit(
     """Train ``module`` on ``data`` with :func:`sinkformer.training.train`, seeded, one progress bar.
 
     ``train_options`` are :class:`~sinkformer.training.TrainConfig` keys (``seed`` and ``progress``
-    are set here); ``task`` the trainer's task (default: from the data). With ``ctx``, every epoch's
+    are set here, ``device`` from :func:`on_device` unless given); ``task`` the trainer's task (default: from the data). With ``ctx``, every epoch's
     row is logged to the run's ``metrics.csv``, prefixed by ``fields`` (``model=``, ``n_iters=``, ...)
     and the seed; ``label`` names the run on its progress bar.
     """
-    config = TrainConfig.from_dict({**train_options, "seed": seed, "progress": False})
+    config = TrainConfig.from_dict({"device": _DEVICE.get(), **train_options, "seed": seed, "progress": False})
     name = f"{ctx.name} | " if ctx is not None else ""
     bar = _EpochBar(f"{name}{label} (seed {seed})", config.epochs)
     torch.manual_seed(seed)

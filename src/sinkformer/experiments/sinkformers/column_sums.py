@@ -13,8 +13,10 @@ trained matrices would have with the entries of each row shuffled (same rows, no
 structure) show how far from 1 row-stochasticity alone leaves the columns.
 
 The quick form trains a small ViT on the embedded digits and a Set Transformer on the embedded
-3-D shapes; ``--full`` trains the one-layer attention-only ViT of §6.4 on MNIST (``--data``:
-the folder of the four IDX files).
+3-D shapes; ``--full`` trains Figure 2's three models: the one-layer attention-only ViT on MNIST
+with the authors' recipe (patch 7, batch 10, lr 2e-3, 30 epochs), the IWSLT'14 Transformer, and
+PCT on ModelNet40 (``--data``: a folder holding ``MNIST/`` (the four IDX files), ``iwslt14/`` and
+``modelnet40_ply_hdf5_2048/``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from safetensors.torch import load_file
 
 from ...plotting import pyplot
 from ...runs import Run, fit, markdown_table, register
+from ...runs.cost import Workload, images, points, translation
 from ...training import AttentionRecorder, TrainConfig
 from ._common import build, finding, load_data, mode_line
 
@@ -58,7 +61,7 @@ def spread(values: torch.Tensor) -> dict[str, float]:
 
 def _train_panel(ctx: Run, index: int, panel: dict, seed: int):
     """Train one Transformer with the diagnostics on; relative column sums after 0..E epochs + baseline."""
-    data = load_data(ctx, panel["dataset"], panel.get("data_options", {}))
+    data = load_data(ctx, panel["dataset"], panel.get("data_options", {}), panel.get("subpath"))
     model = build(panel["model"], data, 1, seed, panel.get("model_options", {}))
     config = TrainConfig.from_dict(panel["train"])
     train_options = {**panel["train"], "record_attention": True, "checkpoint_every": config.epochs}
@@ -112,8 +115,27 @@ def _figure(panels: list[dict], outcomes: list[tuple]):
     return fig
 
 
+_PANEL_SHAPES = {  # model -> (info, inputs, training examples) of the full panels' datasets
+    "vit_attention_only": ({"n_classes": 10, "image_size": 28, "channels": 1}, images(1, 28), 60_000),
+    "seq2seq": ({"vocab_size": 10000, "max_len": 128}, translation(10000, 28, 28), 160_000),
+    "point_cloud_transformer": ({"n_classes": 40, "in_features": 3}, points(1024), 9843),
+}
+
+
+def _full_cost(cfg: dict) -> list:
+    """One Transformer per panel (its full dataset's size and shapes)."""
+    work = []
+    for panel in cfg["panels"]:
+        info, inputs, examples = _PANEL_SHAPES[panel["model"]]
+        batch = panel["train"]["batch_size"]
+        work.append(Workload(panel["title"], panel["model"], info,
+                             {**panel.get("model_options", {}), "normalization": "softmax", "n_iters": 1},
+                             inputs, batch, panel["train"]["epochs"] * examples // batch))
+    return work
+
 @register(
     "column-sums",
+    cost=_full_cost,
     description="column sums of a Transformer's attention matrices at several epochs of training",
     paper="Sinkformers, Figure 2",
     quick_minutes=0.45,
@@ -130,11 +152,24 @@ def _figure(panels: list[dict], outcomes: list[tuple]):
              "train": {"epochs": 8, "batch_size": 64, "lr": 3e-3}},
         ],
     },
-    full={
+    full={  # Figure 2's three panels; --data: a folder holding MNIST/, iwslt14/ and modelnet40_ply_hdf5_2048/
         "panels": [
             {"title": "attention-only ViT on MNIST", "model": "vit_attention_only", "dataset": "mnist",
-             "model_options": {"patch_size": 4, "dim": 128},
-             "train": {"epochs": 45, "batch_size": 100, "lr": 1e-3, "milestones": [35, 41]}},
+             "subpath": "MNIST", "model_options": {"patch_size": 7, "dim": 128},
+             "train": {"epochs": 30, "batch_size": 10, "lr": 2e-3}},  # the authors' Figure 2 recipe
+            {"title": "Transformer on IWSLT'14", "model": "seq2seq", "dataset": "iwslt14", "subpath": "iwslt14",
+             "data_options": {"vocab_size": 10000, "max_len": 128},
+             "model_options": {"dim": 512, "encoder_layers": 6, "decoder_layers": 6, "num_heads": 4,
+                               "dim_feedforward": 1024, "dropout": 0.3},
+             "train": {"epochs": 30, "batch_size": 128, "optimizer": "adam", "betas": [0.9, 0.98], "lr": 5e-4,
+                       "weight_decay": 1e-4, "schedule": "inverse_sqrt", "warmup_steps": 4000,
+                       "label_smoothing": 0.1, "bleu_every": 1000}},
+            {"title": "PCT on ModelNet40", "model": "point_cloud_transformer", "dataset": "modelnet40",
+             "subpath": "modelnet40_ply_hdf5_2048", "data_options": {"n_points": 1024},
+             "model_options": {"dim": 64, "n_samples": [512, 256], "k_neighbors": 32, "n_attention_layers": 4,
+                               "dropout": 0.5},
+             "train": {"epochs": 250, "batch_size": 32, "optimizer": "sgd", "momentum": 0.9, "lr": 1e-4,
+                       "milestones": [200]}},
         ],
     },
 )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from ...plotting import pyplot
 from ...runs import Run, fit, markdown_table, register
+from ...runs.cost import Workload, points
 from ...runs.verdicts import paired
 from ._common import (
     build,
@@ -37,6 +38,7 @@ from ._common import (
     mode_line,
     seed_summary,
     training_line,
+    variant,
 )
 
 __all__ = ["run"]
@@ -92,8 +94,25 @@ def _set_variants(iterations: list[int], pool_ablation: bool) -> dict[str, tuple
 SET_T, PCT_T = "Set Transformer", "Point Cloud Transformer"
 
 
+def _full_cost(cfg: dict) -> list:
+    """Every Set variant and both PCT models, per seed, on ModelNet40 (9,843 training shapes)."""
+    set_batch, pct_batch = cfg["set_train"]["batch_size"], cfg["pct_train"]["batch_size"]
+    info = {"n_classes": 40, "in_features": 3}
+    set_points, pct_points = cfg["set_data"]["n_points"], cfg["pct_data"]["n_points"]
+    work = [Workload(name, "set_transformer", info, {**cfg["set_model"], **extra, "normalization": variant(k)[0],
+                                                     "n_iters": variant(k)[1]},
+                     points(set_points), set_batch, cfg["set_train"]["epochs"] * 9843 // set_batch, cfg["seeds"])
+            for name, (k, extra) in _set_variants(sorted(set(cfg["set_n_iters"]) | {1}), cfg["pool_ablation"]).items()]
+    if cfg["pct"]:
+        work += [Workload(name, "point_cloud_transformer", info, {**cfg["pct_model"], "normalization": variant(k)[0],
+                                                                  "n_iters": variant(k)[1]},
+                          points(pct_points), pct_batch, cfg["pct_train"]["epochs"] * 9843 // pct_batch, cfg["seeds"])
+                 for name, k in ((PCT_T, 1), ("Point Cloud Sinkformer", cfg["pct_n_iters"]))]
+    return work
+
 @register(
     "modelnet",
+    cost=_full_cost,
     description="Set Transformer vs Set Sinkformer (n_iters 1..21, pooling ablation) and Point Cloud Transformer vs "
                 "Sinkformer",
     paper="Sinkformers, Table 1 and Figure 3",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ...plotting import pyplot
 from ...runs import Run, fit, markdown_table, register
+from ...runs.cost import Workload, images
 from ._common import (
     COLORS,
     SINKFORMER,
@@ -27,6 +28,7 @@ from ._common import (
     mode_line,
     seed_summary,
     training_line,
+    variant,
 )
 
 __all__ = ["run"]
@@ -52,8 +54,17 @@ def _figure(image_size: int, patch_sizes, accuracy: dict[str, dict[int, list[flo
     return fig
 
 
+def _full_cost(cfg: dict) -> list:
+    """Two models per patch size and seed on MNIST (60,000 training images)."""
+    steps = cfg["train"]["epochs"] * 60_000 // cfg["train"]["batch_size"]
+    return [Workload(f"{name}, patch {p}", "vit_attention_only", {"n_classes": 10, "image_size": 28, "channels": 1},
+                     {**cfg["model_options"], "patch_size": p, "normalization": variant(n)[0], "n_iters": variant(n)[1]},
+                     images(1, 28), cfg["train"]["batch_size"], steps, cfg["seeds"])
+            for p in cfg["patch_sizes"] for name, n in ((TRANSFORMER, 1), (SINKFORMER, cfg["n_iters"]))]
+
 @register(
     "patch-size",
+    cost=_full_cost,
     description="one-layer one-head attention-only ViT, Transformer vs Sinkformer accuracy vs patch size",
     paper="Sinkformers, Figure 6",
     quick_minutes=0.8,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ...plotting import pyplot
 from ...runs import Run, fit, markdown_table, register
+from ...runs.cost import Workload, tokens
 from ._common import (
     COLORS,
     SINKFORMER,
@@ -27,6 +28,7 @@ from ._common import (
     mode_line,
     seed_summary,
     training_line,
+    variant,
 )
 
 __all__ = ["run"]
@@ -59,8 +61,18 @@ def _figure(histories: dict[str, list[list[dict]]], seconds: dict[str, float], d
     return fig
 
 
+def _full_cost(cfg: dict) -> list:
+    """Two models per seed on IMDb (25,000 training reviews)."""
+    length, vocab = cfg["data_options"].get("max_len", 512), cfg["data_options"].get("vocab_size", 16000)
+    steps = cfg["train"]["epochs"] * 25_000 // cfg["train"]["batch_size"]
+    return [Workload(name, "text_classifier", {"vocab_size": vocab, "n_classes": 2, "max_len": length},
+                     {**cfg["model_options"], "normalization": variant(n)[0], "n_iters": variant(n)[1]},
+                     tokens(vocab, length), cfg["train"]["batch_size"], steps, cfg["seeds"])
+            for name, n in ((TRANSFORMER, 1), (SINKFORMER, cfg["n_iters"]))]
+
 @register(
     "sentiment",
+    cost=_full_cost,
     description="text classifier Transformer vs Sinkformer: learning curves and training time per epoch",
     paper="Sinkformers, Figure 4 and §6.2",
     quick_minutes=0.5,

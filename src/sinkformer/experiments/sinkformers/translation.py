@@ -33,6 +33,7 @@ from ...data.parallel_text import tokenized_bleu
 from ...nn import convert
 from ...plotting import pyplot
 from ...runs import Run, fit, markdown_table, register
+from ...runs.cost import Workload, translation
 from ...training import TrainConfig, evaluate
 from ...training.schedules import steps_per_epoch
 from ...training.tasks import Classification, Translation
@@ -48,6 +49,7 @@ from ._common import (
     mode_line,
     seed_summary,
     training_line,
+    variant,
 )
 
 __all__ = ["run", "finetune_options", "TwoBleus"]
@@ -125,8 +127,21 @@ def _figure(curves: dict, bleu: dict, epochs: int, total: int, n_iters: int, spl
     return fig
 
 
+def _full_cost(cfg: dict) -> list:
+    """Per seed: the Transformer's training, then both models' fine-tuning (IWSLT'14: 160k pairs of ~25 tokens)."""
+    vocab, batch = cfg["data_options"].get("vocab_size", 10000), cfg["train"]["batch_size"]
+    per_epoch = 160_000 // batch
+    info = {"vocab_size": vocab, "max_len": cfg["data_options"].get("max_len", 128)}
+    work = lambda label, n, epochs: Workload(  # noqa: E731
+        label, "seq2seq", info, {**cfg["model_options"], "normalization": variant(n)[0], "n_iters": variant(n)[1]},
+        translation(vocab, 28, 28), batch, epochs * per_epoch, cfg["seeds"])
+    return [work("Transformer, training", 1, cfg["train"]["epochs"]),
+            work("Transformer, fine-tuning", 1, cfg["finetune_epochs"]),
+            work("Sinkformer, fine-tuning", cfg["n_iters"], cfg["finetune_epochs"])]
+
 @register(
     "translation",
+    cost=_full_cost,
     description="seq2seq: trained Transformer reused as a Sinkformer (convert), then both fine-tuned at lr/10; "
                 "sacreBLEU and tokenised BLEU",
     paper="Sinkformers, Table 2",

@@ -129,3 +129,16 @@ def versus_vanilla(per_seed: dict[str, list[float]], attentions: dict[str, Atten
             paper=f"{row}: {paper[row]:g} vs {paper[baseline]:g}", baseline_name=baseline, variant_name=label,
         ))
     return comparisons
+
+
+def workloads(cfg: dict[str, Any], model: str, info: dict[str, Any], inputs, *, specs: Sequence[str],
+              steps: int, batch_size: int | None = None) -> list:
+    """The GPU-cost workloads (:class:`sinkformer.runs.cost.Workload`) of one model per attention spec."""
+    from ...runs.cost import Workload
+
+    shape = {**_shape(cfg), "attention": None}
+    return [Workload(AttentionConfig.parse(spec).label, model, info,
+                     {**shape, "attention": AttentionConfig.parse(spec, sort_iters=cfg["sort_iters"],
+                                                              temperature=cfg["temperature"],
+                                                              stride=cfg.get("fixed_stride", 8))},
+                     inputs, batch_size or cfg["batch_size"], steps, cfg["seeds"]) for spec in specs]

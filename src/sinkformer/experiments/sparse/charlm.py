@@ -24,7 +24,7 @@ from ...data.text_lm import BYTE_OFFSET, load_text_lm
 from ...models.sinkhorn_transformer import AttentionConfig
 from ...runs import Run, markdown_table, register
 from ...runs.verdicts import record
-from ._common import bar_figure, train_language_model, versus_vanilla
+from ._common import bar_figure, train_language_model, versus_vanilla, workloads
 
 __all__ = ["PAPER_CHAR", "PAPER_WORD", "run", "decode_sample"]
 
@@ -72,7 +72,19 @@ def _language_modelling(name: str, level: str, description: str, paper: str, qui
         "sample_chars": 200,
     }
     return register(name, description=description, paper=paper, quick_minutes=quick.pop("quick_minutes"),
-                    full_minutes=full.pop("full_minutes"), defaults={**base, **quick}, full=full)(run)
+                    full_minutes=full.pop("full_minutes"), defaults={**base, **quick}, full=full, cost=_full_cost)(run)
+
+
+def _full_cost(cfg: dict) -> list:
+    """Every model on LM1B: ``max_chars`` characters per epoch (about 4 per subword token at word level)."""
+    from ...data.text_lm import BYTE_VOCAB
+    from ...runs.cost import tokens
+
+    vocab = BYTE_VOCAB if cfg["level"] == "char" else cfg["vocab_size"]
+    chars_per_token = 1 if cfg["level"] == "char" else 4
+    steps = cfg["epochs"] * (cfg["max_chars"] // chars_per_token) // (cfg["batch_size"] * cfg["seq_len"])
+    return workloads(cfg, "sinkhorn_lm", {"vocab_size": vocab, "max_len": cfg["seq_len"]},
+                     tokens(vocab, cfg["seq_len"]), specs=cfg["models"], steps=steps)
 
 
 def run(ctx: Run) -> None:
@@ -106,8 +118,11 @@ def run(ctx: Run) -> None:
     sample = ""
     if sinkhorn_model is not None:
         prompt_ids = data.test[0][:32].tolist()
-        generated = sinkhorn_model.generate(torch.tensor([prompt_ids]), cfg["sample_chars"], temperature=0.8, top_k=20,
-                                            generator=torch.Generator().manual_seed(cfg["seed"]))[0].tolist()
+        device = next(sinkhorn_model.parameters()).device
+        generated = sinkhorn_model.generate(torch.tensor([prompt_ids], device=device), cfg["sample_chars"],
+                                            temperature=0.8, top_k=20,
+                                            generator=torch.Generator(device=device).manual_seed(cfg["seed"]))
+        generated = generated[0].tolist()
         sample = (f"\n## A sample from the Sinkhorn Transformer\n\nPrompt (from the test text), then "
                   f"{cfg['sample_chars']} sampled tokens (temperature 0.8, top-20):\n\n```\n"
                   f"{decode_sample(data, prompt_ids)}⟨|⟩{decode_sample(data, generated[len(prompt_ids):])}\n```\n")
@@ -151,7 +166,7 @@ _language_modelling(
     paper="Sparse Sinkhorn Attention, Table 4",
     quick={"quick_minutes": 1.5},
     full={  # LM1B, 1024 characters, blocks of 128; 25 epochs of 12.2k steps = the paper's 300k steps
-        "full_minutes": 20000.0, "seq_len": 1024, "max_chars": LM1B_CHARS, "max_files": 100,
+        "full_minutes": 20000.0, "seeds": 1, "seq_len": 1024, "max_chars": LM1B_CHARS, "max_files": 100,
         "models": ["vanilla", "local:128", "fixed:128", "sinkhorn:128", "mixture:128"], "fixed_stride": 16,
         "dim": 512, "depth": 6, "heads": 8, "dropout": 0.1, "epochs": 25, "batch_size": 32, "lr": 5e-4,
         "max_eval_batches": 0,
@@ -162,10 +177,10 @@ _language_modelling(
     description="word-level (32k subword) language modelling in perplexity: vanilla, local, Sparse Transformer, Sinkhorn",
     paper="Sparse Sinkhorn Attention, Tables 2-3",
     quick={"quick_minutes": 1.0, "models": ["vanilla", "sinkhorn:16"], "max_chars": 200_000, "vocab_size": 1000},
-    full={  # LM1B, 32k word pieces, lmx_base; blocks of 32 (tuned in {16, 32, 64}); 300k steps
-        "full_minutes": 20000.0, "seq_len": 256, "max_chars": LM1B_CHARS, "max_files": 100, "vocab_size": 32000,
+    full={  # LM1B, 32k word pieces, lmx_base; blocks of 32 (tuned in {16, 32, 64}); 98 epochs of ~3k steps = 300k
+        "full_minutes": 20000.0, "seeds": 1, "seq_len": 256, "max_chars": LM1B_CHARS, "max_files": 100, "vocab_size": 32000,
         "models": ["vanilla", "local:32", "fixed:64", "sinkhorn:32", "mixture:32"], "fixed_stride": 8,
-        "dim": 512, "depth": 6, "heads": 8, "dropout": 0.1, "epochs": 12, "batch_size": 128, "lr": 5e-4,
+        "dim": 512, "depth": 6, "heads": 8, "dropout": 0.1, "epochs": 98, "batch_size": 128, "lr": 5e-4,
         "max_eval_batches": 0,
     },
 )

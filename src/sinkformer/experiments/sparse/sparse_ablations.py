@@ -54,8 +54,23 @@ def variants(cfg: dict) -> list[tuple[str, str, dict]]:
     return out
 
 
+def _full_cost(cfg: dict) -> list:
+    """Every distinct variant, word level on LM1B (about 100M subword tokens per epoch)."""
+    from ...runs.cost import Workload, tokens
+
+    unique = {tuple(sorted(options.items())): (label, options) for _, label, options in variants(cfg)}
+    steps = cfg["epochs"] * (cfg["max_chars"] // 4) // (cfg["batch_size"] * cfg["seq_len"])
+    info = {"vocab_size": cfg["vocab_size"], "max_len": cfg["seq_len"]}
+    shape = {"dim": cfg["dim"], "depth": cfg["depth"], "heads": cfg["heads"], "dropout": cfg["dropout"]}
+    return [Workload(label, "sinkhorn_lm", info,
+                     {**shape, "attention": AttentionConfig.parse(f"sinkhorn:{cfg['block_size']}", **options)},
+                     tokens(cfg["vocab_size"], cfg["seq_len"]), cfg["batch_size"], steps, cfg["seeds"])
+            for label, options in unique.values()]
+
+
 @register(
     "sparse-ablations",
+    cost=_full_cost,
     description="SortNet variants, K = V, no Sinkhorn, Gumbel temperature and sorting iterations",
     paper="Sparse Sinkhorn Attention, Table 8 and Figures 3-4",
     quick_minutes=1.5,
