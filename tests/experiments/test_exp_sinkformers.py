@@ -268,3 +268,18 @@ def test_device_option_reaches_every_training_run(tmp_path, capsys):
     assert "device: cpu" in (ctx.out_dir / "config.yaml").read_text() and _DEVICE.get() == "auto"
     assert main(["run", "--device", "cuda"]) == 2
     assert "--device applies to a single experiment" in capsys.readouterr().err
+
+
+def test_recipes_follow_the_papers_and_the_authors_code():
+    full = lambda name: {**get(name).defaults, **get(name).full}  # noqa: E731
+    assert full("patch-size")["n_iters"] == 5  # the authors' script
+    assert get("modelnet").defaults["pct_n_iters"] % 2 == 0  # ends on columns, like PCT's own normalisation
+    assert full("sentiment")["model_options"]["dim_feedforward"] == 1024  # IMDb (Appendix C.2)
+    vit = full("vit")
+    assert vit["data_options"]["augment"] and vit["model_options"]["head_dim"] == 64
+    assert vit["model_options"]["dim_feedforward"] == 128
+    panels = full("column-sums")["panels"]
+    assert [p["model"] for p in panels] == ["vit_attention_only", "seq2seq", "point_cloud_transformer"]
+    assert panels[0]["model_options"]["patch_size"] == 7 and panels[0]["train"]["batch_size"] == 10
+    assert full("translation")["data_options"]["eval_split"] == "test"
+    assert full("modelnet")["set_subpath"] == "ModelNet40_cloud.h5" and full("modelnet")["set_model"]["layer_norm"]

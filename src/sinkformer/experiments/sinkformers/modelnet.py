@@ -116,7 +116,7 @@ def _full_cost(cfg: dict) -> list:
     description="Set Transformer vs Set Sinkformer (n_iters 1..21, pooling ablation) and Point Cloud Transformer vs "
                 "Sinkformer",
     paper="Sinkformers, Table 1 and Figure 3",
-    quick_minutes=2.5,
+    quick_minutes=2.8,
     full_minutes=30000.0,
     defaults={
         "dataset": "shapes3d", "seeds": 5, "set_n_iters": [1, 3, 21], "pool_ablation": True, "pct_n_iters": 4,

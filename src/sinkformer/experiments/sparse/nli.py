@@ -52,7 +52,7 @@ def _full_cost(cfg: dict) -> list:
     cost=_full_cost,
     description="natural language inference with premise and hypothesis in one sequence: vanilla, Sinkhorn, SortCut",
     paper="Sparse Sinkhorn Attention, Table 7",
-    quick_minutes=2.5,
+    quick_minutes=2.8,
     full_minutes=30000.0,
     defaults={
         "models": ["vanilla", "sinkhorn:8", "sortcut:2x8"],

@@ -45,7 +45,7 @@ def _full_cost(cfg: dict) -> list:
     cost=_full_cost,
     description="pixel-by-pixel image generation in bits per dimension (digits 8x8 embedded, CIFAR-10 binary real)",
     paper="Sparse Sinkhorn Attention, Table 5",
-    quick_minutes=2.0,
+    quick_minutes=2.1,
     full_minutes=30000.0,
     defaults={
         "models": ["vanilla", "sinkhorn:8", "mixture:8"],

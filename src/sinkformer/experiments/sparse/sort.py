@@ -64,7 +64,7 @@ def _full_cost(cfg: dict) -> list:
     cost=_full_cost,
     description="seq2seq sorting trained up to length l, tested up to 2l: vanilla, local, Sparse Transformer, Sinkhorn",
     paper="Sparse Sinkhorn Attention, Table 1",
-    quick_minutes=2.5,
+    quick_minutes=2.3,
     full_minutes=6000.0,
     defaults={
         "length": 32, "test_length": 64, "n_symbols": 16, "n_train": 2000, "n_test": 100,

@@ -134,7 +134,7 @@ def _full_cost(cfg: dict) -> list:
     cost=_full_cost,
     description="document classification with Sinkhorn and SortCut encoders, word and character level",
     paper="Sparse Sinkhorn Attention, Table 6",
-    quick_minutes=2.5,
+    quick_minutes=3.4,
     full_minutes=3000.0,
     defaults={
         "levels": ["word", "char"],
