@@ -36,7 +36,8 @@ def _cmd_experiments(args: argparse.Namespace) -> int:
         measured = quick.get(exp.name)
         here = f"{measured // 60}:{measured % 60:02d} min" if measured is not None else f"~{exp.quick_minutes:g} min"
         if exp.name in costs:
-            full = f"{costs[exp.name]['gpu_hours']:,.0f} GPU-h"
+            hours = costs[exp.name]["gpu_hours"]
+            full = f"{hours:,.1f} GPU-h" if hours < 10 else f"{hours:,.0f} GPU-h"
         elif exp.cost is None:
             full = f"{exp.full_minutes or exp.quick_minutes:g} CPU-min"
         else:
