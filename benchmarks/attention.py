@@ -242,13 +242,9 @@ def summary(rows: list[dict]) -> dict:
 
 
 def cpu_model() -> str:
-    """The CPU's model name (speeds, and SDPA's most of all, differ between CPU generations)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or "unknown CPU"
-    match = re.search(r"model name\s*:\s*(.+)", text)
-    return match.group(1).strip() if match else "unknown CPU"
+    from sinkformer.runs.provenance import cpu_model
+
+    return cpu_model()
 
 
 def markdown(rows: list[dict], targets: dict, stamp: str) -> str:
