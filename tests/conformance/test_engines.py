@@ -227,6 +227,40 @@ def test_half_precision(engine, case_name, n_iters, dtype):
     check_cell(engine, make_case(case_name, n=16, d=8), dtype, n_iters=n_iters)
 
 
+@pytest.mark.parametrize("backward_inside", [False, True], ids=["backward-after", "backward-inside"])
+@pytest.mark.parametrize("n_iters", [1, 5])
+@pytest.mark.parametrize("case_name", ["plain", "key_padding"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_autocast(engine, case_name, n_iters, dtype, backward_inside):
+    """Under ``torch.autocast`` float32 inputs behave as with SDPA: q, k, v are cast to the autocast
+    dtype, the output is in it, and forward and gradients equal the explicit half-precision call. A
+    backward run inside the autocast region (which PyTorch advises against) recasts the backward's own
+    products on the dense and SDPA paths: there the gradients agree to half precision."""
+    case = make_case(case_name, n=16, d=8).to(torch.float32)
+    missing = expect(engine, features_of(case, n_iters, None))
+    if missing:
+        with torch.autocast("cpu", dtype=dtype):
+            assert_raises_naming(engine, missing, lambda: run(engine, case, n_iters=n_iters))
+        return
+    explicit, mixed = leaves(case.to(dtype)), leaves(case)
+    want = run(engine, explicit, n_iters=n_iters)
+    grad_out = torch.randn(want.shape, generator=_gen(7), dtype=dtype)
+    want_grads = torch.autograd.grad(want, inputs_with_grad(explicit), grad_out)
+    with torch.autocast("cpu", dtype=dtype):
+        out = run(engine, mixed, n_iters=n_iters)
+        if backward_inside:
+            grads = torch.autograd.grad(out, inputs_with_grad(mixed), grad_out)
+    if not backward_inside:
+        grads = torch.autograd.grad(out, inputs_with_grad(mixed), grad_out)
+    assert out.dtype == dtype and torch.equal(out, want)
+    for name, got, expected in zip("qkv", grads, want_grads):
+        assert got.dtype == torch.float32  # the leaves' dtype, as autocast gives
+        if backward_inside:
+            assert_close(got, expected, TOLERANCE[dtype][1], f"{engine} d{name}")
+        else:
+            assert torch.equal(got, expected.float())
+
+
 @pytest.mark.parametrize("case_name", ["plain", "float_mask", "query_and_key_padding", "cross"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_tolerance_mode(engine, case_name, dtype):

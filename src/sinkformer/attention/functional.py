@@ -121,12 +121,33 @@ def attention(
         >>> bool((W.sum(-2) - 1).abs().max() < 1e-5)
         True
     """
-    return _prepare(
-        q, k, v, normalization=normalization, n_iters=n_iters, tol=tol, max_iters=max_iters, cost=cost, scale=scale,
+    options = dict(
+        normalization=normalization, n_iters=n_iters, tol=tol, max_iters=max_iters, cost=cost, scale=scale,
         attn_mask=attn_mask, key_padding_mask=key_padding_mask, query_padding_mask=query_padding_mask,
         is_causal=is_causal, key_weights=key_weights, query_weights=query_weights, dropout_p=dropout_p,
         return_weights=return_weights, backward=backward, backend=backend, chunk_size=chunk_size,
-    ).run()
+    )
+    amp = autocast_dtype(q.device.type)
+    if amp is None:
+        return _prepare(q, k, v, **options).run()
+    # Under autocast, attention behaves like SDPA: q, k, v in the autocast dtype, output in it too. The
+    # engines already compute in float32 internally, so autocast is switched off inside (it would turn
+    # their float32 products into half-precision ones).
+    q, k, v = (t.to(amp) if t.is_floating_point() else t for t in (q, k, v))
+    with torch.autocast(q.device.type, enabled=False):
+        return _prepare(q, k, v, **options).run()
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast casts matrix products to on ``device_type``, or ``None`` when it is off."""
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        return torch.get_autocast_dtype(device_type)
+    except TypeError:  # torch < 2.4: per-device functions
+        if device_type == "cpu":
+            return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Choice:

@@ -54,6 +54,7 @@ __all__ = [
     "MIN_BLOCK_ROWS",
     "STREAM_ABOVE",
     "CONVERGED_TOL",
+    "compute_in_float32_under_autocast",
 ]
 
 #: Scores per group of (batch·head) slices on the CPU: small enough to stay in cache.
@@ -320,3 +321,16 @@ def row_block(slices: int, n: int, m: int, chunk_size: int | None) -> int:
     if chunk_size is not None:
         return max(1, min(chunk_size, n))
     return max(1, min(n, max(MIN_BLOCK_ROWS, BLOCK_ELEMENTS // max(1, slices * m))))
+
+
+def compute_in_float32_under_autocast(*op_names: str) -> None:
+    """Make autocast leave the engine ops ``op_names`` alone: their float32 inputs stay float32 and
+    autocast is off inside them (the engines compute in float32 on purpose; autocast would turn their
+    products into half-precision ones). float64 inputs are never touched. :func:`sinkformer.attention`
+    casts q, k, v to the autocast dtype first, so its output dtype is SDPA's."""
+    register = getattr(torch.library, "register_autocast", None)
+    if register is None:  # torch < 2.5: attention() switches autocast off around the engines itself
+        return
+    for name in op_names:
+        for device_type in ("cpu", "cuda"):
+            register(name, device_type, torch.float32)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .problem import Masks, Tolerance, column_error, marginals, row_block, warn_if_unconverged
+from .problem import Masks, Tolerance, compute_in_float32_under_autocast, column_error, marginals, row_block, warn_if_unconverged
 
 __all__ = ["streamed_attention", "streamed_potentials", "streamed_softmax"]
 
@@ -381,6 +381,7 @@ def _autograd_backward(ctx, grad_out, *unused):
 
 
 torch.library.register_autograd("sinkformer::streamed_forward", _autograd_backward, setup_context=_setup_context)
+compute_in_float32_under_autocast("sinkformer::streamed_forward", "sinkformer::streamed_backward")
 
 
 def _pots_after(t: int, fs: Tensor, gs: Tensor) -> tuple[Tensor, Tensor]:

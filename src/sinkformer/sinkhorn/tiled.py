@@ -46,6 +46,7 @@ from torch import Tensor
 
 from .problem import (
     Masks,
+    compute_in_float32_under_autocast,
     column_error,
     Tolerance,
     converged_tol,
@@ -516,6 +517,7 @@ def _backward(ctx, grad_out, *unused):
 
 
 torch.library.register_autograd("sinkformer::tiled_forward", _backward, setup_context=_setup_context)
+compute_in_float32_under_autocast("sinkformer::tiled_forward", "sinkformer::tiled_backward")
 
 
 def _dense_grads(grad_out, q, k, v, keep, bias, batch, seed, options: _Options):
