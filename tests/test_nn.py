@@ -126,10 +126,11 @@ def test_convert_with_one_iteration_keeps_outputs(grad):
         assert (encoder(x, src_key_padding_mask=pad)[valid] - before_pad[valid]).abs().max() > 1e-3
 
 
-def test_convert_with_iterations_makes_attention_doubly_stochastic(capsys):
+def test_convert_with_iterations_makes_attention_doubly_stochastic(caplog):
     encoder = trained_encoder(batch_first=False)
-    sinkformer.convert(encoder, n_iters=31)
-    assert "3 attention module(s)" in capsys.readouterr().out
+    with caplog.at_level("INFO", logger="sinkformer"):
+        sinkformer.convert(encoder, n_iters=31, verbose=True)
+    assert "3 attention module(s)" in caplog.text
     captured = []
     for layer in encoder.layers:
         attn = layer.self_attn

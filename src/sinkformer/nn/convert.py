@@ -1,7 +1,15 @@
-"""Turn a (trained) Transformer into a Sinkformer by swapping its attention modules."""
+"""Turn a (trained) Transformer into a Sinkformer by swapping its attention modules.
+
+:func:`convert` reports what it converted through the :mod:`logging` logger
+``"sinkformer.nn.convert"`` (a child of ``"sinkformer"``), never with ``print``: at INFO with
+``verbose=True``, at DEBUG otherwise (the default), so the library is quiet unless the
+application shows those levels, e.g. ``logging.basicConfig(level=logging.INFO)`` (as
+``sinkformer``'s command line does).
+"""
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 
@@ -13,6 +21,8 @@ from .multihead import MultiheadAttention
 
 __all__ = ["convert"]
 
+logger = logging.getLogger(__name__)
+
 
 def convert(
     model: torch.nn.Module,
@@ -22,7 +32,7 @@ def convert(
     cost: str = "dot",
     where: Callable[[str, torch.nn.Module], bool] | None = None,
     causal: bool = False,
-    verbose: bool = True,
+    verbose: bool = False,
     return_count: bool = False,
 ) -> torch.nn.Module | tuple[torch.nn.Module, int]:
     """Replace every ``torch.nn.MultiheadAttention`` in ``model`` by :class:`MultiheadAttention`.
@@ -46,7 +56,10 @@ def convert(
             in the causal self-attention and in the cross-attention alike. Converted anyway, the
             self-attention raises ``ValueError`` when it receives a causal mask with
             ``n_iters >= 2``; the cross-attention cannot know, and leaks under teacher forcing.
-        verbose: print how many modules were converted.
+        verbose: log how many modules were converted at INFO (default ``False``: at DEBUG) on the
+            logger ``"sinkformer.nn.convert"``; nothing is printed — configure :mod:`logging` to
+            see it (``logging.basicConfig(level=logging.INFO)``). The count is also returned with
+            ``return_count=True``.
         return_count: return ``(model, count)`` instead of ``model``.
     """
     if not isinstance(model, torch.nn.Module):
@@ -88,8 +101,9 @@ def convert(
         )
     if count == 0 and not kept:
         warnings.warn("convert() found no torch.nn.MultiheadAttention module to convert", stacklevel=2)
-    elif verbose:
-        print(f"sinkformer.convert: {count} attention module(s) now use {normalization!r} (n_iters={n_iters})")
+    else:
+        logger.log(logging.INFO if verbose else logging.DEBUG,
+                   "sinkformer.convert: %d attention module(s) now use %r (n_iters=%d)", count, normalization, n_iters)
     return (model, count) if return_count else model
 
 

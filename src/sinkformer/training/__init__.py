@@ -2,6 +2,7 @@
 
 * :mod:`~sinkformer.training.config` — :class:`TrainConfig`, the options, checked up front;
 * :mod:`~sinkformer.training.loop` — :func:`train`, :class:`TrainResult`, :class:`Callback`;
+* :mod:`~sinkformer.training.callbacks` — :class:`TensorBoardLogger` (``sinkformer[tensorboard]``);
 * :mod:`~sinkformer.training.schedules` — optimisers, step decay, inverse square root;
 * :mod:`~sinkformer.training.batches` — seeded data order and per-process shards;
 * :mod:`~sinkformer.training.checkpoint` — atomic safetensors checkpoints, RNG state, resume;
@@ -12,6 +13,7 @@
 * :mod:`~sinkformer.training.runner` — config files -> data + model + :func:`train` (the CLI).
 """
 
+from .callbacks import TensorBoardLogger
 from .checkpoint import load_checkpoint, load_weights, save_weights
 from .config import TrainConfig
 from .diagnostics import AttentionRecorder
@@ -23,6 +25,7 @@ __all__ = [
     "evaluate",
     "TrainResult",
     "Callback",
+    "TensorBoardLogger",
     "AttentionRecorder",
     "save_weights",
     "load_weights",

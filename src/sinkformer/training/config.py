@@ -5,13 +5,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+import torch
+
 from .._options import check_options
 
-__all__ = ["TrainConfig", "OPTIMIZERS", "SCHEDULES", "DECODERS"]
+__all__ = ["TrainConfig", "OPTIMIZERS", "SCHEDULES", "DECODERS", "PRECISIONS"]
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULES = ("step", "inverse_sqrt")
 DECODERS = ("greedy", "beam")
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -35,13 +38,38 @@ class TrainConfig:
     runs), ``num_workers`` (DataLoader workers), ``seed`` (weights order, data order,
     augmentation, dropout).
 
+    Gradient accumulation: ``accumulate`` (default 1) micro-batches of ``batch_size`` examples
+    each are run forward and backward before one optimiser step, so an update sees
+    ``accumulate * batch_size`` examples while only ``batch_size`` are in memory at once. The
+    gradient is the one of the mean loss over the whole group (the sum over every example or
+    token of the group divided by their total count, over all processes), so with the same
+    seed ``batch_size=8, accumulate=4`` makes the same updates as ``batch_size=32`` (the data
+    order depends on the seed and epoch only; dropout draws differ, and float sums may differ
+    in their last bits). Everything counted in steps counts *optimiser steps* (groups of
+    micro-batches), not micro-batches: the schedule's step (``warmup_steps``,
+    ``inverse_sqrt``, ``schedule_offset``), ``max_train_batches`` (at most that many optimiser
+    steps per epoch, i.e. ``max_train_batches * accumulate`` micro-batches) and the ``step``
+    passed to :meth:`Callback.on_step_end`. The last group of an epoch may hold fewer
+    micro-batches.
+
+    Precision: ``precision="fp32"`` (default), ``"bf16"`` or ``"fp16"``: the forward passes of
+    training and evaluation run under ``torch.autocast(device_type, dtype)`` (mixed precision:
+    the weights, the optimiser and the loss stay float32). ``"fp16"`` also scales the loss with
+    a ``torch.amp.GradScaler`` (its state is saved in checkpoints and restored on resume);
+    ``"bf16"`` needs no scaler. Both work on CUDA and on the CPU (bf16 is the faster one there;
+    fp16 autocast on the CPU needs a recent torch, e.g. 2.13); a device or torch build whose
+    autocast cannot run the dtype is refused when training starts, with a ``ValueError`` naming
+    the option.
+
     Evaluation: every ``eval_every`` epochs (and after the last); for translation, BLEU at the
     evaluations of epochs divisible by ``bleu_every`` (and after the last) with ``decode`` =
     greedy or beam (``beam_size``) on the first ``bleu_samples`` test sentences (0 = all).
 
     Run: ``checkpoint_every`` epochs (and after the last), ``record_attention`` (column sums of
     every attention matrix on the first ``attention_batches`` training batches of each epoch),
-    ``progress`` (tqdm bar), ``device`` (auto, cpu, cuda, cuda:N).
+    ``progress`` (tqdm bar), ``device`` (``auto``: CUDA if available, else Apple's MPS if
+    available, else the CPU; or ``cpu``, ``cuda``, ``cuda:N``, ``mps``). A device that is not
+    available raises ``ValueError`` when training starts.
     """
 
     epochs: int = 10
@@ -73,10 +101,12 @@ class TrainConfig:
     attention_batches: int = 1
     progress: bool = True
     device: str = "auto"
+    precision: str = "fp32"
+    accumulate: int = 1
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "eval_every", "bleu_every", "beam_size", "checkpoint_every",
-                     "attention_batches"):
+                     "attention_batches", "accumulate"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train option {name} must be >= 1, got {getattr(self, name)}")
         for name in ("eval_batch_size", "max_train_batches", "max_eval_batches", "num_workers", "warmup_steps",
@@ -87,15 +117,16 @@ class TrainConfig:
             raise ValueError(f"train option lr must be > 0, got {self.lr}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"train option label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        for name, choices in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("decode", DECODERS)):
+        for name, choices in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("decode", DECODERS),
+                              ("precision", PRECISIONS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"train option {name} must be one of {list(choices)}, got {getattr(self, name)!r}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"train option betas must be two numbers in [0, 1), got {list(self.betas)}")
         if not all(isinstance(m, int) and m > 0 for m in self.milestones):
             raise ValueError(f"train option milestones must be positive epoch numbers, got {list(self.milestones)}")
-        if not self.device == "auto" and not self.device.startswith(("cpu", "cuda")):
-            raise ValueError(f"train option device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not _valid_device(self.device):
+            raise ValueError(f"train option device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None = None) -> "TrainConfig":
@@ -105,3 +136,13 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+def _valid_device(device: str) -> bool:
+    """``auto``, or a device string torch reads as a CPU, CUDA or MPS device."""
+    if device == "auto":
+        return True
+    try:
+        return torch.device(device).type in ("cpu", "cuda", "mps")
+    except (RuntimeError, TypeError):
+        return False

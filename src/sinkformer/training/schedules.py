@@ -60,7 +60,9 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def steps_per_epoch(n_examples: int, config: TrainConfig, world_size: int = 1) -> int:
     """Optimisation steps of one epoch of :func:`~sinkformer.training.train` on ``n_examples``
     training examples: global batches of ``batch_size`` (a batch smaller than ``world_size`` is
-    skipped), at most ``max_train_batches``. The same every epoch."""
+    skipped), grouped by ``accumulate`` into one step each (the last group may be smaller), at most
+    ``max_train_batches`` steps. The same every epoch."""
     sizes = [len(b) for b in epoch_batches(n_examples, config.batch_size, seed=0, epoch=0, shuffle=False)]
-    steps = sum(size >= world_size for size in sizes)
+    micro_batches = sum(size >= world_size for size in sizes)
+    steps = -(-micro_batches // config.accumulate)
     return min(steps, config.max_train_batches) if config.max_train_batches else steps
