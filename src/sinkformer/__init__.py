@@ -10,9 +10,11 @@ from .attention import attention
 from .sinkhorn import SinkhornConvergenceWarning, SinkhornResult, sinkhorn
 from . import nn
 from .nn.convert import convert
+from .load import LoadedRun, load_run, predict
 
 attention.SparseSinkhornAttention = nn.SparseSinkhornAttention  # old path: the module moved to nn/
 
 __version__ = "0.1.0"
 
-__all__ = ["sinkhorn", "SinkhornResult", "SinkhornConvergenceWarning", "attention", "nn", "convert", "__version__"]
+__all__ = ["sinkhorn", "SinkhornResult", "SinkhornConvergenceWarning", "attention", "nn", "convert",
+           "load_run", "predict", "LoadedRun", "__version__"]

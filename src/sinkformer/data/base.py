@@ -73,7 +73,7 @@ class DataBundle:
 def require_path(path: str | Path | None, dataset: str, instructions: str) -> Path:
     """``path`` as an existing :class:`Path`, or ``FileNotFoundError`` saying what to download."""
     if path is None:
-        raise FileNotFoundError(f"dataset {dataset!r} needs a path (--data-path). {instructions}")
+        raise FileNotFoundError(f"dataset {dataset!r} needs a path (--data PATH, or data.path). {instructions}")
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"dataset {dataset!r}: {path} does not exist. {instructions}")

@@ -7,31 +7,112 @@ metric history). It is written into a hidden temporary folder which is then rena
 is atomic, so a run killed at any moment leaves either the previous checkpoint or the new one,
 never half of one. ``state.pt`` is read back with ``torch.load(..., weights_only=True)``: no
 arbitrary code is unpickled.
+
+A file can still end up empty or cut short (a full disk, a copy that stopped, a file system
+that lost unsynced data): :func:`file_problem` recognises such files from their own structure
+(a safetensors header states the size of the data; ``state.pt`` is a zip archive whose
+directory is at its end), and loading one fails with a message naming the file and saying it
+is incomplete. :func:`latest_checkpoint` skips an incomplete newest checkpoint with a warning
+(falling back to the newest complete one) and refuses when every checkpoint is incomplete.
+:func:`remove_partial_checkpoints` deletes the ``.tmp-epoch_*`` folders of killed writes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
 import shutil
+import struct
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from .._optional import require
+
 __all__ = [
     "save_weights",
     "load_weights",
     "save_checkpoint",
     "latest_checkpoint",
+    "list_checkpoints",
     "load_checkpoint",
     "capture_rng",
     "restore_rng",
+    "file_problem",
+    "checkpoint_problem",
+    "remove_partial_checkpoints",
+    "IncompleteCheckpointWarning",
 ]
 
 _EPOCH_DIR = re.compile(r"^epoch_(\d+)$")
+_TMP_DIR = re.compile(r"^\.tmp-epoch_\d+")
+_INCOMPLETE = "incomplete (the write was interrupted or the file was cut short)"
+
+
+class IncompleteCheckpointWarning(UserWarning):
+    """An incomplete newest checkpoint was skipped in favour of an older complete one."""
+
+
+def _safetensors_problem(path: Path, size: int) -> str | None:
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            return f"{_INCOMPLETE}: {size} bytes, shorter than a safetensors header"
+        (n,) = struct.unpack("<Q", head)
+        if n > 100_000_000:  # safetensors' own limit on the header
+            return "not a safetensors file (invalid header size)"
+        if 8 + n > size:
+            return f"{_INCOMPLETE}: {size} bytes, but its header alone needs {8 + n}"
+        try:
+            header = json.loads(fh.read(n))
+            end = max([int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"], default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "not a safetensors file (unreadable header)"
+    if 8 + n + end > size:
+        return f"{_INCOMPLETE}: {size} of {8 + n + end} bytes"
+    return None
+
+
+def _state_problem(path: Path, size: int) -> str | None:
+    if zipfile.is_zipfile(path):
+        return None
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic == b"PK\x03\x04":  # the start of a zip archive without its end
+        return f"{_INCOMPLETE}: {size} bytes, the end of the archive is missing"
+    return "not a training state file written by torch.save"
+
+
+def _reason(path: Path) -> str | None:
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    if size == 0:
+        return f"{_INCOMPLETE}: it is empty (0 bytes)"
+    return _safetensors_problem(path, size) if path.suffix == ".safetensors" else _state_problem(path, size)
+
+
+def file_problem(path: str | Path) -> str | None:
+    """Why the weights (``*.safetensors``) or training state (``state.pt``) file ``path`` cannot be
+    complete — missing, empty, cut short — or ``None`` when it looks whole: one line naming the file."""
+    reason = _reason(Path(path))
+    return None if reason is None else f"{path} is {reason}"
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why checkpoint folder ``path`` is incomplete (see :func:`file_problem`), or ``None``."""
+    path = Path(path)
+    for name in ("model.safetensors", "state.pt"):
+        problem = file_problem(path / name)
+        if problem is not None:
+            return problem
+    return None
 
 
 def _fsync(path: Path) -> None:
@@ -41,7 +122,7 @@ def _fsync(path: Path) -> None:
 
 def save_weights(model: torch.nn.Module, path: str | Path) -> Path:
     """Write ``model``'s weights to ``path`` (safetensors), atomically."""
-    from safetensors.torch import save_model
+    save_model = require("safetensors.torch", "saving weights").save_model
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -54,8 +135,11 @@ def save_weights(model: torch.nn.Module, path: str | Path) -> Path:
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
     """Load safetensors weights written by :func:`save_weights` into ``model`` (strict)."""
-    from safetensors.torch import load_model
+    load_model = require("safetensors.torch", "loading weights").load_model
 
+    reason = _reason(Path(path))
+    if reason is not None:
+        raise ValueError(f"cannot load weights from {path}: the file is {reason}")
     try:
         load_model(model, str(path), device=str(next(model.parameters()).device))
     except Exception as err:  # safetensors raises several error types for a bad file
@@ -115,23 +199,58 @@ def save_checkpoint(
 
 
 def _checkpoints(folder: Path) -> list[Path]:
-    """Complete checkpoint folders, oldest first."""
+    """Checkpoint folders (renamed into place, so written to the end), oldest first."""
     if not folder.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _EPOCH_DIR.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
 
 
+def list_checkpoints(folder: str | Path) -> list[Path]:
+    """The ``epoch_NNNN`` checkpoint folders in ``folder``, oldest first (complete or not)."""
+    return _checkpoints(Path(folder))
+
+
 def latest_checkpoint(folder: str | Path) -> Path | None:
-    """The newest complete checkpoint in ``folder`` (``None`` if there is none)."""
+    """The newest complete checkpoint in ``folder`` (``None`` if there is none).
+
+    Newer checkpoints whose files are incomplete (:func:`checkpoint_problem`) are skipped with an
+    :class:`IncompleteCheckpointWarning` naming the file; if every checkpoint is incomplete this
+    raises ``ValueError`` rather than letting a resume silently start from scratch.
+    """
     found = _checkpoints(Path(folder))
-    return found[-1] if found else None
+    problems = []
+    for path in reversed(found):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            for skipped in problems:
+                warnings.warn(f"skipping an incomplete checkpoint: {skipped}; resuming from the older {path.name}",
+                              IncompleteCheckpointWarning, stacklevel=2)
+            return path
+        problems.append(problem)
+    if problems:
+        raise ValueError(f"no complete checkpoint in {folder}: {'; '.join(problems)}")
+    return None
+
+
+def remove_partial_checkpoints(folder: str | Path) -> list[Path]:
+    """Delete the ``.tmp-epoch_*`` folders that killed checkpoint writes left in ``folder``; returns them."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    leftovers = sorted(p for p in folder.iterdir() if _TMP_DIR.match(p.name))
+    for path in leftovers:
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    return leftovers
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Load weights (and optimiser state) from checkpoint folder ``path``; returns the saved ``state``."""
     path = Path(path)
     load_weights(model, path / "model.safetensors")
+    reason = _reason(path / "state.pt")
+    if reason is not None:
+        raise ValueError(f"cannot load training state from {path / 'state.pt'}: the file is {reason}")
     try:
         state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     except Exception as err:  # unpickling errors come in many types

@@ -1,6 +1,7 @@
 """From a configuration to a trained model — what ``sinkformer train`` runs.
 
-A configuration has three sections (YAML or TOML files; ``configs/`` holds the paper's)::
+A configuration has three sections (YAML or TOML files; :mod:`sinkformer.configs` ships the paper's,
+found by name: ``--config pct_modelnet40``)::
 
     model: {name: set_transformer, normalization: sinkhorn, n_iters: 21, dim: 256}
     data:  {name: modelnet40_off, path: ~/data/ModelNet40, n_points: 5000}
@@ -11,27 +12,54 @@ A configuration has three sections (YAML or TOML files; ``configs/`` holds the p
 flags and ``--set section.key=value`` override the file. :func:`check_config` validates every
 name, option and type *before* any data is loaded, so a typo fails in a second, naming the
 option.
+
+A run folder (``--out``) holds everything needed to use the trained model again
+(:func:`sinkformer.load_run`)::
+
+    config.yaml                 the resolved configuration (model, data and train sections)
+    data_info.json              the dataset's ``info`` (sizes, class names): the model is rebuilt without the data
+    tokenizer.json              the ``tokenizers.Tokenizer`` of text data (text datasets only)
+    metrics.csv, metrics.jsonl  one row per epoch
+    checkpoints/epoch_NNNN/     model.safetensors + state.pt (optimiser, RNG, progress), the newest kept
+    model.safetensors           the final weights (written when training ends)
+    attention/epoch_NNNN.safetensors   attention column sums (train.record_attention only)
+
+:func:`prepare_run_folder` guards it: a folder that already holds a run is refused unless the
+run is resumed (``resume=True``, ``--resume``) or replaced (``overwrite=True``, ``--overwrite``).
+Replacing deletes only the entries above (and the temporary files of their atomic writes);
+any other file in the folder is kept and listed. A path that cannot be a folder, or a folder
+that cannot be written, fails before any data is loaded.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import json
+import os
+import re
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from ..data import DATASETS, dataset_options, get_dataset, load_dataset
 from ..models import MODELS, build_model, get_model_class, model_options, switched_by
+from .._optional import require
 from .._options import REQUIRED, check_options
+from ..configs import find_config
+from .checkpoint import checkpoint_problem, list_checkpoints, remove_partial_checkpoints
 from .config import TrainConfig
-from .distributed import broadcast_object, setup_distributed
+from .distributed import barrier, broadcast_object, setup_distributed
 from .loop import Callback, TrainResult, train
 
+yaml = require("yaml", "configuration files")
+
 __all__ = ["SECTIONS", "read_config_file", "apply_sets", "resolve_config", "Plan", "check_config", "run_training",
-           "describe_options"]
+           "describe_options", "RunFolderError", "RUN_FILES", "run_entries", "prepare_run_folder",
+           "DATA_INFO_FILE", "TOKENIZER_FILE"]
 
 SECTIONS = ("model", "data", "train")
 
@@ -47,17 +75,19 @@ def _merge(config: dict[str, dict], update: dict[str, Any], source: str) -> None
 
 
 def read_config_file(path: str | Path) -> dict[str, dict[str, Any]]:
-    """Read a YAML (``.yaml``/``.yml``) or TOML (``.toml``) configuration file."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"--config {path}: no such file")
+    """Read a YAML (``.yaml``/``.yml``) or TOML (``.toml``) configuration file: a path, or the name of
+    a configuration shipped with the package (``"pct_modelnet40"``; :mod:`sinkformer.configs`)."""
+    try:
+        path = find_config(path)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"--config {err}") from None
     text = path.read_text()
     try:
         if path.suffix == ".toml":
             try:
                 import tomllib
             except ModuleNotFoundError:  # Python 3.10
-                import tomli as tomllib
+                tomllib = require("tomli", "TOML configurations on Python < 3.11")
             raw = tomllib.loads(text)
         else:
             raw = yaml.safe_load(text) or {}
@@ -118,7 +148,7 @@ def check_config(config: dict[str, dict[str, Any]]) -> Plan:
     if model_name is None:
         raise ValueError(f"no model given: use --model NAME (or model.name); valid models: {', '.join(MODELS)}")
     if data_name is None:
-        raise ValueError(f"no dataset given: use --data NAME (or data.name); valid datasets: {', '.join(DATASETS)}")
+        raise ValueError(f"no dataset given: use --dataset NAME (or data.name); valid datasets: {', '.join(DATASETS)}")
     cls, spec = get_model_class(model_name), get_dataset(data_name)
     if cls.input_kind != spec.kind:
         compatible = [name for name, s in DATASETS.items() if s.kind == cls.input_kind]
@@ -134,7 +164,7 @@ def check_config(config: dict[str, dict[str, Any]]) -> Plan:
     model_opts = check_options(f"model {model_name!r}", model_cfg, model_options(model_name))
     path = data_cfg.pop("path", None)
     if spec.embedded and path is not None:
-        raise ValueError(f"dataset {data_name!r} is embedded and takes no path (data.path / --data-path), got {path}")
+        raise ValueError(f"dataset {data_name!r} is embedded and takes no path (data.path / --data), got {path}")
     data_opts = check_options(f"dataset {data_name!r}", data_cfg, dataset_options(data_name))
     return Plan(model_name, data_name, path, TrainConfig.from_dict(config.get("train", {})), model_opts, data_opts)
 
@@ -147,31 +177,199 @@ def _default_out_dir(plan: Plan) -> Path:
     return Path("runs") / "train" / f"{plan.model}-{norm}-{plan.data}-{stamp}"
 
 
+CONFIG_FILE, DATA_INFO_FILE, TOKENIZER_FILE = "config.yaml", "data_info.json", "tokenizer.json"
+#: What a run writes at the top of its folder: files, then folders (whose own known entries are below).
+RUN_FILES = (CONFIG_FILE, DATA_INFO_FILE, TOKENIZER_FILE, "metrics.csv", "metrics.jsonl", "model.safetensors")
+RUN_FOLDERS = {"checkpoints": re.compile(r"^(epoch_\d+|\.tmp-epoch_\d+.*)$"),
+               "attention": re.compile(r"^\.?epoch_\d+\.safetensors(\.tmp\d+)?$")}
+# the temporary files of atomic writes (``.NAME.tmpPID``) of the files above
+_TMP_FILE = re.compile(r"^\.(%s)\.tmp\d+$" % "|".join(re.escape(name) for name in RUN_FILES))
+
+
+class RunFolderError(ValueError):
+    """A run folder (``--out``) that cannot be used: one line naming the path (``sinkformer train``
+    reports ValueErrors as ``sinkformer train: error: ...``, exit code 2)."""
+
+
+def run_entries(out_dir: str | Path) -> list[str]:
+    """The names of what a run wrote that ``out_dir`` holds (empty: no run there): the files of
+    :data:`RUN_FILES`, and ``checkpoints/`` or ``attention/`` when they hold checkpoints or attention files."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    found = [name for name in RUN_FILES if (out_dir / name).exists() or (out_dir / name).is_symlink()]
+    for name, known in RUN_FOLDERS.items():
+        folder = out_dir / name
+        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+            found.append(name)
+        elif folder.is_dir() and any(known.match(entry.name) for entry in folder.iterdir()):
+            found.append(name)
+    return found
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def _remove_run(out_dir: Path) -> list[str]:
+    """Delete what a run wrote in ``out_dir``; returns the names of the other entries, which are kept."""
+    kept = []
+    for name in RUN_FILES:
+        path = out_dir / name
+        if path.is_file() or path.is_symlink():
+            path.unlink()
+        elif path.exists():  # a folder by that name is not what a run writes
+            kept.append(name)
+    for name, known in RUN_FOLDERS.items():
+        folder = out_dir / name
+        if folder.is_symlink() or folder.is_file():
+            kept.append(name)
+            continue
+        if not folder.is_dir():
+            continue
+        for entry in folder.iterdir():
+            if known.match(entry.name):
+                _remove(entry)
+            else:
+                kept.append(f"{name}/{entry.name}")
+        if not any(folder.iterdir()):
+            folder.rmdir()
+    for entry in out_dir.iterdir():
+        if _TMP_FILE.match(entry.name) and entry.is_file():
+            entry.unlink()
+        elif entry.name not in RUN_FOLDERS and entry.name not in kept:
+            kept.append(entry.name)
+    return sorted(kept)
+
+
+def _why_not_a_folder(out_dir: Path, err: OSError) -> str:
+    for parent in (out_dir, *out_dir.parents):
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                return f"{parent} is a file, not a folder"
+            break
+    return err.strerror or str(err)
+
+
+def prepare_run_folder(
+    out_dir: str | Path, *, resume: bool = False, overwrite: bool = False
+) -> tuple[list[str], list[str]]:
+    """Make ``out_dir`` ready for a run; returns ``(removed, kept)``: the entries of a previous run
+    that ``overwrite`` deleted, and the other entries of the folder, which it kept.
+
+    * the folder is created (with its parents) and must be writable;
+    * if it already holds a run (:func:`run_entries`: ``config.yaml``, metrics, checkpoints, weights,
+      ...) it is refused unless ``resume`` (continue it) or ``overwrite`` (delete that run's files —
+      only those, never other files — and start again);
+    * ``resume`` with checkpoints of which none is complete is refused (the newest *complete* one is
+      resumed from, see :func:`~sinkformer.training.checkpoint.latest_checkpoint`);
+    * the leftovers of killed checkpoint writes (``checkpoints/.tmp-epoch_*``) are removed.
+
+    Raises :class:`RunFolderError` (a ``ValueError``) with a one-line message naming the path.
+    """
+    out_dir = Path(out_dir).expanduser()
+    if resume and overwrite:
+        raise RunFolderError(f"--out {out_dir}: --resume continues the run there and --overwrite deletes it; "
+                             f"give one of them")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunFolderError(f"--out {out_dir}: cannot create the run folder: {_why_not_a_folder(out_dir, err)}") from None
+    try:
+        with tempfile.TemporaryFile(dir=out_dir, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise RunFolderError(f"--out {out_dir}: cannot write in the run folder: {err.strerror or err}") from None
+    found, removed, kept = run_entries(out_dir), [], []
+    if found and not resume:
+        if not overwrite:
+            raise RunFolderError(
+                f"--out {out_dir} already holds a run ({', '.join(found)}): use --resume (resume=True) to continue "
+                f"it, --overwrite (overwrite=True) to delete it and start again, or another --out"
+            )
+        removed, kept = found, _remove_run(out_dir)
+    remove_partial_checkpoints(out_dir / "checkpoints")
+    if resume:
+        checkpoints = list_checkpoints(out_dir / "checkpoints")
+        problems = [checkpoint_problem(path) for path in checkpoints]
+        if checkpoints and all(problems):
+            raise RunFolderError(f"--out {out_dir}: cannot resume, no checkpoint is complete: {'; '.join(problems)}; "
+                                 f"use --overwrite (overwrite=True) to start again")
+    return removed, kept
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return str(value)
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Write ``path`` atomically (a temporary file renamed into place)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _write_run_files(out_dir: Path, plan: Plan, data: Any) -> None:
+    """``config.yaml``, ``data_info.json`` and (text data) ``tokenizer.json``: what :func:`sinkformer.load_run` reads."""
+    resolved = {"model": {"name": plan.model, **plan.model_options},
+                "data": {"name": plan.data, **({"path": plan.data_path} if plan.data_path else {}),
+                         **{k: list(v) if isinstance(v, tuple) else v for k, v in plan.data_options.items()}},
+                "train": plan.train.to_dict()}
+    _write_text(out_dir / CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False))
+    _write_text(out_dir / DATA_INFO_FILE, json.dumps(_json_safe(data.info), indent=1) + "\n")
+    if data.tokenizer is not None:
+        _write_text(out_dir / TOKENIZER_FILE, data.tokenizer.to_str())
+
+
 def run_training(
     config: dict[str, dict[str, Any]],
     *,
     out_dir: str | Path | None = None,
     resume: bool = False,
+    overwrite: bool = False,
     callbacks: list[Callback] = (),
 ) -> TrainResult:
     """Check ``config``, load the data, build the model (seeded) and :func:`~sinkformer.training.train` it.
 
     ``out_dir`` defaults to ``runs/train/<model>-<normalization>-<data>-<timestamp>/``; it gets
-    ``config.yaml`` (the resolved configuration) besides what :func:`train` writes.
+    ``config.yaml`` (the resolved configuration), ``data_info.json`` and, for text data,
+    ``tokenizer.json`` besides what :func:`train` writes (see the module's docstring).
+    A folder that already holds a run is refused unless ``resume`` (continue from its newest
+    complete checkpoint) or ``overwrite`` (delete that run's files first): see
+    :func:`prepare_run_folder`. Raises :class:`RunFolderError` for an unusable folder.
     """
     plan = check_config(config)
     ctx = setup_distributed(plan.train.device)
-    out_dir = Path(broadcast_object(str(out_dir or _default_out_dir(plan)), ctx))
+    out_dir = Path(broadcast_object(str(out_dir or _default_out_dir(plan)), ctx)).expanduser()
+    problem, removed, kept = None, [], []
+    if ctx.is_main:  # one process decides, before any process writes
+        try:
+            removed, kept = prepare_run_folder(out_dir, resume=resume, overwrite=overwrite)
+        except RunFolderError as err:
+            problem = str(err)
+    problem = broadcast_object(problem, ctx)
+    if problem is not None:
+        raise RunFolderError(problem)
+    barrier(ctx)
+    if removed:
+        print(f"overwrite: deleted the previous run in {out_dir} ({', '.join(removed)})"
+              + (f"; kept what is not a run's: {', '.join(kept)}" if kept else ""))
     data = load_dataset(plan.data, plan.data_path, **plan.data_options)
     torch.manual_seed(plan.train.seed)
     model = build_model(plan.model, data.info, **plan.model_options)
     if ctx.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        resolved = {"model": {"name": plan.model, **plan.model_options},
-                    "data": {"name": plan.data, **({"path": plan.data_path} if plan.data_path else {}),
-                             **{k: list(v) if isinstance(v, tuple) else v for k, v in plan.data_options.items()}},
-                    "train": plan.train.to_dict()}
-        (out_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+        _write_run_files(out_dir, plan, data)
         n_params = sum(p.numel() for p in model.parameters())
         print(f"{plan.model} ({n_params:,} parameters) on {plan.data} ({len(data.train)} train / {len(data.test)} "
               f"test), {ctx.world_size} process(es) on {ctx.device}; writing {out_dir}")
@@ -186,9 +384,9 @@ def describe_options() -> str:
     """Every model, dataset and train option with its default (for ``sinkformer train --help``)."""
     lines = ["models (--model NAME; options: --set model.KEY=VALUE; sizes without default come from the data):"]
     lines += [f"  {name} [{cls.input_kind}]: {_format_options(model_options(name))}" for name, cls in MODELS.items()]
-    lines.append("datasets (--data NAME; options: --set data.KEY=VALUE; real ones need --data-path):")
+    lines.append("datasets (--dataset NAME; options: --set data.KEY=VALUE; real ones need --data PATH):")
     for name, spec in DATASETS.items():
-        where = "embedded" if spec.embedded else "needs --data-path"
+        where = "embedded" if spec.embedded else "needs --data PATH"
         lines.append(f"  {name} [{spec.kind}, {where}]: {_format_options(dataset_options(name)) or '-'}")
     lines.append("train options (--set train.KEY=VALUE):")
     lines.append("  " + _format_options({k: (list(v) if isinstance(v, tuple) else v)
