@@ -1,15 +1,27 @@
-"""The ``sinkformer`` command.
+"""The ``sinkformer`` command (also ``python -m sinkformer``).
 
 Each subcommand is a small function ``_cmd_<name>(args)`` registered in :func:`build_parser`;
 the work itself lives in the library modules.
+
+``--data`` means one thing in every subcommand: the folder (or file) of a real dataset. Which
+dataset ``train`` reads is ``--dataset NAME``. The old ``train`` spellings still work, with a
+warning: ``--data NAME`` (when NAME is a registered dataset and no such file exists) and
+``--data-path PATH``.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import re
 import sys
 from pathlib import Path
+
+from . import __version__
+from .configs import names as config_names
+from ._optional import MissingExtra, require_extra
+from ._options import did_you_mean
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -43,9 +55,9 @@ def _cmd_experiments(args: argparse.Namespace) -> int:
         else:
             full = "not measured"
         print(f"{exp.name:<{width}}  {here:>10}  {full:>14}  {exp.description} ({exp.paper})")
-    print(f"\nquick: measured in the committed quick run (docs/results/quick-run.json; ~ = expected); --full: GPU-hours "
+    print(f"\nquick: measured in the committed quick run (sinkformer/runs/measured/quick-run.json; ~ = expected); --full: GPU-hours "
           f"on {GPU_NAME}, from training steps timed on this project's CPU and the paper's step counts "
-          f"(docs/results/full-cost.json, `python -m sinkformer.runs.cost`), or CPU minutes for CPU-only experiments.")
+          f"(sinkformer/runs/measured/full-cost.json, `python -m sinkformer.runs.cost`), or CPU minutes for CPU-only experiments.")
     return 0
 
 
@@ -92,6 +104,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     from .training.runner import check_config, resolve_config, run_training
 
+    dataset, data = _train_data(args)
     config_file = args.config
     if args.resume:
         if args.out is None:
@@ -100,18 +113,61 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if config_file is None and saved.exists():
             config_file = saved
     config = resolve_config(
-        config_file, model=args.model, data=args.data, data_path=args.data_path,
+        config_file, model=args.model, data=dataset, data_path=data,
         normalization=args.normalization, n_iters=args.n_iters, sets=args.set or [],
     )
     try:
         check_config(config)
     except TypeError as err:  # an option of the wrong type is a user mistake too
         raise ValueError(str(err)) from None
-    result = run_training(config, out_dir=args.out, resume=args.resume)
+    more = {"overwrite": True} if args.overwrite else {}
+    result = run_training(config, out_dir=args.out, resume=args.resume, **more)
     if os.environ.get("RANK", "0") == "0":
         final = ", ".join(f"{k} {v:.4g}" for k, v in result.final.items() if k.startswith("test_"))
         print(f"done: {final}; metrics, checkpoints and weights in {result.out_dir}")
     return 0
+
+
+def _cmd_predict(args: argparse.Namespace) -> int:
+    from .load import load_run, predict
+
+    run = load_run(args.run_dir, epoch=args.epoch)
+    kind = run.info.get("kind")
+    if kind not in ("tokens", "translation") or run.tokenizer is None:
+        raise ValueError(f"{args.run_dir} is a {kind!r} run: `sinkformer predict` reads text (text classifiers and "
+                         "translation); for images, point clouds and token ids use sinkformer.load_run and "
+                         "sinkformer.predict from Python")
+    inputs = [tuple(text.split(args.pair_separator, 1)) for text in args.inputs] if args.pair_separator else args.inputs
+    for text, output in zip(args.inputs, predict(run, inputs)):
+        print(f"{text}\t{output}")
+    return 0
+
+
+def _train_data(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """``(dataset name, data path)`` of ``sinkformer train``, from ``--dataset``/``--data`` or the old
+    spellings ``--data NAME`` and ``--data-path PATH`` (accepted with a warning)."""
+    dataset, data = args.dataset, args.data
+    if data is not None and dataset is None and _names_a_dataset(data):
+        _warn("train", f"--data {data}: a dataset name is given with --dataset now (--data is the dataset's "
+                       f"folder); read as --dataset {data}")
+        dataset, data = data, None
+    if args.data_path is not None:
+        if data is not None:
+            raise ValueError("--data-path is the old name of --data (the dataset's folder): give one of them")
+        _warn("train", f"--data-path is the old name of --data; read as --data {args.data_path}")
+        data = args.data_path
+    return dataset, data
+
+
+def _names_a_dataset(value: str) -> bool:
+    from .data import DATASETS
+
+    return value in DATASETS and not Path(value).exists()
+
+
+def _warn(command: str, message: str) -> None:
+    if os.environ.get("RANK", "0") == "0":  # once under torchrun
+        print(f"sinkformer {command}: warning: {message}", file=sys.stderr)
 
 
 class _TrainHelp(argparse.Action):
@@ -128,47 +184,95 @@ class _TrainHelp(argparse.Action):
         parser.exit()
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's default shown once: ``(default: X)`` is added to a help text unless the text
+    already speaks of its default, or there is nothing to show (``None``, a flag's ``False``).
+    Descriptions and epilogs are printed as written (examples keep their lines)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or any(action.default is nothing for nothing in (None, False, argparse.SUPPRESS)):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose "invalid choice" errors (a mistyped command) suggest the closest names."""
+
+    def error(self, message: str):
+        match = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if match:
+            hint = did_you_mean(match.group(1), re.findall(r"'([^']*)'", match.group(2)))
+            if hint:
+                message = f"{message}; {hint.strip()}"
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="sinkformer",
-        description="Doubly stochastic attention: Sinkformers, Sparse Sinkhorn Attention, Transformers as particles.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Doubly stochastic attention: Sinkformers, Sparse Sinkhorn Attention,\n"
+                    "Transformers as particles. The papers' experiments and a trainer.",
+        epilog="`sinkformer COMMAND --help` shows the options of a command.",
+        formatter_class=_HelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"sinkformer {__version__}")
+    sub = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
 
     demo = sub.add_parser(
         "demo",
         help="K0, K1 (SoftMax) and Kinf (Sinkhorn) on two point clouds (paper Figure 1)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Figure 1 of the Sinkformers paper: the attention matrices K0 = exp(C),\n"
+                    "K1 = SoftMax(C) and Kinf = Sinkhorn(C) of two random point clouds, as a table\n"
+                    "and a PNG figure.",
+        formatter_class=_HelpFormatter,
     )
-    demo.add_argument("--points", type=int, default=10, help="points per cloud")
-    demo.add_argument("--seed", type=int, default=0, help="random seed")
-    demo.add_argument("--out", default="runs/demo/normalizations.png", help="where to write the PNG")
+    demo.add_argument("--points", type=int, default=10, metavar="N", help="points per cloud")
+    demo.add_argument("--seed", type=int, default=0, metavar="N", help="random seed")
+    demo.add_argument("--out", default="runs/demo/normalizations.png", metavar="PNG", help="where to write the figure")
     demo.set_defaults(func=_cmd_demo)
 
-    listing = sub.add_parser("experiments", help="list the experiments with their expected run time")
+    listing = sub.add_parser(
+        "experiments",
+        help="list the experiments with their expected run time",
+        description="The experiments of `sinkformer run NAME`: the expected time of the quick form\n"
+                    "here, the GPU-hours of the paper's configuration (--full), what each reproduces.",
+        formatter_class=_HelpFormatter,
+    )
     listing.set_defaults(func=_cmd_experiments)
 
     run = sub.add_parser(
         "run",
         help="run one experiment (runs/NAME/<timestamp>/: config, metrics, results, figures, report), "
              "or with no NAME the quick form of all of them and a summary report (runs/summary/<timestamp>/)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Run one experiment of the papers into runs/NAME/<timestamp>/: config, metrics,\n"
+                    "results, figures, report.md and report.html. Without --full it runs the quick\n"
+                    "form: small models on embedded data, minutes on a CPU. Without NAME: the quick\n"
+                    "form of every experiment, and a summary report in runs/summary/<timestamp>/.",
+        epilog="examples:\n"
+               "  sinkformer run                     every experiment, quick form, and a summary\n"
+               "  sinkformer run vit                 one experiment, quick form\n"
+               "  sinkformer run vit --set n_iters=5 ... with a setting changed\n"
+               "  sinkformer run vit --full --data ~/data/cats_dogs --device cuda\n"
+               "                                     the paper's configuration on the real data",
+        formatter_class=_HelpFormatter,
     )
-    run.add_argument("name", nargs="?", default=None,
-                     help="experiment name (see `sinkformer experiments`); none = every experiment, quick form")
-    mode = run.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", default=True, help="small configuration on embedded data")
-    mode.add_argument("--full", action="store_true", default=False, help="the paper's configuration")
-    run.add_argument("--data", default=None, help="path to the real dataset (default: embedded data)")
-    run.add_argument("--seeds", type=int, default=None, help="number of seeds (default: the experiment's)")
-    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a configuration key (YAML value)")
-    run.add_argument("--runs-dir", default="runs", help="where run folders go")
-    run.add_argument("--threads", type=int, default=None,
-                     help="torch CPU threads; None = 1 for quick runs (their small models gain little from more "
-                          "threads and slow down sharply when other processes share the cores), torch's default "
-                          "for --full")
-    run.add_argument("--jobs", type=int, default=None,
+    run.add_argument("name", nargs="?", default=None, metavar="NAME",
+                     help="experiment name (see `sinkformer experiments`); without it: every experiment, quick form")
+    run.add_argument("--full", action="store_true",
+                     help="the paper's configuration (usually with --data); without it: the quick form")
+    run.add_argument("--data", default=None, metavar="PATH",
+                     help="folder (or file) of the real dataset, for --full (default: the embedded data)")
+    run.add_argument("--seeds", type=int, default=None, metavar="N", help="number of seeds (default: the experiment's)")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="override a configuration key (a YAML value; repeatable), e.g. --set n_iters=5 "
+                          "or --set train.lr=1e-3")
+    run.add_argument("--runs-dir", default="runs", metavar="DIR", help="where run folders go")
+    run.add_argument("--threads", type=int, default=None, metavar="N",
+                     help="torch CPU threads (default: 1 for quick runs, whose small models gain little from "
+                          "more threads and slow down sharply when other processes share the cores; for --full, "
+                          "torch's own setting)")
+    run.add_argument("--jobs", type=int, default=None, metavar="N",
                      help="without NAME: experiments run at once, one process each (default: min(2, CPU cores))")
     run.add_argument("--device", default="auto",
                      help="where the models train: auto (CUDA when present, else the CPU), cpu, cuda, cuda:1, ...")
@@ -177,36 +281,117 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train",
         help="train a model on a dataset (embedded or real); also under torchrun for several processes",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a model on a dataset into a run folder (config, metrics, checkpoints,\n"
+                    "weights). Options come from a config file (a path, or the name of a shipped one),\n"
+                    "then the flags, then --set "
+                    "(later wins); every model and dataset, with its options, is listed below.",
+        epilog="examples:\n"
+               "  sinkformer train --model vit --dataset digits --normalization softmax\n"
+               "  sinkformer train --config vit_cats_dogs --data ~/data/cats_dogs\n"
+               "  torchrun --nproc_per_node=2 -m sinkformer train --model vit --dataset digits",
+        formatter_class=_HelpFormatter,
         add_help=False,
     )
     train.add_argument("-h", "--help", action=_TrainHelp, help="show this help with every option and its default")
-    train.add_argument("--model", default=None, help="model name (model.name)")
-    train.add_argument("--data", default=None, help="dataset name (data.name)")
-    train.add_argument("--data-path", default=None, help="folder of a real dataset (data.path)")
-    train.add_argument("--normalization", default=None,
-                       help="attention: softmax (Transformer) or sinkhorn (Sinkformer); None = the model's default, sinkhorn")
-    train.add_argument("--n-iters", type=int, default=None, help="Sinkhorn iterations; None = the model's default, 5")
-    train.add_argument("--config", default=None, help="YAML or TOML file with model/data/train sections (see configs/)")
+    train.add_argument("--model", default=None, metavar="NAME", help="model name (model.name; listed below)")
+    train.add_argument("--dataset", default=None, metavar="NAME", help="dataset name (data.name; listed below)")
+    train.add_argument("--data", default=None, metavar="PATH",
+                       help="folder (or file) of a real dataset (data.path); embedded datasets take none")
+    train.add_argument("--data-path", default=None, help=argparse.SUPPRESS)  # the old name of --data
+    train.add_argument("--normalization", default=None, metavar="NAME",
+                       help="attention: softmax (Transformer) or sinkhorn (Sinkformer) (default: the model's, sinkhorn)")
+    train.add_argument("--n-iters", type=int, default=None, metavar="N",
+                       help="Sinkhorn iterations (default: the model's, 5)")
+    train.add_argument("--config", default=None, metavar="FILE",
+                       help="YAML or TOML file with model, data and train sections, or the name of a shipped one: "
+                            + ", ".join(config_names()))
     train.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
-                       help="override one option, e.g. train.lr=1e-4 or model.dim=64 (YAML value)")
-    train.add_argument("--out", default=None, help="run folder; None = runs/train/<model>-<norm>-<data>-<time>")
+                       help="override one option, e.g. train.lr=1e-4 or model.dim=64 (a YAML value; repeatable)")
+    train.add_argument("--out", default=None, metavar="DIR",
+                       help="run folder (default: runs/train/<model>-<normalization>-<dataset>-<time>)")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    train.add_argument("--overwrite", action="store_true",
+                       help="replace the run already in --out (deletes only the files a run writes)")
     train.set_defaults(func=_cmd_train)
+
+    predicting = sub.add_parser(
+        "predict",
+        help="predict with a trained run folder: classify or translate sentences",
+        description="Load a run folder written by `sinkformer train` (weights, configuration,\n"
+                    "tokenizer) and print one prediction per input: the class of a sentence\n"
+                    "(text classifiers) or its translation (translation models). Images and point\n"
+                    "clouds: use sinkformer.load_run and sinkformer.predict from Python.",
+        epilog="examples:\n"
+               "  sinkformer predict runs/train/text_classifier-sinkhorn-sentiment-... \"a superb film\"\n"
+               "  sinkformer predict RUN_DIR \"premise ||| hypothesis\" --pair-separator \" ||| \"   (NLI)",
+        formatter_class=_HelpFormatter,
+    )
+    predicting.add_argument("run_dir", metavar="RUN_DIR", help="a run folder of `sinkformer train`")
+    predicting.add_argument("inputs", nargs="+", metavar="TEXT", help="sentences to classify or translate")
+    predicting.add_argument("--epoch", type=int, default=None, metavar="N",
+                            help="use the checkpoint of epoch N (default: the final weights)")
+    predicting.add_argument("--pair-separator", default=None, metavar="SEP",
+                            help="split each input into a (premise, hypothesis) pair at SEP (NLI runs)")
+    predicting.set_defaults(func=_cmd_predict)
+    parser.commands = sub.choices  # name -> subparser, for the suggestions of main()
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> str:
+    """argparse's "unrecognized arguments" message, with the closest options of the command."""
+    command = parser.commands.get(getattr(args, "command", None) or "", parser)
+    options = [o for action in command._actions for o in action.option_strings
+               if o.startswith("--") and action.help is not argparse.SUPPRESS]
+    hints = []
+    for arg in extra:
+        flag = arg.split("=", 1)[0]
+        if flag == "--quick" and command is not parser and command.prog.endswith(" run"):
+            hints.append("--quick is gone: the quick form is what runs without --full")
+        elif flag.startswith("--") and (hint := did_you_mean(flag, options)):
+            hints.append(f"{flag}: {hint.strip()}")
+    return f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})" if hints else "")
+
+
+#: the extra each command needs (its packages are checked before it starts)
+EXTRA_OF = {"demo": "experiments", "experiments": "experiments", "run": "experiments", "train": "train",
+            "predict": "train"}
+
+
+def _show_library_logs() -> None:
+    """The library logs quietly (``logging``, no handler); the command shows its INFO messages."""
+    logger = logging.getLogger("sinkformer")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command = parser.commands.get(getattr(args, "command", None) or "", parser)
+        command.error(_unrecognized(parser, args, extra))
     if not hasattr(args, "func"):
         parser.print_help()
         return 0
+    _show_library_logs()
     try:
+        require_extra(EXTRA_OF[args.command], f"sinkformer {args.command}")
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:  # user mistakes: one clear line, no traceback
+    except (ValueError, FileNotFoundError, MissingExtra) as err:  # user mistakes: one clear line, no traceback
         print(f"sinkformer {args.command}: error: {err}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``sinkformer`` command: parse ``argv`` (default: ``sys.argv[1:]``), run it; the exit code."""
+    try:
+        return _run(argv)
+    except BrokenPipeError:  # the reader went away (``sinkformer train --help | head``): quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 1
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def test_suite_reports_every_experiment_and_survives_a_failure(tmp_path, failing
     lines = []
     try:
         path = suite.run_suite(tmp_path, names=["normalizations", "boom", "patch-size"],
-                               overrides={"patch-size": TINY_PATCH}, echo=lines.append)
+                               overrides={"patch-size": TINY_PATCH}, echo=lines.append, plain=False)
     finally:
         torch.set_num_threads(threads)
     assert path.parent.parent == tmp_path / "summary" and path.name == "report.md"
@@ -65,7 +65,7 @@ def test_suite_reports_every_experiment_and_survives_a_failure(tmp_path, failing
     assert json.loads((patch_dir / "provenance.json").read_text())["torch"] == torch.__version__
     html = (path.parent / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 2 and "<table>" in html
-    # progress: a line before and after each experiment, and the total
+    # progress (on a terminal): a line before and after each experiment, and the total
     assert any(line.startswith("\n[2/3] boom") for line in lines)
     assert any("[2/3] boom: FAILED after" in line for line in lines)
     assert any("[3/3] patch-size: done in" in line for line in lines)
@@ -122,11 +122,12 @@ def test_run_without_a_name_runs_the_suite(tmp_path, monkeypatch, capsys):
     assert calls[-1][-1] == 3
 
 
-def test_parallel_suite_runs_in_worker_processes_and_reports_in_registry_order(tmp_path):
+def test_parallel_suite_runs_in_worker_processes_and_reports_in_registry_order(tmp_path, capsys):
     lines = []
     # limits of 3 s: normalizations' quick form finishes, a large riccati is stopped inside its worker
     path = suite.run_suite(tmp_path, names=["riccati", "normalizations"], jobs=2, limit_factor=0.1, min_limit=3.0,
-                           overrides={"riccati": {"n_particles": 200_000, "steps": 5000}}, echo=lines.append)
+                           overrides={"riccati": {"n_particles": 200_000, "steps": 5000}}, echo=lines.append,
+                           plain=False)
     text = path.read_text()
     assert "in each of 2 processes" in text
     overview = text.split("## Overview")[1]
@@ -134,7 +135,12 @@ def test_parallel_suite_runs_in_worker_processes_and_reports_in_registry_order(t
     assert "**failed**" in overview and "ExperimentTimeout" in text  # the limit works inside a worker
     assert any(line.startswith("normalizations: done in") for line in lines)
     assert any(line.startswith("started riccati") for line in lines)
+    assert any(line.startswith("riccati: FAILED after") and "(1/2 done" not in line for line in lines)
     assert (tmp_path / "normalizations").is_dir()
+    # the terminal's bar: experiments done, and what runs for how long, redrawn while riccati runs
+    bar = capsys.readouterr().err
+    assert "experiments: 100%" in bar and "2/2" in bar
+    assert re.search(r"running: riccati \((\d+ rows?, )?0:0[1-9]\)", bar)
 
 
 @pytest.mark.parametrize("argv, message", [

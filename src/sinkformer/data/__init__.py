@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._options import check_options, signature_options
+from .._options import check_options, did_you_mean, signature_options
 from .base import KINDS, DataBundle
 from .digits import load_digits
 from .image_folder import load_image_folder
@@ -75,9 +75,11 @@ DATASETS: dict[str, DatasetSpec] = {
 
 
 def get_dataset(name: str) -> DatasetSpec:
-    """The dataset registered as ``name``; an unknown name lists the valid ones."""
+    """The dataset registered as ``name``; an unknown name suggests the closest and lists the valid ones."""
     if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; valid datasets: {', '.join(DATASETS)}")
+        raise ValueError(
+            f"unknown dataset {name!r}; {did_you_mean(name, DATASETS)}valid datasets: {', '.join(DATASETS)}"
+        )
     return DATASETS[name]
 
 

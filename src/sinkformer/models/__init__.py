@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .._options import REQUIRED, check_options, signature_options
+from .._options import REQUIRED, check_options, did_you_mean, signature_options
 from .decoding import beam_search, greedy_decode
 from .point_cloud_transformer import PointCloudTransformer
 from .seq2seq import Seq2SeqTransformer
@@ -77,9 +77,9 @@ MODELS: dict[str, type[torch.nn.Module]] = {
 
 
 def get_model_class(name: str) -> type[torch.nn.Module]:
-    """The class registered as ``name``; an unknown name lists the valid ones."""
+    """The class registered as ``name``; an unknown name suggests the closest and lists the valid ones."""
     if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; valid models: {', '.join(MODELS)}")
+        raise ValueError(f"unknown model {name!r}; {did_you_mean(name, MODELS)}valid models: {', '.join(MODELS)}")
     return MODELS[name]
 
 

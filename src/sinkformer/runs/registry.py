@@ -24,18 +24,22 @@ import math
 import os
 import pkgutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
+from .._optional import require
+from .._options import did_you_mean
 from ..plotting import save_png
 from .provenance import provenance
 from .report import atomic_write, new_run_dir, render_html
 
-__all__ = ["Experiment", "Run", "register", "registry", "get", "parse_overrides", "run_experiment"]
+yaml = require("yaml", "run configurations")
+
+__all__ = ["Experiment", "Run", "register", "registry", "get", "parse_overrides", "run_experiment", "on_log"]
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,8 @@ def registry() -> dict[str, Experiment]:
 def get(name: str) -> Experiment:
     experiments = registry()
     if name not in experiments:
-        raise ValueError(f"unknown experiment {name!r}; valid names: {', '.join(experiments)}")
+        raise ValueError(f"unknown experiment {name!r}; {did_you_mean(name, experiments)}"
+                         f"valid names: {', '.join(experiments)}")
     return experiments[name]
 
 
@@ -139,7 +144,8 @@ def parse_overrides(pairs: Iterable[str], defaults: dict[str, Any]) -> dict[str,
         key = key.strip()
         top, dot, sub = key.partition(".")
         if top not in defaults:
-            raise ValueError(f"--set {key}: unknown option; valid keys: {', '.join(sorted(defaults))}")
+            raise ValueError(f"--set {key}: unknown option; {did_you_mean(top, defaults)}valid keys: "
+                             f"{', '.join(sorted(defaults))}")
         if dot and not (sub and isinstance(defaults[top], dict)):
             raise ValueError(f"--set {key}: {top} is not a mapping option; use --set {top}=VALUE")
         out[key] = yaml.safe_load(raw)
@@ -154,6 +160,21 @@ def _apply_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> None:
             config[top] = {**config[top], sub: value}
         else:
             config[key] = value
+
+
+#: Called as ``listener(run, row)`` after every :meth:`Run.log` (see :func:`on_log`).
+_LOG_LISTENERS: list[Callable[["Run", dict[str, Any]], None]] = []
+
+
+@contextmanager
+def on_log(listener: Callable[["Run", dict[str, Any]], None]) -> Iterator[None]:
+    """Call ``listener(run, row)`` after every row any :class:`Run` logs in the block (the suite counts
+    them to show each running experiment's progress). A listener must not raise."""
+    _LOG_LISTENERS.append(listener)
+    try:
+        yield
+    finally:
+        _LOG_LISTENERS.remove(listener)
 
 
 @dataclass
@@ -182,6 +203,8 @@ class Run:
             writer.writeheader()
             writer.writerows(self._rows)
         tmp.replace(self.out_dir / "metrics.csv")
+        for listener in list(_LOG_LISTENERS):
+            listener(self, row)
 
     @property
     def rows(self) -> list[dict[str, Any]]:

@@ -17,22 +17,34 @@ is one that runs past its time limit (``limit_factor`` × its expected quick run
 
 With ``jobs > 1`` the experiments run in that many worker processes at once (longest expected first;
 each worker keeps the parent's torch thread count, so quick runs use one thread per core), and the
-report lists them in registry order as always. The workers' own progress bars would overwrite each
-other, so they are switched off and one bar shows experiments done, elapsed time and what is running.
+report lists them in registry order as always. The announced time is the expected wall time of that
+schedule (:func:`expected_wall_minutes`).
+
+Progress: every row an experiment logs (:meth:`~.registry.Run.log`: an epoch of a training run, a
+point of a sweep) is counted, in the workers too (sent to the parent on a ``multiprocessing``
+manager queue). On a terminal, with ``jobs > 1``, one bar shows experiments done, elapsed time and
+what is running with its count (``running: nli (12 epochs, 1:20), sort (0:40)``; the workers' own
+bars would overwrite each other, so they are switched off); with ``jobs == 1`` each training run
+shows its own bar. When stdout is not a terminal (a log file) the suite writes plain timestamped
+lines instead: when an experiment starts and ends, and at most one line per experiment every
+``PROGRESS_INTERVAL`` seconds while it runs (``[17:06:40] nli: 30 epochs done, 1 min 28 s so far``).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import heapq
 import json
 import multiprocessing
 import os
+import queue as _queue
 import re
 import signal
+import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,11 +53,18 @@ from typing import Any
 
 from ..plotting import pyplot
 from .provenance import WHAT_CHANGES_RESULTS, provenance
-from .registry import registry, run_experiment
+from .._optional import require
+from .._options import did_you_mean
+from .registry import on_log, registry, run_experiment
 from .report import atomic_write, markdown_table, new_run_dir, render_html
 from .verdicts import RULE, VERDICTS, Comparison, count_verdicts
 
-__all__ = ["SuiteEntry", "ExperimentTimeout", "run_suite", "summary_markdown"]
+__all__ = ["SuiteEntry", "ExperimentTimeout", "run_suite", "summary_markdown", "expected_wall_minutes"]
+
+#: Plain (log file) output: at most one progress line per running experiment this often, in seconds ...
+PROGRESS_INTERVAL = 30.0
+#: ... and a "still running" line after this long without a logged row.
+HEARTBEAT_INTERVAL = 120.0
 
 
 @dataclass
@@ -75,6 +94,7 @@ def run_suite(
     min_limit: float = 120.0,
     jobs: int = 1,
     echo=print,
+    plain: bool | None = None,
 ) -> Path:
     """Run the quick form of the experiments ``names`` (default: all registered) and write the summary.
 
@@ -87,6 +107,8 @@ def run_suite(
         jobs: experiments run at once, each in its own process (1: one after the other, in this
             process; experiments registered at run time, as in tests, exist only here).
         echo: where progress lines go.
+        plain: timestamped progress lines instead of a redrawn progress bar (for a log file); default:
+            when stdout is not a terminal.
 
     Returns the path of the summary ``report.md``.
     """
@@ -94,14 +116,18 @@ def run_suite(
     names = list(experiments) if names is None else names
     unknown = [n for n in names if n not in experiments]
     if unknown:
-        raise ValueError(f"unknown experiment(s) {', '.join(unknown)}; valid names: {', '.join(experiments)}")
+        hints = "".join(did_you_mean(n, experiments) for n in unknown)
+        raise ValueError(f"unknown experiment(s) {', '.join(unknown)}; {hints}valid names: {', '.join(experiments)}")
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
+    if plain is None:
+        plain = not _isatty(sys.stdout)
     started, clock = _dt.datetime.now(), time.perf_counter()
     summary_dir = new_run_dir(Path(runs_dir) / "summary")
-    expected = sum(experiments[n].quick_minutes for n in names)
-    echo(f"sinkformer run: {len(names)} experiments, quick form on embedded data (expected about {expected:.1f} min"
-         + (f" of work on {jobs} processes)" if jobs > 1 else ")"))
+    minutes = [experiments[n].quick_minutes for n in names]
+    wall = expected_wall_minutes(minutes, jobs)
+    echo(f"sinkformer run: {len(names)} experiments, quick form on embedded data (expected about {wall:.1f} min"
+         + (f" with {jobs} processes; {sum(minutes):.1f} min of work)" if jobs > 1 else ")"))
 
     def limit_of(name: str) -> float | None:
         return None if limit_factor is None else max(min_limit, limit_factor * 60 * experiments[name].quick_minutes)
@@ -110,15 +136,9 @@ def run_suite(
         return name, seeds, (overrides or {}).get(name), runs_dir, limit_of(name)
 
     if jobs == 1:
-        entries = []
-        for i, name in enumerate(names, 1):
-            exp = experiments[name]
-            echo(f"\n[{i}/{len(names)}] {name} — {exp.paper}: {exp.description} (expected {exp.quick_minutes:g} min)")
-            entries.append(_run_one(*task(name)))
-            echo(f"[{i}/{len(names)}] {_outcome(entries[-1])}")
-            echo(f"    elapsed {_minutes(time.perf_counter() - clock)} of the suite")
+        entries = _run_sequential(names, task, clock, echo, plain)
     else:
-        entries = _run_parallel(names, task, jobs, clock, echo)
+        entries = _run_parallel(names, task, jobs, clock, echo, plain)
     seconds = time.perf_counter() - clock
     markdown = summary_markdown(entries, summary_dir, started, seconds, jobs=jobs)
     atomic_write(summary_dir / "summary.json", json.dumps(_summary_json(entries, started, seconds, jobs), indent=1))
@@ -130,25 +150,200 @@ def run_suite(
     return path
 
 
-def _run_one(name: str, seeds: int | None, overrides: dict | None, runs_dir, limit: float | None) -> SuiteEntry:
-    """Run one experiment under its time limit; a failure becomes an entry with the error."""
+def expected_wall_minutes(minutes: Iterable[float], jobs: int) -> float:
+    """The expected wall time of running jobs of ``minutes`` on ``jobs`` workers the way the suite does:
+    longest first, each to the first worker that is free (the makespan of that schedule).
+
+    >>> expected_wall_minutes([5, 4, 3, 3, 3], jobs=2)  # 5+3, 4+3+3
+    10.0
+    """
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    loads = [0.0] * jobs
+    for m in sorted(minutes, reverse=True):
+        heapq.heappush(loads, heapq.heappop(loads) + m)
+    return max(loads)
+
+
+def _run_one(name: str, seeds: int | None, overrides: dict | None, runs_dir, limit: float | None,
+             progress=None) -> SuiteEntry:
+    """Run one experiment under its time limit; a failure becomes an entry with the error.
+
+    ``progress``: where ``(name, rows, epochs)`` go (``progress.put``) as the experiment logs rows."""
     exp = registry()[name]
     start = time.perf_counter()
+    counter = _RowCounter(name, progress)
     try:
-        with _time_limit(limit):
+        with _time_limit(limit), on_log(counter):
             ctx = run_experiment(name, seeds=seeds, overrides=overrides, runs_dir=runs_dir)
     except Exception as err:  # one failing experiment must not stop the others
         return SuiteEntry(name, exp.paper, exp.quick_minutes, time.perf_counter() - start,
                           error=f"{type(err).__name__}: {err}\n\n{traceback.format_exc(limit=-6)}")
     finally:
+        counter.flush()
         _close_figures()
     return SuiteEntry(name, exp.paper, exp.quick_minutes, time.perf_counter() - start, ctx.out_dir, results=ctx.results)
 
 
-def _outcome(entry: SuiteEntry) -> str:
+def _outcome(entry: SuiteEntry, detail: str = "") -> str:
+    detail = f" ({detail})" if detail else ""
     if entry.ok:
-        return f"{entry.name}: done in {entry.seconds:.0f} s -> {entry.out_dir / 'report.md'}"
-    return f"{entry.name}: FAILED after {entry.seconds:.0f} s: {entry.error.splitlines()[0]}"
+        return f"{entry.name}: done in {entry.seconds:.0f} s{detail} -> {entry.out_dir / 'report.md'}"
+    return f"{entry.name}: FAILED after {entry.seconds:.0f} s{detail}: {entry.error.splitlines()[0]}"
+
+
+class _RowCounter:
+    """Counts the rows experiment ``name`` logs (and those of them that are epochs, with an ``epoch``
+    key); sends ``(name, rows, epochs)`` to ``sink.put`` at most every ``every`` seconds and on
+    :meth:`flush`. A sink that fails (the parent went away) is dropped: the experiment goes on.
+
+    By default every row is sent: rows come in bursts (a training run logs its epochs when it ends),
+    so a throttle would hold back the end of each burst, and a put costs far less than the row's
+    own :meth:`~.registry.Run.log`, which rewrites ``metrics.csv``."""
+
+    def __init__(self, name: str, sink, every: float = 0.0) -> None:
+        self.name, self.sink, self.every = name, sink, every
+        self.rows = self.epochs = 0
+        self.sent, self.sent_at = (0, 0), -float("inf")
+
+    def __call__(self, run, row: dict[str, Any]) -> None:
+        self.rows += 1
+        self.epochs += "epoch" in row
+        if time.perf_counter() - self.sent_at >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.sink is None or (self.rows, self.epochs) == self.sent:
+            return
+        self.sent, self.sent_at = (self.rows, self.epochs), time.perf_counter()
+        try:
+            with _alarm_deferred():  # the time limit's exception must not land inside the queue's protocol
+                self.sink.put((self.name, self.rows, self.epochs))
+        except ExperimentTimeout:
+            raise
+        except Exception:
+            self.sink = None
+
+
+@contextmanager
+def _alarm_deferred() -> Iterator[None]:
+    """Hold SIGALRM (the time limit) for the block; a pending one is delivered after it."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@dataclass
+class _Running:
+    start: float
+    said_at: float
+    rows: int = 0
+    epochs: int = 0
+    said: tuple[int, int] = (0, 0)
+
+    def counted(self) -> str:
+        if self.epochs:
+            return f"{self.epochs} epoch{'s' if self.epochs != 1 else ''}"
+        return f"{self.rows} row{'s' if self.rows != 1 else ''}" if self.rows else ""
+
+
+class _Progress:
+    """The suite's view of its running experiments, from their logged rows (:class:`_RowCounter`).
+
+    ``plain``: lines go to ``echo`` with a timestamp, and :meth:`update` / :meth:`tick` write a line
+    for a running experiment at most every ``PROGRESS_INTERVAL`` s when it logged rows since its last
+    line, or after ``HEARTBEAT_INTERVAL`` s when it did not. Otherwise :meth:`postfix` is the text for
+    a progress bar."""
+
+    def __init__(self, total: int, echo, plain: bool, clock=time.perf_counter) -> None:
+        self.total, self.echo, self.plain, self.clock = total, echo, plain, clock
+        self.running: dict[str, _Running] = {}
+        self.done = 0
+
+    def say(self, line: str) -> None:
+        self.echo(f"[{_dt.datetime.now():%H:%M:%S}] {line}" if self.plain else line)
+
+    def start(self, name: str, line: str) -> None:
+        now = self.clock()
+        self.running[name] = _Running(now, now)
+        self.say(line)
+
+    def put(self, event: tuple[str, int, int]) -> None:
+        """``(name, rows, epochs)`` from a :class:`_RowCounter`."""
+        self.update(*event)
+
+    def update(self, name: str, rows: int, epochs: int) -> None:
+        state = self.running.get(name)
+        if state is not None:
+            state.rows, state.epochs = rows, epochs
+            self._maybe_say(name, state)
+
+    def tick(self) -> None:
+        for name, state in list(self.running.items()):
+            self._maybe_say(name, state)
+
+    def _maybe_say(self, name: str, state: _Running) -> None:
+        if not self.plain:
+            return
+        now = self.clock()
+        since, changed = now - state.said_at, (state.rows, state.epochs) != state.said
+        if changed and since >= PROGRESS_INTERVAL:
+            done = f"{state.counted()} done" if state.epochs else f"{state.counted()} logged"
+            self.say(f"{name}: {done}, {_minutes(now - state.start)} so far")
+        elif since >= HEARTBEAT_INTERVAL:
+            counted = f" ({state.counted()} done)" if state.counted() else ""
+            self.say(f"{name}: still running{counted}, {_minutes(now - state.start)} so far")
+        else:
+            return
+        state.said_at, state.said = now, (state.rows, state.epochs)
+
+    def finish(self, entry: SuiteEntry, suite_clock: float) -> None:
+        state = self.running.pop(entry.name, None)
+        self.done += 1
+        self.say(f"{_outcome(entry, state.counted() if state else '')}  "
+                 f"({self.done}/{self.total} done, suite elapsed {_minutes(time.perf_counter() - suite_clock)})")
+
+    def postfix(self) -> str:
+        now = self.clock()
+
+        def shown(name: str, state: _Running) -> str:
+            seconds = int(now - state.start)
+            return f"{name} ({', '.join(filter(None, [state.counted(), f'{seconds // 60}:{seconds % 60:02d}']))})"
+
+        return "running: " + ", ".join(shown(n, s) for n, s in sorted(self.running.items()))
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+def _run_sequential(names: list[str], task, clock: float, echo, plain: bool) -> list[SuiteEntry]:
+    """Run ``names`` one after the other in this process. On a terminal each training run shows its
+    own bar; ``plain``: timestamped start, progress and end lines."""
+    experiments = registry()
+    progress = _Progress(len(names), echo, plain)
+    entries = []
+    for i, name in enumerate(names, 1):
+        exp = experiments[name]
+        about = f"{exp.paper}: {exp.description} (expected {exp.quick_minutes:g} min)"
+        if plain:
+            progress.start(name, f"started {name} ({i}/{len(names)}) — {about}")
+            entries.append(_run_one(*task(name), progress))
+            progress.finish(entries[-1], clock)
+        else:
+            echo(f"\n[{i}/{len(names)}] {name} — {about}")
+            entries.append(_run_one(*task(name)))
+            echo(f"[{i}/{len(names)}] {_outcome(entries[-1])}")
+            echo(f"    elapsed {_minutes(time.perf_counter() - clock)} of the suite")
+    return entries
 
 
 def _init_worker(threads: int) -> None:
@@ -157,42 +352,68 @@ def _init_worker(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _run_parallel(names: list[str], task, jobs: int, clock: float, echo) -> list[SuiteEntry]:
+def _run_parallel(names: list[str], task, jobs: int, clock: float, echo, plain: bool) -> list[SuiteEntry]:
     """Run ``names`` on ``jobs`` spawned processes, longest expected first; entries in ``names`` order.
 
-    Progress lines go above the bar (``tqdm.write``) when ``echo`` is ``print``, else to ``echo``."""
+    The workers send their experiments' row counts on a manager queue, read here every second. On a
+    terminal one bar shows them (lines go above it, ``tqdm.write``, when ``echo`` is ``print``, else to
+    ``echo``); ``plain``: timestamped lines to ``echo``, no bar."""
     import torch
-    from tqdm import tqdm
+    tqdm = require("tqdm", "the suite's progress bar").tqdm
 
     experiments = registry()
-    queue = sorted(names, key=lambda n: -experiments[n].quick_minutes)
+    pending = sorted(names, key=lambda n: -experiments[n].quick_minutes)
     done: dict[str, SuiteEntry] = {}
     context = multiprocessing.get_context("spawn")  # no fork of a process that has started torch's threads
-    with _environment(TQDM_DISABLE="1"), ProcessPoolExecutor(
-        jobs, mp_context=context, initializer=_init_worker, initargs=(torch.get_num_threads(),)
-    ) as pool, tqdm(total=len(names), desc="experiments", unit="exp", dynamic_ncols=True) as bar:
-        say = bar.write if echo is print else echo
-        running = {}
-        while queue or running:
-            while queue and len(running) < jobs:
-                name = queue.pop(0)
-                running[pool.submit(_run_one, *task(name))] = name, time.perf_counter()
-                say(f"started {name} — {experiments[name].paper} (expected {experiments[name].quick_minutes:g} min)")
-            bar.set_postfix_str(f"running: {', '.join(sorted(name for name, _ in running.values()))}", refresh=False)
-            finished, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
-            for future in finished:
-                name, start = running.pop(future)
-                try:
-                    entry = future.result()
-                except Exception as err:  # the task never ran to an entry: worker killed, unpicklable task, ...
+    bar = None if plain else tqdm(total=len(names), desc="experiments", unit="exp", dynamic_ncols=True)
+    progress = _Progress(len(names), bar.write if bar is not None and echo is print else echo, plain)
+    try:
+        with context.Manager() as manager, _environment(TQDM_DISABLE="1"), ProcessPoolExecutor(
+            jobs, mp_context=context, initializer=_init_worker, initargs=(torch.get_num_threads(),)
+        ) as pool:
+            events = manager.Queue()
+            running = {}
+            while pending or running:
+                while pending and len(running) < jobs:
+                    name = pending.pop(0)
+                    running[pool.submit(_run_one, *task(name), events)] = name, time.perf_counter()
                     exp = experiments[name]
-                    entry = SuiteEntry(name, exp.paper, exp.quick_minutes, time.perf_counter() - start,
-                                       error=f"the worker process could not run it: {type(err).__name__}: {err}")
-                done[name] = entry
-                say(f"{_outcome(entry)}  (suite elapsed {_minutes(time.perf_counter() - clock)})")
-                bar.update(1)
-            bar.refresh()
+                    progress.start(name, f"started {name} — {exp.paper} (expected {exp.quick_minutes:g} min)")
+                finished, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
+                _drain(events, progress)
+                for future in finished:
+                    name, start = running.pop(future)
+                    try:
+                        entry = future.result()
+                    except Exception as err:  # the task never ran to an entry: worker killed, unpicklable task, ...
+                        exp = experiments[name]
+                        entry = SuiteEntry(name, exp.paper, exp.quick_minutes, time.perf_counter() - start,
+                                           error=f"the worker process could not run it: {type(err).__name__}: {err}")
+                    done[name] = entry
+                    progress.finish(entry, clock)
+                    if bar is not None:
+                        bar.set_postfix_str(progress.postfix() if running else "", refresh=False)
+                        bar.update(1)
+                progress.tick()
+                if bar is not None:
+                    bar.set_postfix_str(progress.postfix() if running else "", refresh=False)
+                    bar.refresh()
+    finally:
+        if bar is not None:
+            bar.close()
     return [done[n] for n in names]
+
+
+def _drain(events, progress: _Progress) -> None:
+    """Pass every ``(name, rows, epochs)`` waiting on ``events`` to ``progress``."""
+    while True:
+        try:
+            event = events.get_nowait()
+        except _queue.Empty:
+            return
+        except (OSError, EOFError):  # the manager is gone: no more progress, the results still come
+            return
+        progress.update(*event)
 
 
 @contextmanager
