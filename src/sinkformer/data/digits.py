@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import TensorDataset
 
+from .._optional import require
 from .base import DataBundle, FixedCollate, split_indices
 
 __all__ = ["load_digits"]
@@ -16,9 +17,7 @@ __all__ = ["load_digits"]
 
 def load_digits(*, test_fraction: float = 0.2, seed: int = 0) -> DataBundle:
     """The digits as ``(1, 8, 8)`` float images in [0, 1] and labels 0–9."""
-    from sklearn.datasets import load_digits as sklearn_digits
-
-    raw = sklearn_digits()
+    raw = require("sklearn.datasets", "the embedded digits").load_digits()
     images = torch.tensor(raw.images, dtype=torch.float32).unsqueeze(1) / 16.0
     labels = torch.tensor(raw.target, dtype=torch.long)
     train, test = split_indices(len(labels), test_fraction, seed)

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from .._optional import require
 from .base import DataBundle, FixedCollate, require_path, split_indices
 
 __all__ = ["ImageFolder", "load_image_folder", "random_resized_box", "IMAGE_EXTENSIONS"]
@@ -87,7 +88,7 @@ class ImageFolder(Dataset):
         return len(self.samples)
 
     def __getitem__(self, index: int) -> tuple[Tensor, int]:
-        from PIL import Image
+        Image = require("PIL.Image", "reading image folders")
 
         path, label = self.samples[index]
         size = (self.image_size, self.image_size)

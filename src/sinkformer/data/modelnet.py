@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
+from .._optional import require
 from .base import DataBundle, FixedCollate, require_path
 from .point_clouds import PointCloudDataset, normalize_points, sample_surface
 
@@ -92,7 +92,7 @@ def read_off(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 def read_modelnet_h5(files: list[Path]) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate ``data`` ``(N, n, 3)`` and ``label`` ``(N,)`` of ModelNet HDF5 files."""
-    import h5py
+    h5py = require("h5py", "reading ModelNet40 HDF5 files")
 
     points, labels = [], []
     for file in files:
@@ -118,7 +118,7 @@ def read_modelnet_cloud_h5(
     Only the first ``n_points`` points of each cloud are read (all when ``None``): the stored points
     are independent uniform samples, so a prefix is a uniform subsample, and reading it spares memory.
     """
-    import h5py
+    h5py = require("h5py", "reading ModelNet40 HDF5 files")
 
     try:
         with h5py.File(file, "r") as h5:
@@ -195,7 +195,7 @@ def meshes_to_hdf5(root: str | Path, split: str, n_points: int, out: str | Path,
     The file holds ``data (N, n_points, 3)`` float32, ``label (N, 1)`` and the class names as
     attribute ``class_names``. Mesh ``i`` is sampled with seed ``seed + i`` (reproducible).
     """
-    import h5py
+    h5py = require("h5py", "reading ModelNet40 HDF5 files")
 
     root, out = Path(root), Path(out)
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and (p / split).is_dir())
@@ -205,6 +205,7 @@ def meshes_to_hdf5(root: str | Path, split: str, n_points: int, out: str | Path,
             f"dataset 'modelnet40_off': no <class>/{split}/*.off meshes in {root}. {OFF_INSTRUCTIONS}"
         )
     data = np.empty((len(files), n_points, 3), dtype=np.float32)
+    tqdm = require("tqdm.auto", "progress bars").tqdm
     for i, (file, _) in enumerate(tqdm(files, desc=f"sampling {split} meshes", unit="mesh", leave=False)):
         vertices, faces = read_off(file)
         try:
@@ -231,7 +232,7 @@ def load_modelnet40_off(
     cache_dir: str | Path | None = None,
 ) -> DataBundle:
     """ModelNet40 meshes sampled to ``n_points`` points per shape (cached in ``cache_dir``, default ``path``)."""
-    import h5py
+    h5py = require("h5py", "reading ModelNet40 HDF5 files")
 
     root = require_path(path, "modelnet40_off", OFF_INSTRUCTIONS)
     cache = Path(cache_dir).expanduser() if cache_dir is not None else root

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from .._optional import require
 from .base import DataBundle, TranslationCollate, require_path
 from .text import BOS_ID, EOS_ID, PAD_ID, encode, train_tokenizer
 
@@ -132,7 +133,7 @@ def load_parallel_text(
 
 def bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
     """sacreBLEU corpus BLEU (0–100) of detokenised ``hypotheses`` against one reference each."""
-    import sacrebleu
+    sacrebleu = require("sacrebleu", "BLEU")
 
     if len(hypotheses) != len(references):
         raise ValueError(f"got {len(hypotheses)} hypotheses but {len(references)} references")
@@ -187,7 +188,7 @@ def tokenized_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> floa
     case-sensitive), its numbers are not comparable across tokenisations — report it beside
     sacreBLEU, as a bridge to fairseq-era papers.
     """
-    import sacrebleu
+    sacrebleu = require("sacrebleu", "BLEU")
 
     if len(hypotheses) != len(references):
         raise ValueError(f"got {len(hypotheses)} hypotheses but {len(references)} references")

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from .._optional import require
 from .base import DataBundle, TokenCollate
 
 __all__ = [
@@ -34,7 +35,9 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int, *, min_frequency: int = 2, lowercase: bool = True):
     """A BPE ``tokenizers.Tokenizer`` with at most ``vocab_size`` tokens, learned on ``texts``."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    tok = require("tokenizers", "the text datasets' tokenizer")
+    Tokenizer, decoders, models = tok.Tokenizer, tok.decoders, tok.models
+    normalizers, pre_tokenizers, trainers = tok.normalizers, tok.pre_tokenizers, tok.trainers
 
     if vocab_size < len(SPECIAL_TOKENS) + 1:
         raise ValueError(f"vocab_size must be > {len(SPECIAL_TOKENS)}, got {vocab_size}")

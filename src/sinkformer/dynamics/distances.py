@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .._optional import require
 from .._validation import check_tensor
 from ._linalg import f64, sym_inv_sqrt, sym_sqrt
 
@@ -48,7 +49,7 @@ def w2_particles(x: Tensor, y: Tensor, wx: Tensor | None = None, wy: Tensor | No
 
     ``x (n, d)``, ``y (m, d)``; weights default to uniform and are normalised.
     """
-    import ot
+    ot = require("ot", "exact Wasserstein distances (POT)")
 
     check_tensor(x, "x", ndim=2, floating=True)
     check_tensor(y, "y", ndim=2, floating=True)

@@ -10,7 +10,7 @@ the throughput ratio of a reference GPU to this CPU on dense float32/TF32 matrix
 by matrix products on both, so this is an estimate within a factor of about 3 (attention on long
 sequences is memory-bound on a GPU and costs relatively more there).
 
-``python -m sinkformer.runs.cost [NAME ...]`` measures and writes ``docs/results/full-cost.json``,
+``python -m sinkformer.runs.cost [NAME ...]`` measures and writes ``sinkformer/runs/measured/full-cost.json``,
 which ``sinkformer experiments`` shows.
 """
 
@@ -33,7 +33,7 @@ __all__ = ["Workload", "measure", "estimate", "cpu_matmul_flops", "GPU_FLOPS", "
 #: The reference GPU's sustained matrix-product throughput (TF32/bf16; about a third of an A100's peak).
 GPU_FLOPS = 100e12
 GPU_NAME = "an A100 sustaining 100 TFLOP/s on matrix products"
-COSTS = Path(__file__).resolve().parents[3] / "docs" / "results" / "full-cost.json"
+COSTS = Path(__file__).resolve().parent / "measured" / "full-cost.json"
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def estimate(name: str, *, time_batch: int = 4, config: dict | None = None) -> d
 
 
 def load_costs() -> dict[str, dict]:
-    """The committed estimates (``docs/results/full-cost.json``), by experiment; empty if absent."""
+    """The committed estimates (``sinkformer/runs/measured/full-cost.json``), by experiment; empty if absent."""
     return json.loads(COSTS.read_text()) if COSTS.is_file() else {}
 
 

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .._optional import require
+
 __all__ = ["markdown_table", "format_number", "render_html", "new_run_dir", "atomic_write"]
 
 
@@ -51,7 +53,7 @@ th{background:#f3f3f3}pre{background:#f6f6f6;padding:.6rem;overflow-x:auto}code{
 def render_html(markdown_text: str, base_dir: str | os.PathLike, title: str) -> str:
     """``markdown_text`` as one self-contained HTML page: PNGs referenced by a path relative to
     ``base_dir`` are embedded as base64 data, so the page can be mailed or opened anywhere."""
-    import markdown  # Python-Markdown, imported lazily (listing experiments stays fast)
+    markdown = require("markdown", "HTML reports")  # imported lazily: listing experiments stays fast
 
     def embed(match: re.Match) -> str:
         path = Path(base_dir) / html.unescape(match.group(2))

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
+from .._optional import require
 from ..data import DataBundle
 from ..training import Callback, TrainConfig, TrainResult, train
 from .registry import Run
@@ -34,7 +34,7 @@ class _EpochBar(Callback):
     """One progress bar per training run, advanced per epoch, showing the latest test metrics."""
 
     def __init__(self, label: str, epochs: int) -> None:
-        self.bar = tqdm(total=epochs, desc=label, unit="epoch", leave=True, dynamic_ncols=True)
+        self.bar = require("tqdm.auto", "progress bars").tqdm(total=epochs, desc=label, unit="epoch", leave=True, dynamic_ncols=True)
 
     def on_epoch_end(self, row: dict[str, Any]) -> None:
         shown = {k: v for k, v in row.items() if k in ("train_loss", "test_acc", "test_bleu")}

@@ -23,6 +23,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from .._optional import require
+
 __all__ = ["SAME", "OPPOSITE", "INCONCLUSIVE", "VERDICTS", "RULE", "Comparison", "paired", "count_verdicts",
            "comparison_table", "record"]
 
@@ -114,8 +116,7 @@ def _verdict(low: float, high: float, higher_is_better: bool, paper_better: bool
 
 def _t_quantile(df: int) -> float:
     """The 0.975 quantile of Student's t with ``df`` degrees of freedom."""
-    from scipy.stats import t
-
+    t = require("scipy.stats", "confidence intervals of verdicts").t
     return float(t.ppf(0.5 + CONFIDENCE / 2, df))
 
 
