@@ -291,32 +291,90 @@ def markdown(rows: list[dict], targets: dict, stamp: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    from sinkformer.plotting import pyplot, save_png
+#: The iteration counts drawn by default (those of the targets); attention.md lists every row.
+DEFAULT_ITERS = (5, 21)
+#: One line style and marker per number of Sinkhorn iterations; the SoftMax methods (no iterations) are solid.
+ITER_STYLES = {1: (":", "v"), 3: ("-.", "^"), 5: ("--", "o"), 21: ((0, (6, 1.5, 1, 1.5, 1, 1.5)), "D")}
+SOFTMAX_STYLE = ("-", "s")
+_EXTRA_STYLES = [((0, (3, 1)), "P"), ((0, (1, 3)), "X"), ((0, (8, 2)), "*")]
+
+
+def iter_style(n_iters: int) -> tuple:
+    """(line style, marker) of a Sinkhorn method run with ``n_iters`` iterations."""
+    if n_iters in ITER_STYLES:
+        return ITER_STYLES[n_iters]
+    return _EXTRA_STYLES[n_iters % len(_EXTRA_STYLES)]
+
+
+def plot(rows: list[dict], path: Path, iters: list[int] | None = None):
+    """Time and peak memory against n: colour = method, line style and marker = n_iters.
+
+    ``iters``: the Sinkhorn iteration counts to draw (default: those of :data:`DEFAULT_ITERS` in
+    ``rows``, else every one). Rows of the one-head long run (b != B) are left out. Returns the
+    (closed) figure.
+    """
+    from matplotlib.lines import Line2D
+
+    from sinkformer.plotting import method_color, pyplot, save_png
 
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    series = [(m, 1) for m in ("sdpa", "naive-softmax")] + [
-        (m, it) for m in ("paper-reference", "ours", "ours-chunked") for it in (5, 21)
-    ]
-    for method, n_iters in series:
-        pts = [r for r in rows if r["method"] == method and r["n_iters"] == n_iters and r["b"] == B and "error" not in r]
-        if not pts:
-            continue
-        label = method if method in SOFTMAX_METHODS else f"{method} ({n_iters} it.)"
-        style = "--" if n_iters == 21 else "-"
-        ns = [r["n"] for r in pts]
-        axes[0].plot(ns, [r["forward_backward_ms"] for r in pts], style, marker="o", label=label)
-        axes[1].plot(ns, [max(r["peak_mib"], 1e-1) for r in pts], style, marker="o", label=label)
-    for ax, title in zip(axes, ["forward+backward time (ms)", "peak memory (MiB)"]):
+    # one colour per method, shared with the other figures (sinkformer.plotting.METHOD_COLORS): SoftMax in
+    # blues (SDPA = the Transformer colour), ours = the Sinkformer colour, chunked red, the paper's code green
+    colors = {m: method_color(m) for m in METHODS}
+    rows = [r for r in rows if r["b"] == B]
+    present = sorted({r["n_iters"] for r in rows if r["method"] not in SOFTMAX_METHODS})
+    if iters is None:
+        iters = [it for it in DEFAULT_ITERS if it in present] or present
+    else:
+        iters = [it for it in iters if it in present]
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+    for method in methods:
+        for n_iters in [1] if method in SOFTMAX_METHODS else iters:
+            pts = sorted((r for r in rows if r["method"] == method and r["n_iters"] == n_iters and "error" not in r),
+                         key=lambda r: r["n"])
+            if not pts:
+                continue
+            style, marker = SOFTMAX_STYLE if method in SOFTMAX_METHODS else iter_style(n_iters)
+            label = method if method in SOFTMAX_METHODS else f"{method}, n_iters={n_iters}"
+            kw = dict(color=colors.get(method, "0.3"), linestyle=style, marker=marker, markersize=5,
+                      linewidth=1.6, label=label)
+            ns = [r["n"] for r in pts]
+            axes[0].plot(ns, [r["forward_backward_ms"] for r in pts], **kw)
+            axes[1].plot(ns, [max(r["peak_mib"], 1e-1) for r in pts], **kw)
+    for ax, title, unit in zip(axes, ["forward+backward time", "peak memory"], ["time (ms)", "peak memory (MiB)"]):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length n")
+        ax.set_ylabel(unit)
         ax.set_title(title)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"Attention, b={B}, h={H}, d={D}, float32, CPU")
+        ax.grid(alpha=0.3, which="both", linewidth=0.5)
+    method_handles = [Line2D([], [], color=colors.get(m, "0.3"), linewidth=3) for m in methods]
+    style_handles, style_labels = [], []
+    if any(m in SOFTMAX_METHODS for m in methods):
+        style_handles.append(Line2D([], [], color="0.2", linestyle=SOFTMAX_STYLE[0], marker=SOFTMAX_STYLE[1]))
+        style_labels.append("SoftMax (no iterations)")
+    for it in iters:
+        style, marker = iter_style(it)
+        style_handles.append(Line2D([], [], color="0.2", linestyle=style, marker=marker))
+        style_labels.append(f"{it} iteration{'s' if it > 1 else ''}")
+    legend = fig.legend(method_handles, methods, title="method (colour)", loc="upper left",
+                        bbox_to_anchor=(1.0, 0.92), fontsize=8.5, title_fontsize=9, frameon=False)
+    fig.legend(style_handles, style_labels, title="n_iters (line style)", loc="upper left",
+               bbox_to_anchor=(1.0, 0.56), fontsize=8.5, title_fontsize=9, frameon=False, handlelength=3.2)
+    fig.add_artist(legend)
+    skipped = sorted({(r["method"], r["n"]) for r in rows if "error" in r and r["method"] in methods
+                      and (r["method"] in SOFTMAX_METHODS or r["n_iters"] in iters)}, key=lambda t: (t[1], t[0]))
+    note = ""
+    if skipped:
+        note = f"\nnot run (would need > {MEMORY_LIMIT_GIB:g} GiB): " + ", ".join(f"{m} at n={n}" for m, n in skipped)
+    shown = ", ".join(str(it) for it in iters)
+    fig.suptitle(f"Attention, b={B}, h={H}, d={D}, float32, CPU, medians; Sinkhorn methods at n_iters = {shown} "
+                 "(every row: attention.md)"
+                 f"{note}", fontsize=10.5)
+    fig.tight_layout()
     save_png(fig, path)
+    return fig
 
 
 def _torch_version() -> str:
@@ -333,8 +391,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS, help="measure only these")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other methods' rows of the existing attention.json (each row keeps its date)")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="measure nothing: redraw OUT/attention.png from the existing OUT/attention.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.plot_only:
+        out = Path(args.out)
+        plot(json.loads((out / "attention.json").read_text())["rows"], out / "attention.png")
+        print(f"written: {out / 'attention.png'}")
+        return 0
     if args.worker:
         config = json.loads(args.worker)
         config.pop("single", None)

@@ -7,7 +7,7 @@ explicit Euler steps. Each step needs the bistochastic Sinkhorn coupling of the 
   :mod:`sinkformer.sinkhorn.streamed` (memory ``O(N * chunk)``, never an ``N x N`` matrix), warm-started from
   the previous step, the averaged symmetric update when ``A`` is symmetric PSD;
 * ``pot``: each step from scratch, ``ot.sinkhorn(a, a, M=-C, reg=1, method="sinkhorn_log")`` on the dense
-  float64 cost matrix (``K_inf = N * plan``, ``FORMULAS.md`` §1.4), then the field ``N * plan @ (x V^T)``.
+  float64 cost matrix (``K_inf = N * plan``, ``docs/theory.md`` §6.4), then the field ``N * plan @ (x V^T)``.
 
 Equal accuracy: both stop at the same marginal tolerance — ours at a relative column error
 :math:`\\max_j|\\sum_i \\pi_{ij}/w_j - 1| \\le` ``tol``, POT at :math:`\\|\\pi^\\top 1 - 1/N\\|_2 \\le` ``tol/sqrt(N)``

@@ -198,23 +198,71 @@ def write_results(rows: list[dict], args: argparse.Namespace, out: Path) -> None
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {fits['memory']:.2f} | {fits['saved']:.2f} | {fits['time']:.2f} |")
     (out / "sparse_memory.md").write_text("\n".join(lines) + "\n")
 
-    from sinkformer.plotting import pyplot, save_png
+    plot(rows, out / "sparse_memory.png", methods=args.methods, config=config)
+    print((out / "sparse_memory.md").read_text())
+
+
+#: Colour, marker and line style per method; colours shared with the other figures
+#: (``sinkformer.plotting.METHOD_COLORS``: vanilla = the Transformer colour, sinkhorn = the
+#: Sinkformer colour). vanilla-sdpa is dashed with open markers, drawn on top: its saved memory
+#: equals local's and would otherwise hide under it.
+STYLES = {
+    "vanilla": dict(marker="o", linestyle="-"),
+    "vanilla-sdpa": dict(marker="o", linestyle="--", markerfacecolor="white", zorder=3),
+    "local": dict(marker="s", linestyle="-"),
+    "sinkhorn": dict(marker="^", linestyle="-"),
+    "sortcut": dict(marker="D", linestyle="-"),
+}
+
+
+def _length_label(n: float, _pos=None) -> str:
+    return f"{n / 1024:g}k" if n >= 1024 else f"{n:g}"
+
+
+def _value_label(y: float, _pos=None) -> str:
+    return f"{y:g}"
+
+
+def plot(rows: list[dict], path: Path, methods=None, config: dict | None = None):
+    """Peak memory, saved memory and time against length, one colour and marker per method.
+
+    Returns the (closed) figure.
+    """
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    from sinkformer.plotting import method_color, pyplot, save_png
 
     plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
-    for m in args.methods:
-        pts = [r for r in measured if r["method"] == m]
+    measured = [r for r in rows if "peak_mib" in r]
+    methods = [m for m in (methods or METHODS) if any(r["method"] == m for r in measured)]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    for m in methods:
+        pts = sorted((r for r in measured if r["method"] == m), key=lambda r: r["length"])
         for ax, key in zip(axes, ("peak_mib", "saved_mib", "seconds")):
-            if pts:
-                ax.loglog([p["length"] for p in pts], [max(p[key], 1e-3) for p in pts], "o-", label=m, base=2)
-    for ax, what in zip(axes, ("peak memory rise (MiB)", "memory kept for backward (MiB)", "time (s)")):
-        ax.set_xlabel("sequence length")
-        ax.set_ylabel(what)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend()
-    fig.suptitle("Self-attention forward + backward vs length (CPU)")
-    save_png(fig, out / "sparse_memory.png")
-    print((out / "sparse_memory.md").read_text())
+            ax.plot([p["length"] for p in pts], [max(p[key], 1e-3) for p in pts], label=m, markersize=5,
+                    linewidth=1.6, color=method_color(m), **STYLES.get(m, {}))
+    titles = ("peak memory rise", "memory kept for the backward pass", "time of one forward + backward")
+    units = ("peak memory rise (MiB)", "saved memory (MiB)", "time (s)")
+    for ax, title, unit in zip(axes, titles, units):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(_length_label))
+        ax.yaxis.set_major_locator(LogLocator(base=10))
+        ax.yaxis.set_major_formatter(FuncFormatter(_value_label))
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3, linewidth=0.5)
+    fig.legend(*axes[0].get_legend_handles_labels(), title="method", loc="upper left", bbox_to_anchor=(1.0, 0.9),
+               frameon=False, fontsize=9)
+    detail = ""
+    if config:
+        detail = (f": batch {config.get('batch')}, {config.get('heads')} head(s) of dimension {config.get('head_dim')}, "
+                  f"blocks of {config.get('block_size')}, SortCut budget {config.get('budget')} blocks")
+    fig.suptitle(f"Self-attention, one forward + backward pass vs sequence length, CPU{detail} (log-log)", fontsize=11)
+    fig.tight_layout()
+    save_png(fig, path)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,7 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--plot-only", action="store_true",
+                        help="measure nothing: redraw OUT/sparse_memory.png from the existing OUT/sparse_memory.json")
     args = parser.parse_args(argv)
+    if args.plot_only:
+        payload = json.loads((args.out / "sparse_memory.json").read_text())
+        plot(payload["rows"], args.out / "sparse_memory.png", config=payload.get("config"))
+        print(f"written: {args.out / 'sparse_memory.png'}")
+        return 0
     if args.worker:
         print(json.dumps(worker(args.worker[0], int(args.worker[1]), args)))
         return 0

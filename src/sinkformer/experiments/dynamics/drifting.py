@@ -3,7 +3,7 @@ r"""Castin et al., Appendix B, Figure 5: Gaussian drifting-model paths toward ro
 The drifting velocity :math:`v_t = m_q - m_{p_t}` (mean-shift fields of the target :math:`q` and the current
 :math:`p_t`, unit-bandwidth Gaussian kernel, i.e. the L2 attention field with :math:`Q = K = V = I`) keeps Gaussians
 Gaussian: :math:`\dot\mu = (I+S_q)^{-1}(\mu_q - \mu)` and :math:`\dot S = LS + SL`, :math:`L = (I+S)^{-1} - (I+S_q)^{-1}`
-(``FORMULAS.md`` §4). A fixed anisotropic start is driven toward targets whose principal axes rotate along
+(``docs/theory.md`` §9). A fixed anisotropic start is driven toward targets whose principal axes rotate along
 a quarter circle; the covariance paths are drawn as ellipses along the path (common scale), for two
 anisotropies. One path is checked against particles (both :math:`p_t` and :math:`q` represented by samples).
 """
@@ -78,7 +78,7 @@ def run(ctx: Run) -> None:
     cov0 = torch.diag(torch.tensor([2.0, 0.5], dtype=D64))  # fixed anisotropic start
     angles = [i * (math.pi / 2) / (cfg["n_targets"] - 1) for i in range(cfg["n_targets"])]
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(cfg["anisotropies"]), figsize=(8.5 * len(cfg["anisotropies"]), 6.2))
+    fig, axes = plt.subplots(1, len(cfg["anisotropies"]), figsize=(8.5 * len(cfg["anisotropies"]), 5.1))
     from matplotlib import colormaps
 
     cmap = colormaps["viridis"]
@@ -94,16 +94,17 @@ def run(ctx: Run) -> None:
         for j in range(len(angles)):
             for col, i in enumerate(samples):
                 xs, ys = _ellipse(out.cov[i, j], (2.6 * col, -2.6 * j), 0.55)
-                ax.plot(xs, ys, color=cmap(col / (len(samples) - 1)), lw=1.5)
+                ax.plot(xs, ys, color=cmap(0.85 * col / (len(samples) - 1)), lw=1.5)  # no pale yellow
             xs, ys = _ellipse(targets[j], (2.6 * (len(samples) + 0.3), -2.6 * j), 0.55)
             ax.plot(xs, ys, "r--", lw=1.5)
-            ax.text(-1.8, -2.6 * j, f"{math.degrees(angles[j]):.0f}°", ha="right", va="center", fontsize=9)
-        times = ", ".join(f"{float(out.times[i]):.1f}" for i in samples)
         ax.set_aspect("equal")
-        ax.set_title(f"anisotropy {ratio:g}: rows = target angle, left to right t = {times}; red dashed: target\n"
-                     f"(start diag(2, 0.5); largest final error {final_err:.1e})", fontsize=9)
-        ax.set_xticks([])
-        ax.set_yticks([])
+        ax.set_title(f"anisotropy {ratio:g} (start diag(2, 0.5); largest final error {final_err:.1e})", fontsize=10.5)
+        ax.set_xticks([2.6 * col for col in range(len(samples))] + [2.6 * (len(samples) + 0.3)],
+                      [f"{float(out.times[i]):.1f}" for i in samples] + ["target"])
+        ax.set_yticks([-2.6 * j for j in range(len(angles))], [f"{math.degrees(a):.0f}°" for a in angles])
+        ax.tick_params(length=0)
+        ax.set_xlabel("time t along the path (red dashed: the target)")
+        ax.set_ylabel("target rotation angle")
     fig.suptitle("Drifting model with a Gaussian kernel: covariance paths S(t) toward rotated targets")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     ctx.save_figure(fig, "drifting")

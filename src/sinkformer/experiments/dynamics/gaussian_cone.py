@@ -106,16 +106,26 @@ def figure_cone(results: dict, names: list[str], line_dir: torch.Tensor):
             ax.scatter(*pts[-1, b].numpy(), color=colors[b], s=6)
         scale = float(pts[..., 2].max())
         _cone_surface(ax, scale)
+        title = name
         if "rank 1" in name:
             c = torch.linspace(0, scale, 20, dtype=D64)
-            ax.plot(*(line_dir[:, None] * c).numpy(), color="k", lw=1.5, label="uuᵀ, u ⊥ q")
-            ax.legend(fontsize=8, loc="upper left")
+            ax.plot(*(line_dir[:, None] * c).numpy(), color="k", lw=1.5)
+            title += "\nblack line: uuᵀ, u ⊥ q"
         ax.view_init(elev=20, azim=-60)
-        ax.set_xlabel("a − b")
-        ax.set_ylabel("2c")
-        ax.set_zlabel("a + b")
-        ax.set_title(name, fontsize=10)
-    fig.suptitle("Covariance trajectories in the PSD cone (coordinates (a−b, 2c, a+b); dots: final points)")
+        # few ticks: the default ones run into each other on the 3-D axes
+        lim = float(pts[..., :2].abs().max())
+        tick = math.floor(2 * lim) / 2 if lim >= 0.5 else round(lim, 1)
+        ticks = [-tick, 0.0, tick] if tick > 0 else [0.0]
+        ax.set_xticks(ticks)
+        ax.set_yticks(ticks)
+        ax.set_zticks([0.0, round(scale / 2, 2), round(scale, 2)] if scale > 0 else [0.0])
+        ax.tick_params(labelsize=8, pad=0)
+        ax.set_xlabel("a − b", labelpad=2)
+        ax.set_ylabel("2c", labelpad=2)
+        ax.set_zlabel("a + b", labelpad=2)
+        ax.set_title(title, fontsize=10)
+    fig.suptitle("Covariance trajectories [[a, c], [c, b]] in the PSD cone, coordinates (a−b, 2c, a+b)\n"
+                 "colour: the starting value of 2c; dots: final points", fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     return fig
 
@@ -139,7 +149,8 @@ def figure_disk(results: dict, names: list[str]):
         ax.axis("off")
         r = results[name]
         ax.set_title(f"{name}\nblown up: {r['blown_up']}/{r['n']}, median t: {r['median_blowup']:.3g}", fontsize=9)
-    fig.suptitle("Diverging covariances, normalised Σ/tr Σ in the trace-1 disk (boundary circle = rank 1)")
+    fig.suptitle("Diverging covariances, normalised Σ/tr Σ in the trace-1 disk (boundary circle = rank 1); "
+                 "colour: starting height in the disk, dots: last points")
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     return fig
 

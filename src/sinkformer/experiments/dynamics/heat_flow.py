@@ -2,7 +2,7 @@ r"""Agarwal et al., "Pretrained Transformers are Heat Flows": Sinkhorn attention
 
 With :math:`A = I/\varepsilon`, :math:`V = -I`, one Sinkformer layer is the Schrödinger-bridge step
 :math:`T(x) = 2x - B_{\rho,\varepsilon}(x)` and :math:`T/\varepsilon` layers approximate the heat flow
-:math:`\partial_t\rho = \tfrac12\Delta\rho`, i.e. :math:`\mathcal N(m, S) \mapsto \mathcal N(m, S + tI)` (``FORMULAS.md`` §5).
+:math:`\partial_t\rho = \tfrac12\Delta\rho`, i.e. :math:`\mathcal N(m, S) \mapsto \mathcal N(m, S + tI)` (``docs/theory.md`` §10).
 This experiment measures, against :math:`\varepsilon` (log-log, fitted slopes):
 
 * one step: :math:`W_2(\mathrm{SB}, \mathrm{heat}) = O(\varepsilon^3)` and :math:`W_2(\mathrm{SB}, \mathrm{EE}) = O(\varepsilon^2)`, EE the
@@ -104,7 +104,7 @@ def figure(eps_one, eps_multi, gauss, eps_p_one, eps_p_multi, parts, n, sizes, f
     ax = axes[1]
     ax.loglog(eps_multi, gauss["multi"], "o-", color="tab:blue",
               label=f"Gaussian (slope {fit_slope(eps_multi, gauss['multi']):.2f})")
-    ax.loglog(eps_multi, gauss["pred_multi"], "--", color="tab:blue", lw=1, label="leading term (FORMULAS §5)")
+    ax.loglog(eps_multi, gauss["pred_multi"], "--", color="tab:blue", lw=1, label="leading term (docs/theory.md §10)")
     ax.loglog(eps_p_multi, parts["multi"], "D", color="tab:red", ms=7, label=f"{n} particles (POT)")
     ax.axhline(parts["still_multi"], ls=":", color="tab:red", label=f"{n} particles that do not move")
     ax.set(xlabel="ε (T/ε layers, T = 1)", ylabel="W₂ to the heat flow at T", title="T/ε Sinkformer layers vs the heat flow")
@@ -191,12 +191,12 @@ step T(x) = 2x − B(x); the heat flow is ∂ₜρ = ½Δρ, ρₜ = N(m, S + tI
 **Poster.** The SB step is an o(ε) approximation of the explicit Euler step
 (lim ε⁻¹W₂(S¹_ε, SB¹_ε) = 0, C(ε) = O(ε²) for Gaussians) and its iterates converge to the heat flow.
 
-**This run.** Exact Gaussian computations give the orders of `FORMULAS.md` §5: one SB step is third-order
+**This run.** Exact Gaussian computations give the orders of `docs/theory.md` §10: one SB step is third-order
 close to the exact heat flow and second-order close to the explicit Euler step (so W₂(SB, EE)/ε → 0 as the
 poster states, at rate ε, not the poster's sharper ε² which is stated for a surrogate σ_ε we do not
 have); T/ε steps reach the heat flow at T with error O(ε²), with the predicted constants.
 With {cfg['n_particles']} particles the Sinkhorn step on the empirical measure carries a sampling bias (growing
-like ε^(−d/2)/√N, `FORMULAS.md` §9) far above ε³. The particle distances sit on a floor that is nearly flat
+like ε^(−d/2)/√N, `docs/theory.md` §14) far above ε³. The particle distances sit on a floor that is nearly flat
 in ε (slope {slopes['particles_one_step']:.2f}) instead of showing the Gaussian orders, and that floor is sampling error:
 it falls with N (slope {slopes['particle_floor_vs_n']:.2f} against log N; last row, third panel). Above the floor the particles do diffuse like the heat flow: after T/ε layers they are at
 W₂ ≈ {min(parts['multi']):.2f} from ρ_T, against {parts['still_multi']:.2f} for particles that do not move. As ε → 0 at fixed N the

@@ -25,7 +25,7 @@ import torch
 from ...dynamics import gaussian as G
 from ...dynamics import simulate
 from ...dynamics.distances import conditional_w2
-from ...plotting import pyplot
+from ...plotting import SINKFORMER_COLOR, TRANSFORMER_COLOR, pyplot
 from ...runs import Run, register
 
 __all__ = ["setup", "gaussian_errors", "masked_errors", "fit_slope", "run"]
@@ -43,7 +43,7 @@ def fit_slope(ns: list[int], errs: list[float]) -> float:
 def setup(seed: int):
     """Parameters (entries N(0, 0.3^2), d = 2) and the initial Gaussian.
 
-    Milder than ``FORMULAS.md``'s s = 0.5: the Softmax importance weights exp(<Ax, y>) are then light-tailed
+    Milder than the default s = 0.5 of ``docs/theory.md`` §5: the Softmax importance weights exp(<Ax, y>) are then light-tailed
     enough for N <= 3000 to be in the N^(-1/2) regime (with s = 0.5 the Softmax error plateaus near 7%).
     """
     g = torch.Generator().manual_seed(seed)
@@ -119,7 +119,7 @@ def run(ctx: Run) -> None:
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    colors = {"softmax": "tab:blue", "l2": "tab:green", "sinkhorn": "tab:red"}
+    colors = {"softmax": TRANSFORMER_COLOR, "l2": "tab:green", "sinkhorn": SINKFORMER_COLOR}
     slopes = {}
     for kind, (ns, path, covs) in curves.items():
         slopes[kind] = {"pathwise": fit_slope(ns, path), "covariance": fit_slope(ns, covs)}

@@ -79,18 +79,18 @@ def figure(hists: dict, dims: list[int], kind_label: str):
             ax = axes[row, col]
             counts = hists[(v_kind, d)]
             ax.bar(range(d + 1), counts, color="tab:blue", width=0.8)
-            ax.axvline(d - d // 2 + 0.5, color="tab:red", ls="--", lw=1, label="d − rank A")
+            ax.axvline(d - d // 2 + 0.5, color="tab:red", ls="--", lw=1, label="rank ≤ d − rank A to its left (proved for V = I)")
             ax.set_xticks(range(d + 1))
             if row == 0:
                 ax.set_title(f"dim = {d}")
             if row == 1:
                 ax.set_xlabel("rank of the limit")
             if col == 0:
-                ax.set_ylabel("V identity" if v_kind == "identity" else "V random")
-            if row == 0 and col == 0:
-                ax.legend(fontsize=8)
-    fig.suptitle(f"{kind_label}: ranks of limiting covariances (A = −QᵀQ of rank ⌊d/2⌋)")
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
+                ax.set_ylabel(f"{'V identity' if v_kind == 'identity' else 'V random'}\nnumber of draws")
+    fig.suptitle(f"{kind_label}: ranks of limiting covariances (A = −QᵀQ of rank ⌊d/2⌋)", y=0.99)
+    fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, 0.945),
+               fontsize=8.5, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.925))
     return fig
 
 
@@ -158,7 +158,7 @@ eigenvalues that stopped decaying (λ(T)/λ(T/2) > 0.75; collapsing ones decay l
 **Paper.** Limiting covariances have low rank: at most d − rank(A) = ⌈d/2⌉, proved for V = I (Prop. 2)
 and observed for random V, for Softmax (Fig. 4) and L2 (Fig. 11).
 
-**This run.** For V = I the closed-form Riccati limit U(UᵀΣ₀⁻¹U)⁻¹Uᵀ (`FORMULAS.md` §3) has rank exactly
+**This run.** For V = I the closed-form Riccati limit U(UᵀΣ₀⁻¹U)⁻¹Uᵀ (`docs/theory.md` §8) has rank exactly
 d − ⌊d/2⌋ for {', '.join(f'{closed_ranks[d]}/{n}' for d in dims)} samples (d = {', '.join(map(str, dims))}); the integrated
 Softmax and L2 limits match it {'in every case' if soft_id else 'except where the smallest retained eigenvalue is below what T = ' + format(cfg['horizon'], 'g') + ' resolves (the smallest one over the samples is ' + ', '.join(f'{smallest[d]:.1e}' for d in dims) + ' for d = ' + ', '.join(map(str, dims)) + '; the collapsing ones are still ~1/(2|a|T))'}. Over all rows,
 {within_all}/{total} limits of the non-diverging samples respect the bound. With random V some samples

@@ -1,7 +1,7 @@
 r"""Castin et al., Figure 1: the Riccati covariance of Softmax attention on Gaussians (d = 1, 2).
 
 With :math:`V = I` and symmetric :math:`A`, a Gaussian stays Gaussian and
-:math:`\Sigma(t) = (\Sigma_0^{-1} - 2tA)^{-1}` (``FORMULAS.md`` §3): if :math:`A \prec 0` the covariance shrinks to
+:math:`\Sigma(t) = (\Sigma_0^{-1} - 2tA)^{-1}` (``docs/theory.md`` §8): if :math:`A \prec 0` the covariance shrinks to
 0 (the tokens cluster), if :math:`A` has a positive eigenvalue the largest eigenvalue blows up at
 :math:`t^* = 1/(2\lambda_{\max}(\Sigma_0^{1/2}A\Sigma_0^{1/2}))`. Each case is computed three ways: the closed
 form, the moment ODE integrated by :func:`sinkformer.dynamics.gaussian.flow` (RK4), and ``N`` particles
@@ -152,7 +152,7 @@ errors are those of the empirical covariance) follow the closed form up to Monte
 the tilted measures stay well sampled: in the convergent cases to the end, in the blow-up cases
 half-way. Close to t* they lag behind: the Softmax weights exp(⟨Ax, y⟩) of a query in the tail
 need keys further out than {cfg['n_particles']} samples reach (the self-normalised importance error grows
-like exp(xᵀAΣAx/2), `FORMULAS.md` §8), and a finite particle system cannot
+like exp(xᵀAΣAx/2), `docs/theory.md` §13), and a finite particle system cannot
 blow up in finite time at all. The mean-field limit holds on [0, T] for every T < t*, not
 uniformly up to t*.
 """)

@@ -10,7 +10,7 @@ temperature :math:`\varepsilon`, the rescaled maps
 
 have limits as :math:`\varepsilon\to0`. The paper's Theorem 1 states :math:`\bar T^\infty \to -\nabla\rho/\rho`, i.e. the heat
 equation :math:`\partial_t\rho = \Delta\rho`; the Gaussian closed form and the particles give
-:math:`-\tfrac12\nabla\log\rho`, i.e. :math:`\partial_t\rho = \tfrac12\Delta\rho` (``FORMULAS.md`` §5, §7), for every :math:`A`.
+:math:`-\tfrac12\nabla\log\rho`, i.e. :math:`\partial_t\rho = \tfrac12\Delta\rho` (``docs/theory.md`` §10, §12), for every :math:`A`.
 The SoftMax (L2) map tends to :math:`-(q/k)\,(\rho'/\rho)((q/k)x)` (Proposition 4): a nonlinear, nonlocal PDE,
 which is the heat equation :math:`\partial_t\rho = \Delta\rho` only when :math:`q = k`.
 
@@ -26,7 +26,7 @@ import torch
 
 from ...dynamics import ParticleField, integrate
 from ...dynamics import heat as H
-from ...plotting import pyplot
+from ...plotting import SINKFORMER_COLOR, TRANSFORMER_COLOR, pyplot
 from ...runs import Run, register
 
 __all__ = ["SYSTEMS", "mixture_quantiles", "w2_to_mixture", "simulate_system", "run"]
@@ -82,7 +82,7 @@ def _density(grid: torch.Tensor, var: float) -> torch.Tensor:
 @register(
     "sinkformer-diffusion",
     description="eps-rescaled Sinkhorn attention spreads like the heat equation with factor 1/2; SoftMax does not",
-    paper="Sinkformers (Sander et al. 2022), Theorem 1 vs Proposition 4; FORMULAS.md §7",
+    paper="Sinkformers (Sander et al. 2022), Theorem 1 vs Proposition 4; docs/theory.md §12",
     quick_minutes=0.06,
     full_minutes=5.0,
     defaults={"n_particles": 1000, "eps": 0.1, "t1": 0.5, "steps": 20, "seed": 0},
@@ -119,7 +119,8 @@ def run(ctx: Run) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     ax = axes[0]
-    colors = ["tab:blue", "tab:cyan", "tab:red", "tab:orange"]
+    # Sinkhorn in the Sinkformer colours (orange, dark orange), SoftMax in the Transformer ones (blue, light blue)
+    colors = [SINKFORMER_COLOR, "#a63603", TRANSFORMER_COLOR, "#6baed6"]
     for (name, r), c in zip(results.items(), colors):
         v = r["traj"].positions[..., 0].var(-1, unbiased=False)
         ax.plot(r["traj"].times.numpy(), v.numpy(), "o-", ms=3, color=c,
@@ -132,12 +133,16 @@ def run(ctx: Run) -> None:
     ax.legend(fontsize=7)
     grid = torch.linspace(-4.5, 4.5, 400, dtype=D64)
     for ax, names in zip(axes[1:], (list(SYSTEMS)[:2], list(SYSTEMS)[2:])):
-        for name, c in zip(names, colors[:2] if "Sinkhorn" in names[0] else colors[2:]):
-            ax.hist(results[name]["traj"].final[:, 0].numpy(), bins=60, density=True, alpha=0.35, color=c, label=name)
+        sink = "Sinkhorn" in names[0]
+        for k_, (name, c) in enumerate(zip(names, colors[:2] if sink else colors[2:])):
+            # first system filled, second as an outline: both stay visible where they overlap
+            style = dict(alpha=0.35, histtype="stepfilled") if k_ == 0 else dict(histtype="step", lw=1.5)
+            ax.hist(results[name]["traj"].final[:, 0].numpy(), bins=60, density=True, color=c, label=name, **style)
         ax.plot(grid, _density(grid, VAR0), color="gray", lw=1, label="ρ₀")
         ax.plot(grid, _density(grid, var_half), "k--", lw=2, label="heat ½Δ at T")
         ax.plot(grid, _density(grid, var_one), "k:", lw=2, label="heat Δ at T")
-        ax.set(xlabel="x", title=f"particles at T = {t1}")
+        ax.set(xlabel="x", ylabel="density",
+               title=f"{'Sinkhorn (Sinkformer)' if sink else 'SoftMax (Transformer)'}: particles at T = {t1}")
         ax.legend(fontsize=7)
     fig.suptitle("Sinkformer (Thm 1) vs Transformer (Prop. 4) PDE: ε-rescaled attention on a two-bump density (d = 1)")
     fig.tight_layout(rect=(0, 0, 1, 0.94))
@@ -162,7 +167,7 @@ is at W₂ = {baseline:.3f} from ρ₀).
 {rows}
 
 **The factor ½.** Sinkformers Theorem 1 states T̄^∞_ε → −∇ρ/ρ, i.e. the heat equation ∂ₜρ = Δρ. Under the
-paper's own definitions the limit is −½∇log ρ, i.e. **∂ₜρ = ½Δρ** (`FORMULAS.md` §7, in agreement with the
+paper's own definitions the limit is −½∇log ρ, i.e. **∂ₜρ = ½Δρ** (`docs/theory.md` §12, in agreement with the
 heat-flow poster's "(1/ε)(B − I) approximates ½∇log ρ"). This run shows it: the Sinkhorn particles spread with
 D = {sk['diffusion_coefficient']:.3f} (D = 1 would be Theorem 1 as printed) and sit at W₂ = {sk['w2_to_half_heat']:.3f} from the
 ½Δ solution against {sk['w2_to_unit_heat']:.3f} from the Δ one. The Gaussian closed form of the same map gives

@@ -27,6 +27,7 @@ import torch
 
 from ...data import DataBundle, get_dataset, load_dataset
 from ...models import build_model
+from ...plotting import SINKFORMER_COLOR, TRANSFORMER_COLOR
 from ...runs import Run
 from ...runs.verdicts import Comparison, paired, record
 from ...training import TrainConfig
@@ -37,7 +38,7 @@ __all__ = [
 ]
 
 TRANSFORMER, SINKFORMER = "Transformer", "Sinkformer"
-COLORS = {TRANSFORMER: "tab:blue", SINKFORMER: "tab:orange"}
+COLORS = {TRANSFORMER: TRANSFORMER_COLOR, SINKFORMER: SINKFORMER_COLOR}  # the same in every figure
 
 
 def variant(n_iters: int) -> tuple[str, int]:

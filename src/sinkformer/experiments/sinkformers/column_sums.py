@@ -22,8 +22,8 @@ PCT on ModelNet40 (``--data``: a folder holding ``MNIST/`` (the four IDX files),
 from __future__ import annotations
 
 import torch
-from safetensors.torch import load_file
 
+from ..._optional import require
 from ...plotting import pyplot
 from ...runs import Run, fit, markdown_table, register
 from ...runs.cost import Workload, images, points, translation
@@ -68,6 +68,7 @@ def _train_panel(ctx: Run, index: int, panel: dict, seed: int):
     folder = ctx.out_dir / "training" / f"panel{index + 1}-{panel['model']}-{panel['dataset']}"
     result = fit(model, data, train_options, seed=seed, ctx=ctx, label=panel["title"], out_dir=folder,
                  panel=panel["title"], model=panel["model"])
+    load_file = require("safetensors.torch", "reading recorded attention").load_file
     sums = [relative(load_file(str(folder / "attention" / f"epoch_{e + 1:04d}.safetensors")))
             for e in range(len(result.history))]  # recorded on the first batch of epoch e + 1 = after e epochs
     inputs, _ = data.collate([data.train[i] for i in range(min(config.batch_size, len(data.train)))])
@@ -93,7 +94,8 @@ def _figure(panels: list[dict], outcomes: list[tuple]):
         bins = torch.linspace(0, 3, 61).tolist()
         for e in shown:
             values = sums[e].clamp(0, 3).tolist()
-            hist_ax.hist(values, bins=bins, density=True, histtype="step", lw=2, color=cmap(e / max(last, 1)),
+            color = cmap(0.85 * e / max(last, 1))  # viridis up to 0.85: its last yellows are unreadable on white
+            hist_ax.hist(values, bins=bins, density=True, histtype="step", lw=2, color=color,
                          label=f"after {e} epoch{'s' if e != 1 else ''}")
         hist_ax.hist(shuffled.clamp(0, 3).tolist(), bins=bins, density=True, histtype="step", lw=1.5, ls="--",
                      color="k", label=f"after {last}, rows shuffled")

@@ -29,6 +29,8 @@ from ...runs import Run, fit, markdown_table, register
 from ...runs.cost import Workload, points
 from ...runs.verdicts import paired
 from ._common import (
+    COLORS,
+    TRANSFORMER,
     build,
     compare,
     describe,
@@ -48,10 +50,13 @@ def _figure(curves: dict[int, list[list[dict]]], dataset: str):
     """Figure 3: test error and training loss per epoch, one colour per number of iterations."""
     plt = pyplot()
     fig, (err_ax, loss_ax) = plt.subplots(1, 2, figsize=(12.5, 4.3))
-    cmap = plt.get_cmap("viridis")
+    # the Set Transformer in the Transformer colour, the Set Sinkformers in oranges (darker: more iterations)
+    cmap = plt.get_cmap("Oranges")
     keys = sorted(curves)
-    for i, n_iters in enumerate(keys):
-        color = cmap(i / max(len(keys) - 1, 1))
+    sink = [k for k in keys if k != 1]
+    for n_iters in keys:
+        shade = 0.4 + 0.55 * sink.index(n_iters) / max(len(sink) - 1, 1) if n_iters != 1 else 0.0
+        color = COLORS[TRANSFORMER] if n_iters == 1 else cmap(shade)
         label = "Set Transformer" if n_iters == 1 else f"Set Sinkformer, {n_iters} it."
         epochs, median, _, _ = median_curve(curves[n_iters], "test_acc")
         err_ax.plot(epochs, [100 * (1 - v) for v in median], color=color, lw=2, label=label)

@@ -20,7 +20,10 @@ from ...runs import Run, register
 from ...sinkhorn import sinkhorn
 from ._common import finding
 
-__all__ = ["NormalizationsResult", "compute", "format_table", "figure", "plot", "run", "LINK_THRESHOLD"]
+__all__ = [
+    "NormalizationsResult", "compute", "format_table", "figure", "plot", "run", "link_styles",
+    "LINK_THRESHOLD", "LINK_WIDTH", "LINK_ALPHA",
+]
 
 #: Links below this weight are not drawn (as in the paper's figure).
 LINK_THRESHOLD = 1e-12
@@ -91,26 +94,92 @@ def format_table(result: NormalizationsResult) -> str:
     return "\n".join(lines)
 
 
+#: Line width (points) and opacity of a link, from the faintest (K_ij -> 0) to the panel's largest entry.
+#: Both are linear in K_ij / max K of the panel; the floors keep every link >= LINK_THRESHOLD visible.
+LINK_WIDTH = (0.35, 2.2)
+LINK_ALPHA = (0.18, 0.7)
+LINK_COLOR = "#1f3b73"
+
+
+def link_styles(K: torch.Tensor) -> tuple[list[tuple[int, int]], list[float], list[float]]:
+    """The links of ``K`` drawn in the figure, lightest first: ``(pairs, widths, alphas)``.
+
+    Every entry ``K_ij >= LINK_THRESHOLD`` is a link; its width and opacity are linear in
+    ``K_ij / max K`` (per panel) between the floors and ceilings of :data:`LINK_WIDTH` and
+    :data:`LINK_ALPHA`, so every panel uses the same scale relative to its own largest entry.
+    """
+    W = (K / K.max()).clamp(0.0, 1.0)
+    ii, jj = (K >= LINK_THRESHOLD).nonzero(as_tuple=True)
+    order = W[ii, jj].argsort(stable=True)  # heavy links on top
+    pairs = [(int(ii[o]), int(jj[o])) for o in order]
+    w = [float(W[i, j]) for i, j in pairs]
+    widths = [LINK_WIDTH[0] + (LINK_WIDTH[1] - LINK_WIDTH[0]) * x for x in w]
+    alphas = [LINK_ALPHA[0] + (LINK_ALPHA[1] - LINK_ALPHA[0]) * x for x in w]
+    return pairs, widths, alphas
+
+
+def _draw_panel(ax, q, k, pairs, widths, alphas, marker_size: float) -> None:
+    from matplotlib.collections import LineCollection
+    from matplotlib.colors import to_rgba
+
+    segments = [[(q[i, 0], q[i, 1]), (k[j, 0], k[j, 1])] for i, j in pairs]
+    colors = [to_rgba(LINK_COLOR, a) for a in alphas]
+    links = LineCollection(segments, linewidths=widths, colors=colors, capstyle="round", zorder=1)
+    links.set_gid("links")
+    ax.add_collection(links)
+    ax.scatter(q[:, 0], q[:, 1], s=marker_size, color="tab:green", edgecolor="white", linewidth=0.5,
+               label=r"queries $W_Q x_i$", zorder=3)
+    ax.scatter(k[:, 0], k[:, 1], s=marker_size, color="tab:red", marker="s", edgecolor="white", linewidth=0.5,
+               label=r"keys $W_K x_j$", zorder=3)
+
+
 def figure(result: NormalizationsResult):
-    """The three panels (line width proportional to K_ij, links >= 1e-12) as a matplotlib figure."""
+    """The three panels as a matplotlib figure.
+
+    Each link ``K_ij >= 1e-12`` is a line whose width and opacity grow linearly with
+    ``K_ij / max K`` of its panel (see :func:`link_styles`); an inset zooms on the cloud where
+    the queries and the near keys overlap.
+    """
     plt = pyplot()
-    titles = {"K0": r"$K^0$", "K1": r"$K^1$ (SoftMax)", "Kinf": r"$K^\infty$ (Sinkhorn)"}
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4.4))
+    titles = {"K0": r"$K^0 = e^{C}$", "K1": r"$K^1$ = SoftMax$(C)$", "Kinf": r"$K^\infty$ = Sinkhorn$(C)$"}
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.9))
     q, k = result.queries.numpy(), result.keys.numpy()
+    pts = torch.cat([result.queries, result.keys])
+    lo, hi = pts.min(0).values.numpy(), pts.max(0).values.numpy()
+    span = hi - lo
+    # room in the lower right for the zoom inset (the links run along the other diagonal)
+    xlim = (lo[0] - 0.06 * span[0], hi[0] + 0.06 * span[0])
+    ylim = (lo[1] - 0.08 * span[1], hi[1] + 0.08 * span[1])
+    near = torch.cat([result.queries, result.keys[(result.keys - result.queries.mean(0)).norm(dim=1) < 2.0]])
+    zlo, zhi = near.min(0).values.numpy(), near.max(0).values.numpy()
+    pad = 0.12 * float(max(zhi - zlo))
     for ax, (name, K) in zip(axes, result.matrices.items()):
-        W = (K / K.max()).numpy()
-        for i, j in zip(*(K >= LINK_THRESHOLD).nonzero(as_tuple=True)):
-            i, j = int(i), int(j)
-            ax.plot([q[i, 0], k[j, 0]], [q[i, 1], k[j, 1]], color="0.25", lw=0.2 + 4.0 * W[i, j], alpha=0.8, zorder=1)
-        ax.scatter(q[:, 0], q[:, 1], s=40, color="tab:green", label=r"$W_Q x_i$", zorder=2)
-        ax.scatter(k[:, 0], k[:, 1], s=40, color="tab:red", label=r"$W_K x_j$", zorder=2)
-        n_links = int((K >= LINK_THRESHOLD).sum())
-        ax.set_title(f"{titles[name]} — {n_links} links")
+        pairs, widths, alphas = link_styles(K)
+        _draw_panel(ax, q, k, pairs, widths, alphas, marker_size=36)
+        ax.set_xlim(*xlim)
+        ax.set_ylim(*ylim)
         ax.set_aspect("equal")
         ax.set_xticks([])
         ax.set_yticks([])
-    axes[0].legend(loc="lower right", fontsize=8)
-    fig.suptitle("Normalisations of the attention matrix (line width ∝ $K_{ij}$, links ≥ 1e-12)")
+        keys_used = int((K >= LINK_THRESHOLD).any(0).sum())
+        ax.set_title(f"{titles[name]}\n{len(pairs)} links, {keys_used} of {K.shape[1]} keys reached, "
+                     f"max $K_{{ij}}$ = {K.max().item():.3g}", fontsize=10.5)
+        inset = ax.inset_axes([0.56, 0.03, 0.42, 0.42])
+        _draw_panel(inset, q, k, pairs, widths, alphas, marker_size=22)
+        inset.set_xlim(zlo[0] - pad, zhi[0] + pad)
+        inset.set_ylim(zlo[1] - pad, zhi[1] + pad)
+        inset.set_xticks([])
+        inset.set_yticks([])
+        inset.set_title("zoom", fontsize=8, pad=2)
+        ax.indicate_inset_zoom(inset, edgecolor="0.4", alpha=0.8)
+    axes[0].legend(loc="upper left", fontsize=8.5, framealpha=0.9)
+    fig.suptitle(
+        "Normalisations of the attention matrix, $C_{ij} = \\langle W_Q x_i, W_K x_j\\rangle$. Every link "
+        "$K_{ij} \\geq$ 1e-12 is drawn;\nline width "
+        f"({LINK_WIDTH[0]:g} to {LINK_WIDTH[1]:g} pt) and opacity ({LINK_ALPHA[0]:g} to {LINK_ALPHA[1]:g}) are "
+        "linear in $K_{ij}$ / max $K$ of the panel, the same scale in all three panels",
+        fontsize=11.5,
+    )
     fig.tight_layout()
     return fig
 

@@ -56,7 +56,8 @@ def _figure(histories: dict[str, list[list[dict]]], seconds: dict[str, float], d
     axes[2].set_ylabel("training time per epoch (s)")
     axes[2].margins(y=0.15)
     seeds = len(histories[TRANSFORMER])
-    fig.suptitle(f"Sentiment analysis on {dataset}: median over {seeds} seed(s)")
+    fig.suptitle(f"Sentiment analysis (dataset: {dataset}), Transformer vs Sinkformer: median over {seeds} seed(s), "
+                 "bands: min–max")
     fig.tight_layout()
     return fig
 

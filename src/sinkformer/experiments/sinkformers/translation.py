@@ -108,20 +108,26 @@ def _figure(curves: dict, bleu: dict, epochs: int, total: int, n_iters: int, spl
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     width = 0.38
+    top = 1.3 * max(max(v) for b in bleu.values() for v in b.values()) + 1
     for k, name in enumerate((TRANSFORMER, SINKFORMER)):
         values = [bleu[name]["trained"], bleu[name]["finetuned"]]
         medians = [seed_summary(v)["median"] for v in values]
         xs = [i + (k - 0.5) * width for i in range(2)]
-        bars = bleu_ax.bar(xs, medians, width, color=COLORS[name],
-                           label=name if name == TRANSFORMER else f"{name} (★ = the Transformer's weights, untrained)")
-        bleu_ax.bar_label(bars, labels=[f"{m:.2f}" + ("★" if name == SINKFORMER and i == 0 else "")
-                                        for i, m in enumerate(medians)])
+        bleu_ax.bar(xs, medians, width, color=COLORS[name],
+                    label=name if name == TRANSFORMER else f"{name} (★ = the Transformer's weights, untrained)")
+        # the medians inside the bars, at their foot (at the top they collide with the seeds' dots);
+        # above a bar too short to hold them
+        for x, m, i in zip(xs, medians, range(2)):
+            inside = m > 0.12 * top
+            bleu_ax.text(x, 0.01 * top if inside else max(m, 0.0) + 0.01 * top,
+                         f"{m:.2f}" + ("★" if name == SINKFORMER and i == 0 else ""), ha="center", va="bottom",
+                         color="white" if inside else "k", fontsize=9, fontweight="bold", zorder=4)
         for x, v in zip(xs, values):
             bleu_ax.scatter([x] * len(v), v, color="k", s=10, zorder=3)
     bleu_ax.set_xticks(range(2), [f"epoch {epochs}", f"epoch {total}"])
     bleu_ax.set_ylabel(f"{split} sacreBLEU (median of {len(bleu[TRANSFORMER]['trained'])} seed(s); dots: seeds)")
     bleu_ax.set_title("3. BLEU (Table 2)")
-    bleu_ax.set_ylim(0, 1.3 * max(max(v) for b in bleu.values() for v in b.values()) + 1)
+    bleu_ax.set_ylim(0, top)
     bleu_ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     return fig

@@ -24,7 +24,7 @@ from ...models.sinkhorn_transformer import (
     SinkhornClassifier,
     SinkhornTransformerLM,
 )
-from ...plotting import pyplot
+from ...plotting import method_color, pyplot
 from ...runs import fit, training_seconds
 from ...runs.verdicts import Comparison, paired
 from ...training.tasks import TokenLevel
@@ -82,15 +82,32 @@ def train_classifier(data: DataBundle, attention: AttentionConfig, cfg: dict[str
     return {"accuracy": 100 * final["test_acc"], "train_seconds": round(seconds, 1)}
 
 
+def _axis_label(name: str) -> str:
+    """``"accuracy (%) ↑"`` -> ``"accuracy (%), higher is better"`` (an arrow alone is easy to miss)."""
+    for arrow, words in (("↓", "lower is better"), ("↑", "higher is better")):
+        if name.rstrip().endswith(arrow):
+            return f"{name.rstrip()[:-1].rstrip()}, {words}"
+    return name
+
+
 def bar_figure(labels: Sequence[str], panels: dict[str, Sequence[float]], title: str):
-    """One horizontal bar chart per metric (``panels``: metric name -> one value per label)."""
+    """One horizontal bar chart per metric (``panels``: metric name -> one value per label).
+
+    Bars take the shared method colours (:func:`sinkformer.plotting.method_color`: the vanilla
+    Transformer blue, Sinkhorn models orange, ...) and carry their values."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 0.45 * len(labels) + 1.5), squeeze=False)
+    width = max(5.0, 3.2 + 0.075 * max((len(label) for label in labels), default=0))
+    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), 0.45 * len(labels) + 1.6), squeeze=False)
+    colors = [method_color(label) for label in labels]
     for ax, (name, values) in zip(axes[0], panels.items()):
-        ax.barh(range(len(labels)), values, color="tab:blue")
+        finite = [math.isfinite(v) for v in values]
+        bars = ax.barh(range(len(labels)), [v if ok else 0.0 for v, ok in zip(values, finite)], color=colors)
+        ax.bar_label(bars, labels=[f"{v:.4g}" if ok else "n/a" for v, ok in zip(values, finite)], padding=3,
+                     fontsize=8.5)
         ax.set_yticks(range(len(labels)), labels)
         ax.invert_yaxis()
-        ax.set_xlabel(name)
+        ax.margins(x=0.15)  # room for the value labels
+        ax.set_xlabel(_axis_label(name))
         ax.grid(True, axis="x", alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()

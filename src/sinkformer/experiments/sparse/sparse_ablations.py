@@ -19,7 +19,7 @@ import statistics
 
 from ...data.text_lm import load_text_lm
 from ...models.sinkhorn_transformer import AttentionConfig
-from ...plotting import pyplot
+from ...plotting import SINKFORMER_COLOR, pyplot
 from ...runs import Run, markdown_table, register
 from ._common import train_language_model
 
@@ -109,16 +109,22 @@ def run(ctx: Run) -> None:
     ctx.results["ablations"] = {f"{g}: {label}": value for g, label, _, value in rows}
 
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for ax, group, key, xlabel in ((axes[0], "temperature", "temperature", "Gumbel-Sinkhorn temperature τ"),
-                                   (axes[1], "iterations", "sort_iters", "sorting iterations N_k")):
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.0))
+    for ax, group, key, xlabel, title in (
+            (axes[0], "temperature", "temperature", "Gumbel-Sinkhorn temperature τ", "Figure 3: temperature"),
+            (axes[1], "iterations", "sort_iters", "sorting iterations N_k", "Figure 4: sorting iterations")):
         pts = sorted((o[key], v) for g, _, o, v in rows if g == group)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=SINKFORMER_COLOR)
+        ax.set_xticks([p[0] for p in pts])  # the values trained, not fractional iterations
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(f"test {unit}")
+        ax.set_ylabel(f"test {unit} (lower is better)")
         ax.grid(True, alpha=0.3)
-    axes[0].set_title("Figure 3: temperature")
-    axes[1].set_title("Figure 4: sorting iterations")
+        if pts:  # the y axes are zoomed to the data: say how wide they are
+            title += f"\n(max − min = {max(p[1] for p in pts) - min(p[1] for p in pts):.3g})"
+        ax.set_title(title, fontsize=11)
+    base_tau = next((o["temperature"] for g, _, o, _ in rows if g == "iterations"), float("nan"))
+    fig.suptitle(f"Sparse Sinkhorn ablations, {cfg['level']}-level language model "
+                 f"(left: N_k = {cfg['sort_iters']}; right: τ = {base_tau:g})", fontsize=11)
     fig.tight_layout()
     ctx.save_figure(fig, "sparse_ablations")
 
