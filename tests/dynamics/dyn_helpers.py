@@ -1,4 +1,4 @@
-"""Shared set-ups of the dynamics cross-validation tests (FORMULAS.md conventions)."""
+"""Shared set-ups of the dynamics cross-validation tests (docs/theory.md §5 conventions)."""
 
 import math
 
@@ -12,7 +12,7 @@ def gen(seed: int) -> torch.Generator:
 
 
 def rand_params(d=3, k=3, s=0.5, g=None):
-    """Random (Q, K, V) with i.i.d. N(0, s^2) entries, as in FORMULAS §0."""
+    """Random (Q, K, V) with i.i.d. N(0, s^2) entries, as in docs/theory.md §5."""
     return tuple(s * torch.randn(*shape, dtype=D64, generator=g) for shape in ((k, d), (k, d), (d, d)))
 
 

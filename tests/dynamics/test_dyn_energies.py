@@ -1,4 +1,4 @@
-"""Sinkformer energies (FORMULAS §6): gradients, monotone decrease, Prop. 3, Gaussian closed form."""
+"""Sinkformer energies (docs/theory.md §11): gradients, monotone decrease, Prop. 3, Gaussian closed form."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Gaussian closed forms (FORMULAS §2–4) against particles, ODE integrators and algebra."""
+"""Gaussian closed forms (docs/theory.md §7–9) against particles, ODE integrators and algebra."""
 
 import math
 
@@ -13,7 +13,7 @@ EYE2, EYE3 = torch.eye(2, dtype=D64), torch.eye(3, dtype=D64)
 
 
 def field_error(kind, params, mean, cov, n, reps, g, eps=1.0):
-    """FORMULAS 'field rel.err': max over 8 query points of |emp - cf| / max |cf|, mean over reps."""
+    """docs/theory.md §5 'field rel.err': max over 8 query points of |emp - cf| / max |cf|, mean over reps."""
     x = sample(mean, cov, (reps, n), g)
     queries = sample(mean, cov, (reps, 8), g)
     b, L = G.field(kind, mean, cov, params, eps)
@@ -37,7 +37,7 @@ def test_field_closed_form_vs_particles_error_scales_like_inverse_sqrt_n(kind, m
     g = gen(7)
     params = make(g)
     d = 4 if kind == "multihead" else 3
-    mean, cov = rand_gaussian(d, g, scale=0.4 if kind == "multihead" else 0.6)  # mild tilts (FORMULAS §2.4)
+    mean, cov = rand_gaussian(d, g, scale=0.4 if kind == "multihead" else 0.6)  # mild tilts (docs/theory.md §7.4)
     kind = "softmax" if kind == "multihead" else kind
     e1 = field_error(kind, params, mean, cov, n1, reps, g)
     e2 = field_error(kind, params, mean, cov, n2, reps, g)
@@ -78,7 +78,7 @@ def test_sinkhorn_coupling_algebra():
                                                  ("sinkhorn", 400, 0.01), ("multihead", 1000, 0.01)])
 def test_moment_ode_vs_euler_particles(kind, n, bound_star):
     """Euler particles vs the EulerG recursion (same step) from the true moments (sampling error,
-    FORMULAS 'vs EulerG') and from the sample's own moments ('vs EulerG*', much smaller)."""
+    docs/theory.md §5 'vs EulerG') and from the sample's own moments ('vs EulerG*', much smaller)."""
     g = gen(3)
     if kind == "multihead":
         params, d = [rand_params(d=4, k=2, s=0.3, g=g) for _ in range(2)], 4
@@ -125,7 +125,7 @@ def test_euler_recursion_is_first_order_and_rk4_fourth_order():
     assert 12 < err4[5] / err4[10] < 20
 
 
-# ---------------------------------------------------------------- Riccati (§3)
+# ---------------------------------------------------------------- Riccati (docs/theory.md §8)
 
 
 def riccati_case(seed=0, d=3):
@@ -231,7 +231,7 @@ def test_flow_stops_when_converged_and_batches():
     assert out.cov.shape[1:] == (5, 2, 2)
 
 
-# ---------------------------------------------------------------- non-affine fields (§2.6)
+# ---------------------------------------------------------------- non-affine fields (docs/theory.md §7.6)
 
 
 @pytest.mark.parametrize("kind", ["relu", "sigmoid"])
@@ -268,7 +268,7 @@ def test_masked_field_vs_particles():
     assert torch.isfinite(tiny).all()
 
 
-# ---------------------------------------------------------------- drifting model (§4)
+# ---------------------------------------------------------------- drifting model (docs/theory.md §9)
 
 
 def test_drifting_closed_forms():

@@ -1,4 +1,4 @@
-"""Sinkhorn attention as a Schrödinger-bridge step vs the heat flow (FORMULAS §5)."""
+"""Sinkhorn attention as a Schrödinger-bridge step vs the heat flow (docs/theory.md §10)."""
 
 import math
 
@@ -102,7 +102,7 @@ def test_score_limit_has_the_factor_one_half():
     rescaled = (x - H.barycentric_map(x, eps, tol=1e-8)) / eps  # Sinkformer T-bar with V = -I
     c = float((rescaled * x).sum() / (x * x).sum())  # fit T-bar(x) ~ c x
     closed = float((EYE2 - H.barycentric_gaussian(EYE2, eps))[0, 0] / eps)
-    assert abs(closed - 0.4751) < 1e-3  # FORMULAS §5: 0.4751 at eps = 0.2, limit 0.5
+    assert abs(closed - 0.4751) < 1e-3  # docs/theory.md §10: 0.4751 at eps = 0.2, limit 0.5
     assert abs(c - closed) < 0.05 and abs(c - 1.0) > 0.4  # Sinkformers Thm 1 as printed would give 1
 
 

@@ -16,7 +16,7 @@ def rand_params(d=3, k=2, s=0.5, gen=None):
 
 
 def direct(x, params, kind, w=None, eps=1.0):
-    """Literal FORMULAS §1 sums for one head (float64)."""
+    """Literal docs/theory.md §6 sums for one head (float64)."""
     Q, K, V = params
     n = x.shape[0]
     w = torch.full((n,), 1.0 / n, dtype=D64) if w is None else w / w.sum()
@@ -47,7 +47,7 @@ def test_sinkhorn_matches_pot_and_is_bistochastic():
     C = ((x @ Q.T) @ (x @ K.T).T).numpy()
     a = np.full(n, 1.0 / n)
     plan = ot.sinkhorn(a, a, -C, reg=1.0, method="sinkhorn_log", stopThr=1e-14, numItermax=100_000)
-    ref = n * torch.from_numpy(plan) @ x @ V.T  # K_inf = N P (FORMULAS §1.4)
+    ref = n * torch.from_numpy(plan) @ x @ V.T  # K_inf = N P (docs/theory.md §6.4)
     res = velocity(x, (Q, K, V), "sinkhorn", tol=1e-12, return_result=True)
     assert res.converged and res.sinkhorn_iters > 2
     torch.testing.assert_close(res.field, ref, atol=1e-10, rtol=0)

@@ -1,7 +1,7 @@
 """Transformers as interacting particles (Castin et al.; Sander et al. §4–5; Agarwal et al.).
 
 Tokens are a weighted point cloud :math:`\\mu = \\sum_i w_i\\delta_{x_i}`, and an attention layer is the
-velocity field :math:`\\Gamma_\\mu`; conventions are those of ``FORMULAS.md`` (:math:`A = K^\\top Q`, no
+velocity field :math:`\\Gamma_\\mu`; conventions are those of ``docs/theory.md`` §5 (:math:`A = K^\\top Q`, no
 :math:`1/\\sqrt k`, :math:`\\varepsilon` a temperature).
 
 * :func:`velocity` — the field of every attention variant, streamed over blocks for large clouds;

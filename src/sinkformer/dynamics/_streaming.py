@@ -7,7 +7,7 @@ For scores :math:`C_{ij} = \mathrm{scale}\,\langle q_i, k_j\rangle` and a cloud
 
     \pi_{ij} = e^{C_{ij} + \log w_j + f_i + g_j},\qquad \sum_j \pi_{ij} = n w_i,\qquad \sum_i \pi_{ij} = n w_j ,
 
-i.e. :math:`k^\infty_{ij} = \pi_{ij}/(n w_iw_j)` is bistochastic w.r.t. :math:`\mu\otimes\mu` (``FORMULAS.md`` §1.4, with
+i.e. :math:`k^\infty_{ij} = \pi_{ij}/(n w_iw_j)` is bistochastic w.r.t. :math:`\mu\otimes\mu` (``docs/theory.md`` §6.4, with
 :math:`f^{\rm F}_i = f_i - \log(n w_i)`, :math:`g^{\rm F}_j = g_j`). The marginals are scaled by ``n`` so that the
 tolerance is a relative marginal error. The sweeps are those of the streamed engine,
 :func:`sinkformer.sinkhorn.streamed.streamed_potentials` (memory ``O(n * chunk)``; its stop rule and

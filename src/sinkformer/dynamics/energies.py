@@ -1,4 +1,4 @@
-r"""Sinkformer energies (Sander et al. 2022, Prop. 2–3; ``FORMULAS.md`` §6).
+r"""Sinkformer energies (Sander et al. 2022, Prop. 2–3; ``docs/theory.md`` §11).
 
 With :math:`k_0(x,y) = e^{y^\top Ax}` (:math:`A = K^\top Q`, symmetric under Assumption 1) and
 :math:`k_\infty` its Sinkhorn normalisation w.r.t. :math:`\mu\otimes\mu`,
@@ -61,7 +61,7 @@ def f_inf(x: Tensor, A: Tensor, weights: Tensor | None = None, *, tol: float = 1
     """:math:`F_\\infty(\\mu) = -\\tfrac12\\sum_i w_i(f(x_i) + g(x_i))` from the Sinkhorn potentials of :math:`k_0`.
 
     ``A`` is any ``(d, d)`` interaction matrix (:math:`Q = A`, :math:`K = I`); the potentials are
-    normalised as in ``FORMULAS.md`` §1.4 (:math:`k_\\infty = e^{C + f\\oplus g}`), ``f`` from the exact row update.
+    normalised as in ``docs/theory.md`` §6.4 (:math:`k_\\infty = e^{C + f\\oplus g}`), ``f`` from the exact row update.
     """
     check_tensor(x, "x", min_dim=2, floating=True)
     d = x.shape[-1]

@@ -1,8 +1,8 @@
-r"""Gaussian closed forms of the attention dynamics (``FORMULAS.md`` §2–4).
+r"""Gaussian closed forms of the attention dynamics (``docs/theory.md`` §7–9).
 
 For :math:`\mu = \mathcal N(\alpha, \Sigma)` the Softmax, linear, L2 and Sinkhorn fields (and
 sums of them: multi-head) are affine, :math:`\Gamma_\mu(x) = b + Lx`, so the flow stays Gaussian
-with the moment ODEs (the *affine rule*, §0)
+with the moment ODEs (the *affine rule*, ``docs/theory.md`` §5)
 
 .. math::
 
@@ -12,8 +12,8 @@ with the moment ODEs (the *affine rule*, §0)
 factor :math:`R` with :math:`\Sigma = RR^\top` and :math:`\dot R = LR` (the flow map of the
 affine field), so :math:`\Sigma` stays in the PSD cone by construction, for RK4 as for the
 Euler recursion :math:`R \leftarrow (I + hL)R`, which is the exact :math:`N\to\infty` law of
-particle Euler steps (*EulerG*). Also here: the Riccati solution of Softmax with :math:`V = I`
-(§3), the non-affine ReLU / Sigmoid / masked fields (§2.6), and the drifting model (§4).
+particle Euler steps (*EulerG*). Also here: the Riccati solution of Softmax with :math:`V = I`,
+the non-affine ReLU / Sigmoid / masked fields, and the drifting model (``docs/theory.md`` §8, §7.6, §9).
 
 Everything is batched over leading dimensions of ``mean (..., d)`` and ``cov (..., d, d)`` and
 computed in float64.
@@ -91,13 +91,13 @@ def _mv(M: Tensor, v: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# affine fields and moment ODEs (§2.1-2.5)
+# affine fields and moment ODEs (docs/theory.md §7.1–7.5)
 
 
 def field(kind: str, mean: Tensor, cov: Tensor, params: Params, eps: float = 1.0) -> tuple[Tensor, Tensor]:
     r"""The affine field :math:`\Gamma_{\mathcal N(\alpha,\Sigma)}(x) = b + Lx` of attention ``kind``.
 
-    With :math:`A = K^\top Q/\varepsilon` (``FORMULAS.md`` §2):
+    With :math:`A = K^\top Q/\varepsilon` (``docs/theory.md`` §7):
 
     * ``softmax``: :math:`b = V\alpha,\ L = V\Sigma A` (tilting lemma);
     * ``linear``: :math:`b = 0,\ L = V(\Sigma+\alpha\alpha^\top)A`;
@@ -142,7 +142,7 @@ def field(kind: str, mean: Tensor, cov: Tensor, params: Params, eps: float = 1.0
 
 
 def _sinkhorn_regression(cov: Tensor, A: Tensor) -> Tensor:
-    """:math:`C^\\top\\Sigma^{-1}`, the slope of :math:`\\mathbb E_\\pi[y|x]` for the Gaussian EOT coupling (§2.5)."""
+    """:math:`C^\\top\\Sigma^{-1}`, the slope of :math:`\\mathbb E_\\pi[y|x]` for the Gaussian EOT coupling (``docs/theory.md`` §7.5)."""
     root = sym_sqrt(cov)
     M = root @ _T(A) @ cov @ A @ root
     P = sym_fn(M, lambda m: 2.0 / (1.0 + (1.0 + 4.0 * m.clamp_min(0)).sqrt()))
@@ -300,11 +300,11 @@ def flow(
 
 
 # ----------------------------------------------------------------------------------------------
-# Riccati closed form: Softmax with V = I or V commuting (§3)
+# Riccati closed form: Softmax with V = I or V commuting (docs/theory.md §8)
 
 
 def _riccati_setup(cov0: Tensor, A: Tensor, V: Tensor | None, need_symmetric_A: bool = False):
-    """Return ``(Sigma0, root0, VA_s, A_tilde)`` after checking the assumptions of §3."""
+    """Return ``(Sigma0, root0, VA_s, A_tilde)`` after checking the assumptions of ``docs/theory.md`` §8."""
     check_tensor(cov0, "cov0", ndim=2, floating=True)
     check_tensor(A, "A", ndim=2, floating=True)
     cov0, A = f64(cov0), f64(A)
@@ -394,7 +394,7 @@ def riccati_limit(cov0: Tensor, A: Tensor, V: Tensor | None = None, *, tol: floa
 
 
 # ----------------------------------------------------------------------------------------------
-# non-affine closed forms (§2.6): Gaussians are not preserved, fields for checking particles
+# non-affine closed forms (docs/theory.md §7.6): Gaussians are not preserved, fields for checking particles
 
 
 def _projections(x: Tensor, mean: Tensor, cov: Tensor, A: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -468,7 +468,7 @@ def masked_field(x: Tensor, s: Tensor, mean: Tensor, drift: Tensor, cov: Tensor,
 
 
 # ----------------------------------------------------------------------------------------------
-# drifting model (§4)
+# drifting model (docs/theory.md §9)
 
 
 def drifting_field(mean: Tensor, cov: Tensor, target_mean: Tensor, target_cov: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,4 +1,4 @@
-r"""Sinkhorn attention as a Schrödinger-bridge step and the heat flow (``FORMULAS.md`` §5; Agarwal et al.).
+r"""Sinkhorn attention as a Schrödinger-bridge step and the heat flow (``docs/theory.md`` §10; Agarwal et al.).
 
 With :math:`A = I/\varepsilon` and :math:`V = -I`, Sinkhorn attention of a measure :math:`\rho` gives the
 barycentric projection of the Schrödinger bridge :math:`\pi_{\rho,\varepsilon}` (entropic OT of

@@ -1,4 +1,4 @@
-r"""Attention parameters as the dynamics toolkit sees them (``FORMULAS.md`` §0, §1.7).
+r"""Attention parameters as the dynamics toolkit sees them (``docs/theory.md`` §5, §6.7).
 
 One head is a triple ``(Q, K, V)`` with :math:`Q, K \in \mathbb R^{k\times d}` and
 :math:`V \in \mathbb R^{d\times d}`; its interaction matrix is :math:`A = K^\top Q`, so that
@@ -79,7 +79,7 @@ def interaction(Q: Tensor, K: Tensor) -> Tensor:
 
 
 def split_heads(Q: Tensor, K: Tensor, V: Tensor, n_heads: int) -> list[tuple[Tensor, Tensor, Tensor]]:
-    r"""Concatenated heads with output projection :math:`W^O = I` (``FORMULAS.md`` §1.7).
+    r"""Concatenated heads with output projection :math:`W^O = I` (``docs/theory.md`` §6.7).
 
     The rows of ``Q``, ``K`` (``(k, d)``) and ``V`` (``(d, d)``) are cut into ``n_heads`` consecutive
     blocks; head :math:`h` is :math:`(Q_h, K_h, E_h^\top\tilde V_h)` with :math:`\tilde V_h` the value rows of
@@ -108,7 +108,7 @@ def from_multihead(mha: torch.nn.MultiheadAttention) -> list[tuple[Tensor, Tenso
 
     The layer computes :math:`\sum_h W^O_h\,\mathrm{softmax}(\langle W^Q_h x, W^K_h y\rangle/\sqrt{d_h})\,W^V_h y`,
     so head :math:`h` is :math:`Q_h = W^Q_h/\sqrt{d_h}`, :math:`K_h = W^K_h`,
-    :math:`V_h = W^O_h W^V_h` (``FORMULAS.md`` §1.7). A residual layer ``x + mha(x, x, x)`` is then one
+    :math:`V_h = W^O_h W^V_h` (``docs/theory.md`` §6.7). A residual layer ``x + mha(x, x, x)`` is then one
     Euler step of size 1 of the Softmax particle flow with these parameters.
     """
     if not isinstance(mha, torch.nn.MultiheadAttention):

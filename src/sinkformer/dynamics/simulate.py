@@ -1,4 +1,4 @@
-r"""Particle flows :math:`\dot x_i = \Gamma_{\mu_t}(x_i)`, :math:`\mu_t = \sum_i w_i\delta_{x_i(t)}` (``FORMULAS.md`` §0).
+r"""Particle flows :math:`\dot x_i = \Gamma_{\mu_t}(x_i)`, :math:`\mu_t = \sum_i w_i\delta_{x_i(t)}` (``docs/theory.md`` §5).
 
 :func:`simulate` integrates the attention flow of :func:`~sinkformer.dynamics.velocity` with
 explicit Euler or classical RK4; :func:`integrate` does the same for any right-hand side

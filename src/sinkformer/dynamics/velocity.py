@@ -1,4 +1,4 @@
-r"""Velocity fields of attention on weighted point clouds (``FORMULAS.md`` §1).
+r"""Velocity fields of attention on weighted point clouds (``docs/theory.md`` §6).
 
 A cloud :math:`\mu = \sum_i w_i\delta_{x_i}` and parameters ``(Q, K, V)`` (or a list of head
 triples) define the field :math:`\Gamma_\mu(x)`, the output of an attention layer whose keys and
@@ -17,7 +17,7 @@ temperature :math:`\varepsilon` (scores :math:`\langle Qx, Ky\rangle/\varepsilon
 ``masked``     Softmax restricted to the particles with token position :math:`s_j \le s` (causal attention)
 =============  ======================================================================================
 
-A list of head triples sums the head fields (multi-head, §1.7). Every field is computed by
+A list of head triples sums the head fields (multi-head, ``docs/theory.md`` §6.7). Every field is computed by
 :func:`sinkformer.attention` (and the Sinkhorn potentials by the streamed sweeps of
 :mod:`sinkformer.sinkhorn.streamed`); queries are processed in chunks, so that memory
 stays ``O(N * chunk)`` and ``N = 50,000`` particles never build an ``N x N`` matrix.
