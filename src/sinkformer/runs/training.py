@@ -5,7 +5,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -31,15 +31,20 @@ def on_device(device: str):
 
 
 class _EpochBar(Callback):
-    """One progress bar per training run, advanced per epoch, showing the latest test metrics."""
+    """One progress bar per training run, advanced per epoch, showing the latest test metrics; with
+    ``log``, each epoch's row is also logged as it ends (so the suite's progress moves per epoch)."""
 
-    def __init__(self, label: str, epochs: int) -> None:
-        self.bar = require("tqdm.auto", "progress bars").tqdm(total=epochs, desc=label, unit="epoch", leave=True, dynamic_ncols=True)
+    def __init__(self, label: str, epochs: int, log: Callable[[dict[str, Any]], None] | None = None) -> None:
+        tqdm = require("tqdm.auto", "progress bars").tqdm
+        self.bar = tqdm(total=epochs, desc=label, unit="epoch", leave=True, dynamic_ncols=True)
+        self.log = log
 
     def on_epoch_end(self, row: dict[str, Any]) -> None:
         shown = {k: v for k, v in row.items() if k in ("train_loss", "test_acc", "test_bleu")}
         self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
         self.bar.update(1)
+        if self.log is not None:
+            self.log(row)
 
 
 def fit(
@@ -63,16 +68,13 @@ def fit(
     """
     config = TrainConfig.from_dict({"device": _DEVICE.get(), **train_options, "seed": seed, "progress": False})
     name = f"{ctx.name} | " if ctx is not None else ""
-    bar = _EpochBar(f"{name}{label} (seed {seed})", config.epochs)
+    log = (lambda row: ctx.log(**fields, seed=seed, **row)) if ctx is not None else None
+    bar = _EpochBar(f"{name}{label} (seed {seed})", config.epochs, log)
     torch.manual_seed(seed)
     try:
-        result = train(module, data, config, out_dir=out_dir, callbacks=[bar], task=task)
+        return train(module, data, config, out_dir=out_dir, callbacks=[bar], task=task)
     finally:
         bar.bar.close()
-    if ctx is not None:
-        for row in result.history:
-            ctx.log(**fields, seed=seed, **row)
-    return result
 
 
 def training_seconds(result: TrainResult) -> float:
