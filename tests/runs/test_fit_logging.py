@@ -1,6 +1,5 @@
 """fit() logs each epoch's row when the epoch ends, so the suite's progress moves during training."""
 
-
 from sinkformer.data import load_dataset
 from sinkformer.models import build_model
 from sinkformer.runs import Run, fit
