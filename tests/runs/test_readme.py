@@ -61,3 +61,17 @@ def test_digest_and_render_of_a_suite_run(tmp_path):
     assert readme.update(text, section) == f"intro\n{readme.BEGIN}\n{section}\n{readme.END}\nrest\n"
     with pytest.raises(ValueError, match="no results markers"):
         readme.update("no markers here", section)
+
+
+def test_the_suite_estimate_agrees_with_the_committed_run():
+    """What `sinkformer run` announces (the longest-first makespan of the experiments' expected
+    minutes) is within 25 % of the committed run's measured wall time, which the README states."""
+    from sinkformer.runs.registry import get
+    from sinkformer.runs.suite import expected_wall_minutes
+
+    data = json.loads(readme.DIGEST.read_text())
+    expected = expected_wall_minutes([get(e["name"]).quick_minutes for e in data["experiments"]], data["jobs"])
+    measured = data["seconds"] / 60
+    assert 0.8 <= expected / measured <= 1.25, (expected, measured)
+    for e in data["experiments"]:  # and no single experiment is off by more than a factor 2.5
+        assert 0.4 <= get(e["name"]).quick_minutes * 60 / max(e["seconds"], 1) <= 2.5 or e["seconds"] < 20, e["name"]
