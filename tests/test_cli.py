@@ -394,3 +394,29 @@ def test_plain_is_the_default_when_stdout_is_not_a_terminal(tmp_path, monkeypatc
         monkeypatch.setattr(sys, "stdout", _Stdout(tty))
         suite.run_suite(tmp_path, names=[], echo=lambda line: None)
     assert seen == [True, False]
+
+
+def test_a_command_whose_extra_is_missing_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    assert main(["demo"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("sinkformer demo: error: sinkformer demo needs the 'experiments' extra (matplotlib not "
+                           "installed): pip install 'sinkformer[experiments]' (or 'sinkformer[all]')")
+    monkeypatch.setitem(sys.modules, "yaml", None)
+    assert main(["train", "--model", "vit", "--dataset", "digits"]) == 2
+    assert "pip install 'sinkformer[train]'" in capsys.readouterr().err
+
+
+def test_the_command_shows_the_library_logs():
+    import logging
+
+    logger = logging.getLogger("sinkformer")
+    handlers = list(logger.handlers)
+    try:
+        with pytest.raises(SystemExit):
+            main(["--version"])
+        main(["experiments"])
+        assert logger.level == logging.INFO and any(isinstance(h, logging.StreamHandler) for h in logger.handlers)
+    finally:
+        logger.handlers[:] = handlers
+        logger.setLevel(logging.NOTSET)

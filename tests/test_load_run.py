@@ -126,3 +126,23 @@ def test_load_run_errors_name_the_folder_and_the_file(tmp_path):
     with pytest.warns(UserWarning, match="has not finished"):
         run = sinkformer.load_run(run_dir)
     assert run.weights == run_dir / "checkpoints" / "epoch_0001" / "model.safetensors"
+
+
+def test_the_predict_command_classifies_sentences_and_refuses_other_runs(tmp_path, capsys):
+    from sinkformer.cli import main
+
+    sets = ["model.dim=16", "model.depth=1", "model.num_heads=2", "model.dim_feedforward=32",
+            "data.n_train=200", "data.n_test=50"]
+    _train(tmp_path, "text_classifier", "sentiment", sets)
+    run = sinkformer.load_run(tmp_path / "run")
+    texts = ["a superb film", "the plot was not very good"]
+    capsys.readouterr()
+    assert main(["predict", str(tmp_path / "run"), *texts]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"{t}\t{label}" for t, label in zip(texts, sinkformer.predict(run, texts))]
+    config = resolve_config(model="vit", data="digits", sets=["model.patch_size=4", "model.dim=8", "model.depth=1",
+                                                                "model.num_heads=2", "model.dim_feedforward=8", *COMMON])
+    run_training(config, out_dir=tmp_path / "images")
+    assert main(["predict", str(tmp_path / "images"), "a sentence"]) == 2
+    err = capsys.readouterr().err
+    assert "sinkformer predict: error:" in err and "'images' run" in err and "sinkformer.load_run" in err
