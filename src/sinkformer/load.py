@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._optional import require
+
 __all__ = ["LoadedRun", "load_run", "predict", "logits", "encode_inputs"]
 
 
@@ -107,7 +109,7 @@ def load_run(path: str | Path, *, epoch: int | None = None, device: str | torch.
     Raises ``FileNotFoundError`` for a missing folder or weights, ``ValueError`` for a folder
     that is not a run or an incomplete weights file.
     """
-    import yaml
+    yaml = require("yaml", "load_run")
 
     from .models import build_model
     from .training.checkpoint import load_weights
@@ -129,8 +131,7 @@ def load_run(path: str | Path, *, epoch: int | None = None, device: str | torch.
     if (path / DATA_INFO_FILE).is_file():
         info = json.loads((path / DATA_INFO_FILE).read_text(encoding="utf-8"))
         if (path / TOKENIZER_FILE).is_file():
-            from tokenizers import Tokenizer
-
+            Tokenizer = require("tokenizers", "the run's tokenizer").Tokenizer
             tokenizer = Tokenizer.from_file(str(path / TOKENIZER_FILE))
     else:  # a run folder of an older version: the dataset describes itself
         from .data import load_dataset
