@@ -8,9 +8,11 @@ reference), which also carries this package's names and submodules as attributes
 * :mod:`.dense` — the whole matrix, autograd through the iterations (the reference).
 * :mod:`.tiled` — scaling domain on cached tiles, exact or implicit custom backward (default).
 * :mod:`.streamed` — never an ``n × m`` matrix (long sequences, point clouds, dynamics).
+* :mod:`.prefix` — every prefix of a causal problem balanced on its own (causal Sinkformers, causal
+  block sorting of Sparse Sinkhorn Attention).
 """
 
-from . import dense, problem, streamed, tiled
+from . import dense, prefix, problem, streamed, tiled
 from .dense import log_sinkhorn_loop, sinkhorn
 from .problem import CONVERGED_TOL, SinkhornConvergenceWarning, SinkhornResult, double_shift
 
@@ -26,7 +28,7 @@ __all__ = [
 
 # ``sinkformer.sinkhorn`` (the attribute of the parent package) is the function ``sinkhorn`` itself, a
 # plain function call for torch.compile; it carries this package's names and submodules as attributes.
-for _module in (problem, dense, tiled, streamed):
+for _module in (problem, dense, tiled, streamed, prefix):
     setattr(sinkhorn, _module.__name__.rpartition(".")[2], _module)
 for _name in __all__:
     setattr(sinkhorn, _name, globals()[_name])

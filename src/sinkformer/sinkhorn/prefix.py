@@ -1,0 +1,290 @@
+r"""Prefix Sinkhorn: every prefix of a causal problem balanced on its own, all at once.
+
+Causal attention may not let query :math:`t` depend on anything after :math:`t`, but a column
+normalisation sums over *all* queries. The leakage-free definition balances, for each
+:math:`t`, the prefix problem alone — rows and columns :math:`0..t` of the causally masked
+matrix :math:`K_{ij} = e^{S_{ij}}`, :math:`j \le i` — and keeps its row :math:`t`:
+
+.. math::
+
+    P_{t\cdot} \;=\; \big(\mathcal S^{(t)}_{n\_iters}(S_{0..t,\,0..t})\big)_{t\cdot},
+
+so nothing after :math:`t` can influence row :math:`t` (zero gradient from the future, by
+construction). :math:`\mathcal S^{(t)}` is the log-domain Sinkhorn of :mod:`.dense`
+(``n_iters`` normalisations, rows first from :math:`g = 0`, or columns first with
+``start="columns"``) with row marginals 1 and the prefix's column marginals :math:`b^{(t)}`.
+
+**Cost.** Write :math:`F[t, i]`, :math:`G[t, j]` for the potentials of prefix :math:`t`. A
+potential that does not depend on :math:`t` (the first update, made from zeros) turns the next
+update into a *cumulative* sum over rows: :math:`G[t, j] = \log b^{(t)}_j -
+\log\sum_{i \le t} e^{S_{ij} + f_i}` is one ``logcumsumexp``. The last update is needed on the
+diagonal only (row :math:`t` of prefix :math:`t`): a SoftMax with the key bias
+:math:`G[t,\cdot]`. So two normalisations plus the last one cost :math:`O(n^2)` — exactly
+:math:`n\_iters \le 3` when rows come first, like SoftMax attention. Every further
+normalisation is a log-sum-exp *matrix product* over all prefixes at once,
+:math:`F[t,i] = -\log\sum_j e^{G[t,j] + S_{ij}}`: :math:`O(n^3)` multiply-adds at matrix-multiply
+speed with :math:`O(n^2)` memory (a max-shifted ``matmul``; entries that would lose precision
+to underflow are recomputed one by one with exact log-sum-exps). The brute force — one Sinkhorn per
+prefix — costs :math:`O(n^3)` *exponentials* per normalisation and :math:`O(n^3)` memory.
+
+Column marginals (``marginals=``):
+
+* ``"causal"`` — the column sums of *uniform* causal attention on the prefix,
+  :math:`b^{(t)}_j = \sum_{i=j}^{t} 1/|\{j' \le i \text{ kept}\}|` (:math:`\sum_{i=j}^t
+  1/(i+1)` without padding). Uniform column marginals make the causal problem degenerate (the
+  only lower-triangular matrix with unit row and column sums is the identity, so iterating
+  drives every token to attend to itself); these are the marginals that attention with constant
+  scores already has, so :math:`S = \text{const}` is a fixed point and SoftMax-like entropy
+  survives. This is the causal Sinkformer's choice (``docs/theory.md``).
+* ``"uniform"`` — the dense engine's default on each prefix: rows 1, valid columns
+  ``n_valid_rows / n_valid_columns`` (Sparse Sinkhorn Attention's causal block sorting, where
+  both counts are equal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .._validation import broadcastable, check_positive_int, check_tensor, compute_dtype
+
+__all__ = ["MARGINALS", "prefix_sinkhorn", "prefix_column_marginals", "log_matmul", "log_cumsum_exp"]
+
+MARGINALS = ("causal", "uniform")
+_EXACT_CHUNK = 1 << 22  # terms per chunk of the exact log-sum-exp fallback
+
+
+def prefix_sinkhorn(
+    scores: Tensor,
+    n_iters: int,
+    *,
+    mask: Tensor | None = None,
+    marginals: str = "causal",
+    start: str = "rows",
+) -> Tensor:
+    r"""Row :math:`t` of the balanced prefix problem :math:`0..t`, for every :math:`t`: ``(..., n, n)``.
+
+    Args:
+        scores: ``(..., n, n)`` floating scores :math:`S` (row = query, column = key); entries
+            above the diagonal are ignored (the causal mask :math:`j \le i` is always applied);
+            ``-inf`` entries are masked.
+        n_iters: normalisations per prefix (>= 1); with ``start="rows"`` 1 is causal SoftMax.
+        mask: bool, broadcastable to ``scores``, True = keep (``(..., 1, n)`` for key padding);
+            rows and columns of a prefix with no kept entry are excluded (zero), as in
+            :mod:`.dense`.
+        marginals: ``"causal"`` or ``"uniform"`` column marginals (module docstring).
+        start: ``"rows"`` (the Sinkformer order) or ``"columns"`` (the first normalisation
+            over the rows of each column, as the block sorting of Sparse Sinkhorn Attention).
+
+    Returns:
+        ``P`` lower triangular, in the compute dtype of ``scores`` (float32 at least):
+        row :math:`t` equals row :math:`t` of :func:`sinkformer.sinkhorn` applied to
+        ``scores[..., :t+1, :t+1]`` under the causal mask, with the same ``n_iters`` and
+        marginals. Differentiable (autograd, :math:`O(n^2\,n\_iters)` memory).
+    """
+    check_tensor(scores, "scores", min_dim=2, floating=True)
+    n = scores.shape[-1]
+    if scores.shape[-2] != n:
+        raise ValueError(f"scores must be square (..., n, n) for prefix Sinkhorn, got shape {tuple(scores.shape)}")
+    check_positive_int(n_iters, "n_iters")
+    if marginals not in MARGINALS:
+        raise ValueError(f"marginals must be one of {MARGINALS}, got {marginals!r}")
+    if start not in ("rows", "columns"):
+        raise ValueError(f"start must be 'rows' or 'columns', got {start!r}")
+    if mask is not None:
+        check_tensor(mask, "mask", dtype_bool=True)
+        if not broadcastable(mask.shape, scores.shape):
+            raise ValueError(f"mask must broadcast to the scores shape {tuple(scores.shape)}, got shape {tuple(mask.shape)}")
+    problem = _Prefix.build(scores, mask, marginals, start)
+    last_is_row = ((n_iters - 1) % 2 == 0) == (start == "rows")
+    f = g = None  # potentials: None (zero), a vector (..., n) shared by every prefix, or a matrix [t, j]
+    for step in range(n_iters - 1 if last_is_row else n_iters):
+        if (step % 2 == 0) == (start == "rows"):
+            f = problem.row_update(g)
+        else:
+            g = problem.column_update(f)
+    if last_is_row:  # row t of prefix t with the key bias G[t, :]: a SoftMax, O(n^2)
+        weights = torch.softmax(problem.x_rows if g is None else problem.x_rows + g, dim=-1)
+        return torch.where(problem.row_valid.unsqueeze(-1), weights, 0.0)
+    own = f.diagonal(dim1=-2, dim2=-1) if f is not None and f.dim() == scores.dim() else f  # row t's, prefix t
+    logits = problem.x if g is None else problem.x + g
+    return torch.exp(logits if own is None else logits + own.unsqueeze(-1))  # masked entries: exp(-inf) = 0
+
+
+@dataclass
+class _Prefix:
+    """The causal problem of every prefix at once: masked scores, validity, marginals."""
+
+    x: Tensor  # (..., n, n) scores in compute precision, -inf where masked (and above the diagonal)
+    x_rows: Tensor  # x with rows that keep nothing set to 0 (finite row log-sum-exps)
+    row_valid: Tensor  # (..., n) row i keeps a key (in every prefix that contains it)
+    col_valid: Tensor  # (..., n, n) [t, j]: column j keeps an entry in rows j..t
+    log_b: Tensor  # (..., n, n) [t, j]: log column marginal of prefix t (0 where invalid)
+    prefix_rows: Tensor  # (..., n, n) [t, i]: row i is a valid row of prefix t (i <= t)
+
+    @classmethod
+    def build(cls, scores: Tensor, mask: Tensor | None, marginals: str, start: str) -> "_Prefix":
+        n = scores.shape[-1]
+        in_prefix = torch.ones(n, n, dtype=torch.bool, device=scores.device).tril()
+        keep = in_prefix if mask is None else in_prefix & mask
+        neg_inf = scores == float("-inf")
+        if bool(neg_inf.any()):  # -inf scores are masked entries, as in the dense engine
+            keep = keep & ~neg_inf
+        x = scores.to(compute_dtype(scores.dtype)).masked_fill(~keep, float("-inf"))
+        # Shifts absorbed by the first update, taken where no later row enters: for rows first, each row's
+        # maximum (into f_i); for columns first, each column's first kept entry (into g_j).
+        if start == "rows":
+            x = x - _finite_max(x)
+        else:
+            first = keep.expand(x.shape).to(torch.uint8).argmax(-2, keepdim=True)  # first kept row of each column
+            x = x - _finite_or_zero(x.detach().gather(-2, first))
+        if mask is not None and mask.dim() == 1:
+            mask = mask.unsqueeze(0)
+        if not bool(neg_inf.any()) and (mask is None or mask.shape[-2] == 1):
+            # the causal mask and a mask on keys only: the marginals in closed form
+            keys = in_prefix.new_ones(1, n) if mask is None else mask.reshape(mask.shape[:-2] + (1, n))
+            log_b, col_valid = prefix_column_marginals(keys, marginals)
+        else:
+            log_b, col_valid = prefix_column_marginals(keep.expand(x.shape), marginals, x.dtype)
+        row_valid = keep.any(-1).expand(x.shape[:-1])
+        x_rows = x if bool(row_valid.all()) else x.masked_fill(~row_valid.unsqueeze(-1), 0.0)
+        prefix_rows = in_prefix & row_valid.unsqueeze(-2)
+        return cls(x, x_rows, row_valid, col_valid, log_b.to(x.dtype), prefix_rows)
+
+    def row_update(self, g: Tensor | None) -> Tensor:
+        r""":math:`F[t, i] = -\log\sum_j e^{S_{ij} + G[t, j]}` (row marginals 1): a vector when ``g``
+        is zero (the same in every prefix), else the matrix ``[t, i]`` (a log-sum-exp matrix product)."""
+        if g is None:  # O(n^2): a SoftMax normaliser per row
+            return torch.where(self.row_valid, -self.x_rows.logsumexp(-1), 0.0)
+        # b = the score rows i, each shifted by its own maximum (row i is in every prefix t >= i that needs it)
+        lse = log_matmul(g, self.x, needed=self.prefix_rows, shift_b=True)
+        return torch.where(self.prefix_rows, -lse, 0.0)
+
+    def column_update(self, f: Tensor | None) -> Tensor:
+        r""":math:`G[t, j] = \log b^{(t)}_j - \log\sum_{i \le t} e^{S_{ij} + F[t, i]}`: a cumulative
+        sum over rows when ``f`` is the same in every prefix, else a log-sum-exp matrix product."""
+        if f is None or f.dim() == self.x.dim() - 1:
+            lse = log_cumsum_exp(self.x if f is None else self.x + f.unsqueeze(-1), needed=self.col_valid)
+        else:
+            f_prefix = torch.where(self.prefix_rows, f, float("-inf"))  # the rows of prefix t only
+            # the rows' maxima r_i move from the scores into f (the rows of b are columns: no shift of its own)
+            r = _finite_max(self.x)
+            lse = log_matmul(f_prefix + r.transpose(-1, -2), (self.x - r).transpose(-1, -2), needed=self.col_valid)
+        return torch.where(self.col_valid, self.log_b - lse, 0.0)
+
+
+def prefix_column_marginals(keep: Tensor, marginals: str, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
+    r"""Log column marginals ``[t, j]`` of every prefix and their validity, both ``(..., n, n)``.
+
+    ``keep``: ``(..., n, n)`` bool, already causal, or ``(..., 1, n)`` for a mask on keys only
+    (meaning the causal mask and these keys: an :math:`O(n)` closed form). Column :math:`j` is
+    valid in prefix :math:`t` when some row :math:`j \le i \le t` keeps it; invalid entries get
+    log-marginal 0.
+    """
+    n = keep.shape[-1]
+    if keep.shape[-2] == 1:  # keep[i, j] = (j <= i) & key_j: every sum is a cumulative sum of vectors
+        key = keep.squeeze(-2)
+        count = key.to(dtype).cumsum(-1)  # keys kept by row i
+        col_valid = key.unsqueeze(-2) & torch.ones(n, n, dtype=torch.bool, device=keep.device).tril()
+        rows_upto = (count > 0).to(dtype).cumsum(-1)  # valid rows in prefix t
+        if marginals == "causal":  # b[t, j] = key_j * sum_{i=j..t} 1/count_i
+            inv = torch.where(count > 0, 1.0 / count.clamp_min(1), torch.zeros_like(count)).cumsum(-1)
+            b = inv.unsqueeze(-1) - torch.nn.functional.pad(inv, (1, 0))[..., :-1].unsqueeze(-2)
+        else:
+            b = (rows_upto / (key.to(dtype).cumsum(-1)).clamp_min(1)).unsqueeze(-1).expand(col_valid.shape)
+    else:
+        col_valid = keep.to(torch.int32).cumsum(-2) > 0
+        if marginals == "causal":  # column sums of uniform causal attention on the prefix
+            b = (keep.to(dtype) / keep.sum(-1, keepdim=True).clamp_min(1).to(dtype)).cumsum(-2)
+        else:
+            rows_upto = keep.any(-1).to(dtype).cumsum(-1)
+            b = (rows_upto / col_valid.to(dtype).sum(-1).clamp_min(1)).unsqueeze(-1).expand(col_valid.shape)
+    log_b = torch.where(col_valid, b.clamp_min(torch.finfo(dtype).tiny).log(), torch.zeros((), dtype=dtype, device=keep.device))
+    return log_b, col_valid
+
+
+def log_cumsum_exp(y: Tensor, *, needed: Tensor | None = None) -> Tensor:
+    r""":math:`\log\sum_{i \le t} e^{y_{ij}}` for all :math:`(t, j)`: ``(..., n, m)`` → ``(..., n, m)``.
+
+    A ``cumsum`` of exponentials, unshifted: entry :math:`(t, j)` depends on rows :math:`\le t`
+    only, to the last bit (a shift by a column maximum would bring in later rows' rounding).
+    The callers' entries are scores shifted to at most 0 per row, or to 0 at each column's first
+    entry. Where a ``needed`` entry over- or underflows, ``torch.logcumsumexp`` recomputes it
+    (exact for any range, slower on CPUs).
+    """
+    sums = torch.exp(y).cumsum(-2)
+    return _checked_log(sums, y.shape[-2], needed, lambda bad: torch.logcumsumexp(_finite(y, -2), dim=-2))
+
+
+def log_matmul(a: Tensor, b: Tensor, *, needed: Tensor | None = None, shift_b: bool = False) -> Tensor:
+    r""":math:`\log\sum_j e^{a_{tj} + b_{ij}}` for all :math:`(t, i)`: ``(..., T, n)`` and ``(..., I, n)``
+    → ``(..., T, I)``.
+
+    One ``matmul`` of exponentials, :math:`e^{m_t + r_i}\,(e^{a - m}\,e^{(b - r)^\top})`, :math:`m_t`
+    the maximum of row :math:`t` of ``a`` and :math:`r_i` that of row :math:`i` of ``b`` when
+    ``shift_b`` (else 0: a caller whose ``b`` rows span all prefixes passes them at most 0, so that
+    no entry reads a later row through a shift, to the last bit). Where a ``needed`` entry (bool,
+    broadcastable to the result; ``None``: all) over- or underflows — non-finite, or below
+    :math:`n\cdot` ``tiny/eps`` — that entry alone is recomputed by an exact log-sum-exp
+    (:math:`O(n)` time and memory per entry).
+    """
+    shift = _finite_max(a)
+    shift_rows = _finite_max(b) if shift_b else torch.zeros_like(b[..., :1])
+    product = torch.exp(a - shift) @ torch.exp(b - shift_rows).transpose(-1, -2)
+    shifts = shift + shift_rows.transpose(-1, -2)
+    return _checked_log(product, a.shape[-1], needed, lambda bad: _exact_log_matmul(a, b, bad) - shifts) + shifts
+
+
+def _checked_log(sums: Tensor, terms: int, needed: Tensor | None, exact) -> Tensor:
+    """``log(sums)`` where it is accurate, ``exact(bad)`` (the same log-sum-exps computed exactly, at
+    least at the ``bad`` entries) where a needed entry is not finite or fell below ``terms * tiny / eps``
+    — where the terms lost to underflow (each below ``tiny``) could exceed its rounding. Unneeded
+    entries give log(1) (no NaN gradient)."""
+    info = torch.finfo(sums.dtype)
+    bad = ~torch.isfinite(sums.detach()) | (sums.detach() < terms * info.tiny / info.eps)
+    if needed is not None:
+        bad &= needed
+        sums = torch.where(needed, sums, 1.0)
+    if not bool(bad.any()):
+        return sums.log()
+    return torch.where(bad, exact(bad), torch.where(bad, 1.0, sums).log())
+
+
+def _finite(y: Tensor, dim: int) -> Tensor:
+    """``y`` with each ``-inf`` replaced by (the smallest finite entry along ``dim``) - 1000.
+
+    A log-sum-exp over ``dim`` is unchanged wherever it had a finite entry (each replaced term is
+    below :math:`e^{-1000}` of it: exactly 0 in float64 and float32), and finite where it had
+    none, so masked reductions give no NaN gradient; callers discard those with their validity.
+    """
+    finite = torch.isfinite(y)
+    low = torch.where(finite, y.detach(), torch.full_like(y.detach(), float("inf"))).amin(dim, keepdim=True)
+    low = torch.where(torch.isfinite(low), low - 1000.0, torch.zeros_like(low))
+    return torch.where(finite, y, low)
+
+
+def _finite_max(x: Tensor) -> Tensor:
+    return _finite_or_zero(x.detach().amax(-1, keepdim=True))
+
+
+def _finite_or_zero(m: Tensor) -> Tensor:
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def _exact_log_matmul(a: Tensor, b: Tensor, where: Tensor) -> Tensor:
+    r""":math:`\log\sum_j e^{a_{tj} + b_{ij}}` exactly at the True entries of ``where`` ``(..., T, I)``
+    (0 elsewhere): one log-sum-exp of length :math:`n` per entry, in chunks of ``_EXACT_CHUNK`` terms."""
+    batch = where.shape[:-2]
+    a = a.expand(batch + a.shape[-2:])
+    b = b.expand(batch + b.shape[-2:])
+    *index, t, i = where.nonzero(as_tuple=True)
+    step = max(1, _EXACT_CHUNK // max(1, a.shape[-1]))
+    values = [
+        _finite(a[(*(x[k:k + step] for x in index), t[k:k + step])] + b[(*(x[k:k + step] for x in index), i[k:k + step])],
+                -1).logsumexp(-1)
+        for k in range(0, t.numel(), step)
+    ]
+    out = torch.zeros(where.shape, dtype=a.dtype, device=a.device)
+    return out.index_put(where.nonzero(as_tuple=True), torch.cat(values))

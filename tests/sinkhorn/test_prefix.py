@@ -1,0 +1,201 @@
+"""Prefix Sinkhorn (``sinkformer.sinkhorn.prefix``): every prefix of a causal problem balanced on its own.
+
+The definition is checked by brute force — one dense Sinkhorn per prefix — in float64, for both
+orders (rows first: causal Sinkformers; columns first: Sparse Sinkhorn Attention's block sorting),
+both marginal choices, masks on keys and arbitrary masks; then zero leakage, the fast paths against
+their exact fallbacks, and the non-degeneracy of the causal marginals.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import sinkformer
+from sinkformer.sinkhorn import prefix
+from sinkformer.sinkhorn.prefix import log_cumsum_exp, log_matmul, prefix_sinkhorn
+
+
+def brute_force(scores, n_iters, mask=None, marginals="causal", start="rows"):
+    """Row t of the dense Sinkhorn of the prefix 0..t alone, the marginals written out from their definition."""
+    n = scores.shape[-1]
+    keep = torch.ones(n, n, dtype=torch.bool).tril()
+    if mask is not None:
+        keep = keep & mask
+    keep = keep.expand(scores.shape)
+    out = torch.zeros_like(scores)
+    for t in range(n):
+        sub, k = scores[..., : t + 1, : t + 1], keep[..., : t + 1, : t + 1]
+        col_valid = k.any(-2)
+        if marginals == "causal":  # column sums of uniform causal attention on the prefix
+            b = (k.double() / k.sum(-1, keepdim=True).clamp_min(1)).sum(-2)
+        else:  # the dense engine's default: valid rows / valid columns
+            b = col_valid * (k.any(-1).sum(-1, keepdim=True).double() / col_valid.sum(-1, keepdim=True).clamp_min(1))
+        b = b.to(scores.dtype)
+        if start == "rows":
+            P = sinkformer.sinkhorn(sub, n_iters, mask=k, col_marginals=b)
+        else:  # columns first = rows first on the transpose
+            P = sinkformer.sinkhorn(sub.transpose(-1, -2), n_iters, mask=k.transpose(-1, -2),
+                                    row_marginals=b).transpose(-1, -2)
+        out[..., t, : t + 1] = P[..., t, :]
+    return out
+
+
+def key_mask(batch, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.rand(batch, 1, n, generator=g) > 0.3
+    keys[0, 0, 0] = False  # a first row with no key at all
+    return keys
+
+
+@pytest.mark.parametrize("n", [1, 7])
+@pytest.mark.parametrize("n_iters", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("marginals", ["causal", "uniform"])
+@pytest.mark.parametrize("start", ["rows", "columns"])
+@pytest.mark.parametrize("mask", ["none", "keys", "any"])
+def test_equals_the_per_prefix_definition(n, n_iters, marginals, start, mask):
+    g = torch.Generator().manual_seed(n * 100 + n_iters)
+    scores = 2 * torch.randn(3, n, n, generator=g, dtype=torch.float64)
+    m = {"none": None, "keys": key_mask(3, n, 1),
+         "any": torch.rand(3, n, n, generator=g) > 0.25}[mask]
+    got = prefix_sinkhorn(scores, n_iters, mask=m, marginals=marginals, start=start)
+    want = brute_force(scores, n_iters, m, marginals, start)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert got.dtype == torch.float64
+
+
+def test_float32_and_the_shapes_of_a_batch_of_heads():
+    scores = torch.randn(2, 3, 12, 12, dtype=torch.float64)
+    want = brute_force(scores, 5)
+    got = prefix_sinkhorn(scores.float(), 5)
+    assert got.dtype == torch.float32 and got.shape == (2, 3, 12, 12)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_iters", [1, 2, 3, 4, 5, 7])
+@pytest.mark.parametrize("start", ["rows", "columns"])
+def test_no_gradient_from_the_future(n_iters, start):
+    """Row t is a function of scores[:t+1, :t+1] only: the gradient of rows <= t with respect to every
+    later score row is exactly zero (and not with respect to earlier ones)."""
+    n = 9
+    scores = torch.randn(2, n, n, dtype=torch.float64, requires_grad=True)
+    P = prefix_sinkhorn(scores, n_iters, mask=key_mask(2, n, 3), start=start)
+    w = torch.randn(P.shape, dtype=torch.float64)
+    for t in range(1, n - 1):
+        (grad,) = torch.autograd.grad((P[:, : t + 1] * w[:, : t + 1]).sum(), scores, retain_graph=True)
+        assert grad[:, t + 1 :].abs().max().item() == 0.0
+        assert grad[:, : t + 1].abs().max().item() > 0.0
+
+
+@pytest.mark.parametrize("start", ["rows", "columns"])
+@pytest.mark.parametrize("spread", [1.0, 30.0, 300.0])
+def test_past_rows_do_not_change_when_the_future_does(start, spread):
+    """Bit for bit: no shift, maximum or fallback decision reads a later row (spread 300 takes the exact
+    fallbacks in float32)."""
+    n, cut = 12, 7
+    g = torch.Generator().manual_seed(int(spread))
+    scores = spread * torch.randn(2, n, n, generator=g)
+    changed = scores.clone()
+    changed[:, cut:] = spread * torch.randn(2, n - cut, n, generator=g)
+    for n_iters in range(1, 7):
+        a = prefix_sinkhorn(scores, n_iters, start=start, mask=key_mask(2, n, 6))
+        b = prefix_sinkhorn(changed, n_iters, start=start, mask=key_mask(2, n, 6))
+        assert torch.equal(a[:, :cut], b[:, :cut]), (n_iters, (a[:, :cut] - b[:, :cut]).abs().max().item())
+
+
+def test_gradients_equal_finite_differences():
+    scores = torch.randn(1, 6, 6, dtype=torch.float64, requires_grad=True)
+    mask = key_mask(1, 6, 4)
+    assert torch.autograd.gradcheck(lambda s: prefix_sinkhorn(s, 5, mask=mask), (scores,))
+    assert torch.autograd.gradgradcheck(lambda s: prefix_sinkhorn(s, 4, mask=mask), (scores,))
+
+
+def test_fast_products_equal_their_exact_fallbacks(monkeypatch):
+    """The max-shifted matmul and cumsum against the exact log-sum-exps; and the whole result with the
+    fast paths switched off."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, 5, 7, generator=g, dtype=torch.float64), torch.randn(2, 6, 7, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(log_matmul(a, b), (a.unsqueeze(-2) + b.unsqueeze(-3)).logsumexp(-1))
+    y = torch.randn(2, 8, 5, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(log_cumsum_exp(y), torch.logcumsumexp(y, dim=-2))
+    scores = 3 * torch.randn(2, 10, 10, generator=g, dtype=torch.float64)
+    fast = prefix_sinkhorn(scores, 6, mask=key_mask(2, 10, 5))
+    monkeypatch.setattr(prefix, "_checked_log",
+                        lambda sums, terms, needed, exact: exact(torch.ones(sums.shape, dtype=torch.bool)))
+    exact = prefix_sinkhorn(scores, 6, mask=key_mask(2, 10, 5))
+    torch.testing.assert_close(fast, exact, rtol=1e-12, atol=1e-14)
+
+
+def test_extreme_score_ranges_take_the_exact_path_and_stay_finite():
+    """Scores spanning ~1e3 underflow a float32 matmul of exponentials: the exact log-sum-exps take over."""
+    scores = 300 * torch.randn(2, 9, 9, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want = brute_force(scores, 6)
+    got = prefix_sinkhorn(scores.float().requires_grad_(), 6)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-4)
+    got.sum().backward()
+
+
+def test_causal_marginals_do_not_degenerate():
+    """Uniform column marginals drive the causal problem to the identity; the marginals of uniform causal
+    attention keep the entropy of SoftMax (here within 10 %) as n_iters grows."""
+    scores = torch.randn(4, 48, 48, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+    def entropy(P):
+        return -(P * P.clamp_min(1e-300).log()).sum(-1).mean().item()
+
+    softmax = entropy(prefix_sinkhorn(scores, 1))
+    for n_iters in (3, 11, 101):
+        causal = prefix_sinkhorn(scores, n_iters, marginals="causal")
+        assert abs(entropy(causal) - softmax) < 0.1 * softmax
+        assert causal.diagonal(dim1=-2, dim2=-1).mean() < 0.2
+    degenerate = prefix_sinkhorn(scores, 101, marginals="uniform")
+    assert degenerate.diagonal(dim1=-2, dim2=-1).mean() > 0.8
+    assert entropy(degenerate) < 0.3 * softmax
+
+
+def test_constant_scores_give_uniform_causal_attention_for_every_n_iters():
+    n = 6
+    uniform = torch.ones(n, n, dtype=torch.float64).tril() / torch.arange(1, n + 1, dtype=torch.float64)[:, None]
+    for n_iters in (1, 2, 3, 6):
+        torch.testing.assert_close(prefix_sinkhorn(torch.zeros(n, n, dtype=torch.float64), n_iters), uniform)
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(scores=torch.zeros(3, 4)), "scores must be square"),
+    (dict(n_iters=0), "n_iters must be an int >= 1"),
+    (dict(marginals="harmonic"), "marginals must be one of"),
+    (dict(start="diagonal"), "start must be 'rows' or 'columns'"),
+    (dict(mask=torch.ones(5, 5, dtype=torch.bool)), "mask must broadcast"),
+    (dict(mask=torch.ones(4, 4)), "mask must be a bool tensor"),
+])
+def test_errors_name_the_argument(kwargs, error):
+    call = dict(scores=torch.zeros(4, 4), n_iters=3)
+    call.update(kwargs)
+    with pytest.raises((ValueError, TypeError), match=error):
+        prefix_sinkhorn(call.pop("scores"), call.pop("n_iters"), **call)
+
+
+def expected_products(n_iters: int, start: str) -> int:
+    """Log-sum-exp matrix products of the module docstring: every normalisation after those that start
+    from zero potentials (rows first: two; columns first: one), except a final row update (diagonal)."""
+    first = 2 if start == "rows" else 1
+    steps = range(first, n_iters)
+    last_is_row = ((n_iters - 1) % 2 == 0) == (start == "rows")
+    return sum(1 for s in steps if not (s == n_iters - 1 and last_is_row))
+
+
+def test_costs_of_the_module_docstring(monkeypatch):
+    """Rows first with n_iters <= 3 never forms a log-sum-exp matrix product (O(n^2), like SoftMax);
+    each further normalisation but a final row update is one product."""
+    calls = []
+    original = prefix.log_matmul
+    monkeypatch.setattr(prefix, "log_matmul", lambda *a, **k: calls.append(1) or original(*a, **k))
+    scores = torch.randn(2, 16, 16, dtype=torch.float64)
+    for n_iters, start in itertools.product(range(1, 8), ("rows", "columns")):
+        calls.clear()
+        prefix_sinkhorn(scores, n_iters, start=start)
+        assert len(calls) == expected_products(n_iters, start), (n_iters, start)
+    assert [expected_products(k, "rows") for k in range(1, 8)] == [0, 0, 0, 2, 2, 4, 4]
