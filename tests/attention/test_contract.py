@@ -150,36 +150,55 @@ def future_gradient(fn, x, t=2):
     return grad[:, t + 1 :].abs().max().item()
 
 
-def test_causal_sinkhorn_is_refused_and_causal_softmax_does_not_leak():
+def test_causal_sinkhorn_does_not_leak_and_other_causal_forms_are_refused():
+    """``is_causal=True`` is causal Sinkhorn (each prefix balanced on its own): no gradient from the
+    future. A causal ``attn_mask`` would balance the whole matrix, and ``tol`` has no per-prefix
+    meaning: both refused, with the way out in the message."""
     q, k, v = qkv(n=8, batch=(2,))
-    with pytest.raises(ValueError, match="leak from the future"):
-        attention(q, k, v, is_causal=True, n_iters=5)
-    with pytest.raises(ValueError, match="leak from the future"):
+    for n_iters in (1, 2, 3, 5):
+        assert future_gradient(lambda x: attention(x, x, x, is_causal=True, n_iters=n_iters), q) == 0.0
+    assert future_gradient(lambda x: attention(x, x, x, is_causal=True, normalization="softmax"), q) == 0.0
+    with pytest.raises(ValueError, match="needs a fixed n_iters"):
         attention(q, k, v, is_causal=True, n_iters=None, tol=1e-5)
     causal_mask = torch.nn.Transformer.generate_square_subsequent_mask(8)  # float, -inf above the diagonal
-    with pytest.raises(ValueError, match="leak from the future"):
+    with pytest.raises(ValueError, match="leak from the future.*Pass is_causal=True instead"):
         attention(q, k, v, attn_mask=causal_mask, n_iters=3)
-    assert future_gradient(lambda x: attention(x, x, x, is_causal=True, n_iters=1), q) == 0.0
-    assert future_gradient(lambda x: attention(x, x, x, is_causal=True, normalization="softmax"), q) == 0.0
+    with pytest.raises(ValueError, match="needs self-attention"):
+        attention(q, k[:, :5], v[:, :5], is_causal=True, n_iters=3)
 
 
-def test_multihead_attention_refuses_causal_sinkhorn():
+def test_multihead_attention_serves_causal_sinkhorn():
+    """``is_causal=True`` (with or without the causal ``attn_mask``) is causal Sinkhorn: no gradient from
+    the future, the rows of ``attention(..., is_causal=True)``. A causal mask alone, or causal
+    cross-attention, is refused with the way out in the message."""
+    torch.manual_seed(0)
     mha = sinkformer.nn.MultiheadAttention(12, 3, batch_first=True, n_iters=5)
     x = torch.randn(2, 7, 12)
     mask = torch.nn.Transformer.generate_square_subsequent_mask(7)
-    with pytest.raises(ValueError, match="leak from the future"):
-        mha(x, x, x, attn_mask=mask, is_causal=True)
-    with pytest.raises(ValueError, match="leak from the future"):
+    for n_iters in (1, 2, 3, 5):
+        mha.n_iters = n_iters
+        assert future_gradient(lambda y: mha(y, y, y, attn_mask=mask, is_causal=True, need_weights=False)[0], x) == 0.0
+        assert future_gradient(lambda y: mha(y, y, y, is_causal=True, need_weights=False)[0], x) == 0.0
+    q, k, v = (t.unflatten(-1, (3, 4)).transpose(1, 2) for t in mha._project(x, x, x))
+    expected = mha.out_proj(attention(q, k, v, is_causal=True, n_iters=5).transpose(1, 2).flatten(-2))
+    out, weights = mha(x, x, x, attn_mask=mask, is_causal=True)
+    torch.testing.assert_close(out, expected)
+    assert weights.triu(1).abs().max() == 0  # lower triangular
+    with pytest.raises(ValueError, match="leak from the future.*Pass is_causal=True instead"):
         mha(x, x, x, attn_mask=mask)
-    mha.n_iters = 1
-    assert future_gradient(lambda y: mha(y, y, y, attn_mask=mask, is_causal=True, need_weights=False)[0], x) == 0.0
+    with pytest.raises(ValueError, match="needs self-attention"):
+        mha(x, x[:, :5], x[:, :5], is_causal=True)
 
 
-def test_convert_keeps_decoder_self_attention_on_softmax():
+def decoder_model():
     torch.manual_seed(0)
-    model = torch.nn.Transformer(d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=2, dim_feedforward=32,
-                                 dropout=0.0, batch_first=True).eval()
-    with pytest.warns(UserWarning, match="kept 4 decoder attention module"):
+    return torch.nn.Transformer(d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=2, dim_feedforward=32,
+                                dropout=0.0, batch_first=True).eval()
+
+
+def test_convert_keeps_decoder_attention_on_softmax_unless_causal():
+    model = decoder_model()
+    with pytest.warns(UserWarning, match="kept 4 decoder attention module.*Pass causal=True"):
         _, count = sinkformer.convert(model, n_iters=5, verbose=False, return_count=True)
     assert count == 1  # the encoder's self-attention
     for layer in model.decoder.layers:
@@ -187,24 +206,46 @@ def test_convert_keeps_decoder_self_attention_on_softmax():
         assert not isinstance(layer.multihead_attn, sinkformer.nn.MultiheadAttention)
     src = torch.randn(2, 6, 16)
     mask = model.generate_square_subsequent_mask(5)
-    leak = future_gradient(lambda tgt: model(src, tgt, tgt_mask=mask, tgt_is_causal=True), torch.randn(2, 5, 16))
-    assert leak == 0.0
-    # converted anyway, the causal layers refuse the causal mask
-    sinkformer.convert(model, n_iters=5, causal=True, verbose=False)
-    with pytest.raises(ValueError, match="leak from the future"):
-        model(src, torch.randn(2, 5, 16), tgt_mask=mask, tgt_is_causal=True)
+    assert future_gradient(lambda tgt: model(src, tgt, tgt_mask=mask, tgt_is_causal=True), torch.randn(2, 5, 16)) == 0.0
 
 
-def test_cross_attention_from_causal_queries_leaks_so_decoders_refuse_it():
-    """Column normalisation in cross-attention sums over all target positions: a leak too."""
+def test_convert_causal_makes_decoder_self_attention_causal_sinkhorn_without_leak():
+    model = decoder_model()
+    src, tgt = torch.randn(2, 6, 16), torch.randn(2, 5, 16)
+    mask = model.generate_square_subsequent_mask(5)
+    with torch.no_grad():
+        softmax = model(src, tgt, tgt_mask=mask)
+    with pytest.warns(UserWarning, match="kept 2 decoder cross-attention module.*would depend on future tokens"):
+        _, count = sinkformer.convert(model, n_iters=5, causal=True, verbose=False, return_count=True)
+    assert count == 3  # the encoder's self-attention and both decoder self-attentions
+    for layer in model.decoder.layers:
+        assert isinstance(layer.self_attn, sinkformer.nn.MultiheadAttention) and layer.self_attn.n_iters == 5
+        assert not isinstance(layer.multihead_attn, sinkformer.nn.MultiheadAttention)
+    # nn.Transformer passes tgt_is_causal=True itself when tgt_mask is the causal mask
+    for kwargs in ({"tgt_mask": mask, "tgt_is_causal": True}, {"tgt_mask": mask}, {"tgt_is_causal": True}):
+        assert future_gradient(lambda t: model(src, t, **kwargs), tgt) == 0.0
+    with torch.no_grad():
+        assert (model(src, tgt, tgt_mask=mask) - softmax).abs().max() > 1e-3  # Sinkhorn now runs
+    with pytest.raises(ValueError, match="leak from the future"):  # a causal mask declared non-causal
+        model(src, tgt, tgt_mask=mask, tgt_is_causal=False)
+
+
+def test_sinkformer_decoder_self_attention_is_causal_and_cross_attention_is_refused():
+    """Column normalisation in cross-attention sums over all target positions: a leak, so refused;
+    causal Sinkhorn self-attention does not leak."""
     q, k, v = qkv(n=6, batch=(1,))
     assert future_gradient(lambda x: attention(x, k[:, :5], v[:, :5], n_iters=5), q) > 1e-3
-    for option in ("self_normalization", "cross_normalization"):
-        with pytest.raises(ValueError, match=f"{option}='sinkhorn' with n_iters=3 in a causal decoder"):
-            sinkformer.nn.TransformerDecoder(16, 2, 1, dim_feedforward=32, **{option: "sinkhorn"}, n_iters=3)
-    decoder = sinkformer.nn.TransformerDecoder(16, 2, 2, dim_feedforward=32, dropout=0.0)
+    with pytest.raises(ValueError, match="cross_normalization='sinkhorn' with n_iters=3 in a causal decoder"):
+        sinkformer.nn.TransformerDecoder(16, 2, 1, dim_feedforward=32, cross_normalization="sinkhorn", n_iters=3)
     memory = torch.randn(2, 4, 16)
-    assert future_gradient(lambda tgt: decoder(tgt, memory), torch.randn(2, 5, 16)) == 0.0
+    for self_normalization in ("softmax", "sinkhorn"):
+        torch.manual_seed(0)
+        decoder = sinkformer.nn.TransformerDecoder(16, 2, 2, dim_feedforward=32, dropout=0.0, n_iters=3,
+                                                   self_normalization=self_normalization)
+        assert decoder.layers[0].self_attn.normalization == self_normalization
+        assert future_gradient(lambda tgt: decoder(tgt, memory), torch.randn(2, 5, 16)) == 0.0
+        pad = torch.tensor([[False] * 5, [False, False, False, True, True]])
+        assert future_gradient(lambda tgt: decoder(tgt, memory, tgt_padding_mask=pad), torch.randn(2, 5, 16)) == 0.0
 
 
 # ---- the backend table ------------------------------------------------------------------------
@@ -236,7 +277,9 @@ def test_auto_streams_above_the_threshold(monkeypatch):
     ("sdpa", {}, "engine 'sdpa' computes SoftMax only .* n_iters=5"),
     ("tiled", {"return_weights": True}, "return_weights=True .* engine 'tiled'"),
     ("streamed", {"dropout_p": 0.1}, "dropout_p=0.1 is not served by engine 'streamed'"),
-    ("dense", {"backward": "implicit"}, "backward='implicit' is served by engine 'tiled' only, not 'dense'"),
+    ("dense", {"backward": "implicit"}, "backward='implicit' is served by engines 'tiled' and 'flash' only, not 'dense'"),
+    ("causal", {}, "engine 'causal' serves is_causal=True only"),
+    ("tiled", {"is_causal": True}, "is_causal=True with Sinkhorn attention .* served by engine 'causal' only"),
     ("tiled", {"normalization": "relu"}, "engine 'tiled' computes Sinkhorn attention, got normalization='relu'"),
     ("dense", {"chunk_size": 4}, "chunk_size is an option of the streamed engine"),
     ("fast", {}, "backend must be one of"),
@@ -248,6 +291,6 @@ def test_a_forced_engine_that_cannot_serve_raises_with_the_reason(backend, kwarg
 
 
 def test_engine_names_are_one_per_concept():
-    assert backends.ENGINES == ("sdpa", "dense", "tiled", "streamed")
+    assert backends.ENGINES == ("sdpa", "dense", "tiled", "streamed", "causal", "flash")
     assert backends.BACKENDS == ("auto",) + backends.ENGINES
     assert math.isfinite(backends.STREAM_ABOVE)

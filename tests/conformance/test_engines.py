@@ -10,13 +10,21 @@ NaN or a different answer anywhere, fails. A new engine joins by being listed in
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
+import sinkformer
 from sinkformer import SinkhornConvergenceWarning, attention
-from sinkformer.sinkhorn import tiled
+from sinkformer.sinkhorn import flash, tiled
+
+# The flash engine's Triton kernels run on this suite's CPU tensors under Triton's interpreter, which
+# must be on before the kernels are first imported. With CUDA present the process compiles them for
+# the GPU instead (tests/sinkhorn/test_flash_engine.py runs them there) and the CPU cells skip.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 #: engine name -> keyword arguments of ``attention`` that select it. "tiled-log" is the tiled
 #: engine in the log domain that GPUs use, run here on the CPU.
@@ -27,6 +35,8 @@ ENGINES = {
     "tiled": {"backend": "tiled"},
     "tiled-log": {"backend": "tiled"},
     "streamed": {"backend": "streamed", "chunk_size": 4},
+    "flash": {"backend": "flash"},
+    "causal": {"backend": "causal"},
 }
 #: engine -> the features it does not serve (it must raise, naming the argument and the engine)
 UNSERVED = {
@@ -36,10 +46,12 @@ UNSERVED = {
     "tiled": {"return_weights", "measure", "bias_grad"},
     "tiled-log": {"return_weights", "measure", "bias_grad"},
     "streamed": {"return_weights", "measure", "bias_grad", "implicit"},
+    "flash": {"return_weights", "measure", "bias_grad"},
+    "causal": {"noncausal"},
 }
 #: the argument an error must name for each feature
 ARGUMENT = {"iterations": "n_iters", "return_weights": "return_weights", "measure": "key_weights",
-            "bias_grad": "attn_mask", "implicit": "backward"}
+            "bias_grad": "attn_mask", "implicit": "backward", "noncausal": "is_causal"}
 #: (forward, gradient) tolerance relative to the reference's largest magnitude
 TOLERANCE = {
     torch.float64: (1e-9, 1e-7),
@@ -53,6 +65,8 @@ TOLERANCE = {
 def engine(request, monkeypatch):
     if request.param == "tiled-log":
         monkeypatch.setattr(tiled, "DOMAIN", "log")
+    if request.param == "flash" and flash.unavailable("cpu") is not None:
+        pytest.skip(f"flash engine on CPU tensors: {flash.unavailable('cpu')}")
     return request.param
 
 
@@ -127,7 +141,7 @@ CASES = ["plain", "cross", "key_padding", "query_and_key_padding", "bool_mask", 
 
 
 def features_of(case: Case, n_iters, tol, backward="unrolled") -> set:
-    feats = set(case.features)
+    feats = set(case.features) | {"noncausal"}  # the grid's calls are not causal (test_causal_sinkhorn is)
     if tol is not None or n_iters > 1:
         feats.add("iterations")
     if backward == "implicit":
@@ -177,6 +191,7 @@ def assert_raises_naming(engine, missing, fn):
 def assert_close(got, want, rel, what, floor=1e-12):
     """``max |got - want| <= rel * max(max |want|, floor)``, and no NaN/inf."""
     got, want = got.double(), want.double()
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
     assert torch.isfinite(got).all(), f"{what}: non-finite values"
     scale = want.abs().max().item() if want.numel() else 0.0
     err = (got - want).abs().max().item() if want.numel() else 0.0
@@ -282,7 +297,7 @@ def test_extreme_score_ranges(engine, n_iters, dtype):
     assert top > 5e3
     rel = 4 * torch.finfo(dtype).eps * top
     check_cell(engine, case, dtype, n_iters=n_iters, grads=dtype == torch.float64, tolerance=(rel, rel), floor=1.0)
-    if dtype == torch.float32 and "iterations" not in UNSERVED[engine]:
+    if dtype == torch.float32 and not expect(engine, features_of(case, n_iters, None)):
         mine = leaves(case.to(dtype))
         run(engine, mine, n_iters=n_iters).sum().backward()
         assert all(torch.isfinite(t.grad).all() for t in (mine.q, mine.k, mine.v))
@@ -314,13 +329,26 @@ def test_empty_shapes(engine, shape):
     n_q, n_k, d, e, batch = 5, 6, 3, 4, 2
     n_q, n_k, d, e, batch = (0 if shape == f"{name}=0" else size
                              for name, size in zip(("n_q", "n_k", "d", "d_v", "batch"), (n_q, n_k, d, e, batch)))
+    causal = engine == "causal"
+    if causal:  # causal Sinkhorn is self-attention
+        n_q = n_k = min(n_q, n_k)
     q = torch.randn(batch, n_q, d, dtype=torch.float64, requires_grad=True)
     k = torch.randn(batch, n_k, d, dtype=torch.float64, requires_grad=True)
     v = torch.randn(batch, n_k, e, dtype=torch.float64, requires_grad=True)
-    case = Case(q, k, v)
+    case = Case(q, k, v, {"is_causal": True} if causal else {})
     n_iters = 1 if engine == "sdpa" else 5
     out = run(engine, case, n_iters=n_iters)
     assert out.shape == (batch, n_q, e)
+    if causal:  # all scores 0 when d=0: uniform causal attention is the fixed point, row t the mean of v[:t+1]
+        want = causal_reference(case, n_iters) if min(n_q, e, batch) else out.detach() * 0
+        assert_close(out, want, 1e-9, f"causal {shape}")
+        if shape == "d=0":
+            means = v.cumsum(-2) / torch.arange(1, n_q + 1, dtype=v.dtype).unsqueeze(-1)
+            assert_close(out, means, 1e-12, "d=0 gives the prefix means")
+        if out.numel():
+            assert all(g is None or torch.isfinite(g).all()
+                       for g in torch.autograd.grad(out.sum(), (q, k, v), allow_unused=True))
+        return
     want = run("dense", case, n_iters=n_iters)
     assert_close(out, want, 1e-9, f"{engine} {shape}")
     if shape == "n_k=0":
@@ -340,14 +368,88 @@ def test_nan_inputs_raise(engine):
         run(engine, Case(q, case.k, case.v), n_iters=1 if engine == "sdpa" else 5)
 
 
-def test_causal_sinkhorn_raises_everywhere(engine):
-    """Column normalisation under a causal mask mixes future queries into past outputs: refused."""
+CAUSAL_CASES = ["plain", "key_padding", "query_and_key_padding", "all_keys_padded", "extreme"]
+
+
+def causal_reference(case: Case, n_iters: int) -> torch.Tensor:
+    """The definition, by brute force in float64: row t of the dense Sinkhorn of the prefix 0..t alone,
+    column marginals those of uniform causal attention on that prefix."""
+    q, k, v = (t.double() for t in (case.q, case.k, case.v))
+    scale = case.kwargs.get("scale", 1 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0)
+    scores = scale * q @ k.transpose(-1, -2)
+    n = scores.shape[-1]
+    keep = torch.ones(n, n, dtype=torch.bool).tril().expand(scores.shape).clone()
+    if "key_padding_mask" in case.kwargs:
+        keep &= ~case.kwargs["key_padding_mask"][:, None, None, :]
+    if "query_padding_mask" in case.kwargs:
+        keep &= ~case.kwargs["query_padding_mask"][:, None, :, None]
+    rows = []
+    for t in range(n):
+        sub_keep = keep[..., : t + 1, : t + 1]
+        uniform = sub_keep.double() / sub_keep.sum(-1, keepdim=True).clamp_min(1)
+        P = sinkformer.sinkhorn(scores[..., : t + 1, : t + 1], n_iters, mask=sub_keep, col_marginals=uniform.sum(-2))
+        rows.append((P[..., t : t + 1, :] @ v[..., : t + 1, :]).squeeze(-2))
+    return torch.stack(rows, dim=-2)
+
+
+@pytest.mark.parametrize("n_iters", [2, 3, 4, 5])
+@pytest.mark.parametrize("case_name", CAUSAL_CASES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_causal_sinkhorn(engine, case_name, n_iters, dtype):
+    """``is_causal=True``: the causal engine (chosen by auto) equals the per-prefix definition, forward
+    and gradients; every other engine refuses, naming ``is_causal`` and itself."""
+    case = make_case(case_name).to(dtype)
+    if engine not in ("auto", "causal"):
+        with pytest.raises(ValueError, match="is_causal") as info:
+            run(engine, case, n_iters=n_iters, is_causal=True)
+        assert ENGINES[engine]["backend"].split("-")[0] in str(info.value)
+        return
+    mine, ref = leaves(case), leaves(case.to(torch.float64))
+    out = run(engine, mine, n_iters=n_iters, is_causal=True)
+    want = causal_reference(ref, n_iters)
+    assert out.dtype == dtype
+    rtol_out, rtol_grad = TOLERANCE[dtype]
+    floor = 1e-12
+    if case_name == "extreme":  # scores ~1e4: rounding of 1e4-sized terms, as in test_extreme_score_ranges;
+        # a score error of eps * max|S| moves dq = scale * sum_j dS_tj k_j by up to that times max|k|
+        top = (case.q.double() @ case.k.double().transpose(-1, -2)).abs().max().item()
+        rtol_out = 4 * torch.finfo(dtype).eps * top
+        rtol_grad = rtol_out * max(case.q.abs().max().item(), case.k.abs().max().item(), 1.0)
+        floor = 1.0
+    assert_close(out, want, rtol_out, f"{engine} causal forward", floor)
+    grad_out = torch.randn(want.shape, generator=_gen(9), dtype=torch.float64)
+    got = torch.autograd.grad(out, (mine.q, mine.k, mine.v), grad_out.to(dtype))
+    ref_grads = torch.autograd.grad(want, (ref.q, ref.k, ref.v), grad_out)
+    for name, a, b in zip("qkv", got, ref_grads):
+        assert_close(a, b, rtol_grad, f"{engine} causal d{name}", floor)
+
+
+def test_causal_sinkhorn_refuses_tol(engine):
+    if engine in ("auto", "causal"):
+        with pytest.raises(ValueError, match="is_causal=True with Sinkhorn attention needs a fixed n_iters"):
+            run(engine, make_case("plain"), n_iters=None, tol=1e-6, is_causal=True)
+
+
+def test_causal_sinkhorn_second_derivatives(engine):
+    if engine not in ("auto", "causal"):
+        return
+    case = leaves(make_case("key_padding", batch=(1, 2), n=6, d=3, e=2))
+    inputs = (case.q, case.k, case.v)
+    assert torch.autograd.gradgradcheck(
+        lambda q, k, v: run(engine, Case(q, k, v, case.kwargs), n_iters=5, is_causal=True), inputs)
+
+
+def test_causal_masks_other_than_is_causal_are_refused(engine):
+    """A causal ``attn_mask`` with Sinkhorn would balance the whole matrix (a leak): refused, pointing to
+    ``is_causal=True``; ``n_iters=1`` is causal SoftMax on every engine."""
     case = make_case("plain")
-    if engine == "sdpa":
-        return  # SoftMax only: causal attention is served (n_iters=1 below)
-    for kw in (dict(is_causal=True), dict(attn_mask=torch.ones(9, 9, dtype=torch.bool).tril())):
-        with pytest.raises(ValueError, match="leak from the future"):
-            run(engine, case, n_iters=5, **kw)
+    if engine != "sdpa":
+        with pytest.raises(ValueError, match="leak from the future.*is_causal=True"):
+            run(engine, case, n_iters=5, attn_mask=torch.ones(9, 9, dtype=torch.bool).tril())
+    if engine == "causal":
+        with pytest.raises(ValueError, match="engine 'causal' computes causal Sinkhorn"):
+            run(engine, case, n_iters=1, is_causal=True)
+        return
     out = run(engine, leaves(case), n_iters=1, is_causal=True)
     assert_close(out, run("sdpa", case, n_iters=1, is_causal=True), 1e-9, "n_iters=1 is causal SoftMax")
 
@@ -376,8 +478,8 @@ def test_implicit_backward(engine, dtype):
 
 def test_unreached_tolerance_warns_with_the_error(engine):
     """A tolerance not reached within max_iters: one SinkhornConvergenceWarning with the error reached."""
-    if "iterations" in UNSERVED[engine]:
-        return
+    if {"iterations", "noncausal"} & UNSERVED[engine]:
+        return  # sdpa: no iterations; causal: needs a fixed n_iters (test_causal_sinkhorn_refuses_tol)
     case = make_case("plain").to(torch.float32)
     with pytest.warns(SinkhornConvergenceWarning, match=r"did not reach tol=1e-09 within max_iters=7 .*column error"):
         out = run(engine, case, n_iters=None, tol=1e-9, max_iters=7)

@@ -12,6 +12,11 @@ Engines (one name per concept, the same in code, errors and docs):
                :math:`O(n)` saved per slice; dropout and ``backward="implicit"``.
 ``"streamed"`` Sinkhorn streamed over row blocks (:mod:`sinkformer.sinkhorn.streamed`): never an
                ``n_q × n_k`` tile, for long sequences.
+``"flash"``    fused Triton kernels (:mod:`sinkformer.sinkhorn.flash`): never an ``n_q × n_k``
+               matrix, exact custom backward; CUDA tensors (CPU ones under Triton's interpreter).
+``"causal"``   causal Sinkhorn (``is_causal=True``): row :math:`t` is row :math:`t` of the balanced
+               prefix :math:`0..t` (:mod:`sinkformer.sinkhorn.prefix`), weights materialised,
+               autograd; :math:`O(n^2)` for ``n_iters <= 3``, matrix products beyond.
 =============  ====================================================================================
 
 :func:`choose` applies the rules of ``"auto"`` in order and checks a forced engine against
@@ -22,11 +27,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..sinkhorn.flash import unavailable as flash_unavailable
 from ..sinkhorn.problem import STREAM_ABOVE
 
 __all__ = ["BACKENDS", "ENGINES", "Call", "Choice", "choose", "unsupported"]
 
-ENGINES = ("sdpa", "dense", "tiled", "streamed")
+ENGINES = ("sdpa", "dense", "tiled", "streamed", "causal", "flash")
 BACKENDS = ("auto",) + ENGINES
 
 
@@ -45,6 +51,8 @@ class Call:
     dropout_p: float = 0.0
     backward: str = "unrolled"
     chunk_size: int | None = None
+    causal: bool = False
+    device: str = "cpu"
 
     @property
     def softmax(self) -> bool:
@@ -67,13 +75,18 @@ class Choice:
 
 def unsupported(engine: str, call: Call) -> str | None:
     """Why ``engine`` cannot serve ``call`` (a sentence naming the argument), or ``None``."""
+    if call.causal and not call.softmax and engine != "causal":
+        return (f"is_causal=True with Sinkhorn attention (n_iters={call.n_iters}) is served by engine 'causal' only "
+                f"(every prefix balanced on its own), not {engine!r}")
+    if engine == "causal":
+        return _unsupported_causal(call)
     if engine == "sdpa":
         if not call.softmax:
             what = f"normalization={call.normalization!r}"
             if call.normalization == "sinkhorn":
                 what += f" with n_iters={call.n_iters}" if call.tol is None else f" with tol={call.tol}"
             return f"engine 'sdpa' computes SoftMax only (normalization='softmax' or n_iters=1), got {what}"
-    elif engine in ("tiled", "streamed") and call.normalization != "sinkhorn":
+    elif engine in ("tiled", "streamed", "flash") and call.normalization != "sinkhorn":
         return (f"engine {engine!r} computes Sinkhorn attention, got normalization={call.normalization!r} "
                 "(use backend='dense', or 'sdpa' for SoftMax)")
     if engine != "dense":
@@ -81,15 +94,33 @@ def unsupported(engine: str, call: Call) -> str | None:
             return f"return_weights=True needs the n_q x n_k weights, which engine {engine!r} never forms; use backend='dense'"
         if call.measure_weights:
             return f"key_weights/query_weights are served by the dense engine only, not {engine!r}; use backend='dense'"
-    if engine in ("tiled", "streamed") and call.bias_requires_grad:
+    if engine in ("tiled", "streamed", "flash") and call.bias_requires_grad:
         return (f"a float attn_mask that requires grad (a learned bias) is differentiated on the dense engine only, "
                 f"not {engine!r}; use backend='dense' or detach the mask")
     if call.chunk_size is not None and engine != "streamed":
         return f"chunk_size is an option of the streamed engine, got chunk_size={call.chunk_size} with engine {engine!r}"
-    if engine == "streamed" and call.dropout_p > 0:
-        return f"dropout_p={call.dropout_p} is not served by engine 'streamed'; use backend='tiled' or 'dense'"
-    if call.backward == "implicit" and not call.softmax and engine != "tiled":
-        return f"backward='implicit' is served by engine 'tiled' only, not {engine!r}; use backward='unrolled'"
+    if engine in ("streamed", "flash") and call.dropout_p > 0:
+        return f"dropout_p={call.dropout_p} is not served by engine {engine!r}; use backend='tiled' or 'dense'"
+    if call.backward == "implicit" and not call.softmax and engine not in ("tiled", "flash"):
+        return (f"backward='implicit' is served by engines 'tiled' and 'flash' only, not {engine!r}; "
+                "use backward='unrolled'")
+    if engine == "flash":
+        return flash_unavailable(call.device)
+    return None
+
+
+def _unsupported_causal(call: Call) -> str | None:
+    if not call.causal:
+        return "engine 'causal' serves is_causal=True only (each prefix balanced on its own); pass is_causal=True"
+    if call.normalization != "sinkhorn" or call.softmax:
+        return f"engine 'causal' computes causal Sinkhorn attention with n_iters >= 2, got normalization={call.normalization!r}" + (
+            f" with n_iters={call.n_iters}" if call.normalization == "sinkhorn" else "")
+    if call.measure_weights:
+        return "key_weights/query_weights are served by the dense engine only, not 'causal'"
+    if call.backward != "unrolled":
+        return f"backward={call.backward!r} is not served by engine 'causal'; use backward='unrolled'"
+    if call.chunk_size is not None:
+        return f"chunk_size is an option of the streamed engine, got chunk_size={call.chunk_size} with engine 'causal'"
     return None
 
 
@@ -108,6 +139,11 @@ def _auto(call: Call) -> Choice:
     scores = call.n_q * call.n_k
     if call.normalization not in ("softmax", "sinkhorn"):
         return Choice("dense", f"normalization={call.normalization!r} is pointwise on the materialised scores")
+    if call.causal and not call.softmax:
+        why = _unsupported_causal(call)
+        if why is not None:
+            raise ValueError(f"is_causal=True with Sinkhorn attention cannot be served: {why}")
+        return Choice("causal", "is_causal=True: every prefix 0..t balanced on its own, row t kept (zero leakage)")
     for flag, why in (
         (call.return_weights, "return_weights=True needs the n_q x n_k weights"),
         (call.measure_weights, "key_weights/query_weights (weighted point clouds) are served by the dense engine"),
@@ -123,6 +159,8 @@ def _auto(call: Call) -> Choice:
         if why is not None:
             raise ValueError(f"chunk_size={call.chunk_size} asks for engine 'streamed', which cannot serve this call: {why}")
         return Choice("streamed", f"chunk_size={call.chunk_size} asks for row blocks (memory linear in the length)")
+    if call.device == "cuda" and unsupported("flash", call) is None:
+        return Choice("flash", "fused Triton kernels on CUDA: never an n_q x n_k matrix, O(n) saved per slice")
     if scores > STREAM_ABOVE and call.dropout_p == 0 and call.backward == "unrolled":
         return Choice("streamed", f"one slice has n_q*n_k = {scores} > 2^24 scores: never an n_q x n_k tile")
     return Choice("tiled", "Sinkhorn on cached tiles, O(n) saved per slice")

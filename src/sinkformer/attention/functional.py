@@ -33,7 +33,9 @@ from torch import Tensor
 from .._validation import _skip_data_checks, check_choice, check_positive_int, check_qkv, check_tensor, compute_dtype
 from .._validation import check_finite
 from ..sinkhorn import sinkhorn
+from ..sinkhorn.prefix import prefix_sinkhorn
 from ..sinkhorn.problem import check_iterations, check_scale, flatten
+from ..sinkhorn.flash import flash_attention
 from ..sinkhorn.streamed import streamed_attention
 from ..sinkhorn.tiled import tiled_attention
 from .backends import BACKENDS, Call, Choice, choose
@@ -106,9 +108,9 @@ def attention(
             ``"implicit"`` (implicit function theorem at the balanced fixed point; use with
             ``tol=``; warns when the matrix is not balanced).
         backend: the engine: ``"auto"`` (default: the rules of
-            :mod:`sinkformer.attention.backends`), ``"sdpa"``, ``"dense"``, ``"tiled"`` or
-            ``"streamed"``. A forced engine that cannot serve the call raises ``ValueError``
-            with the reason; :func:`explain` tells which engine a call uses and why.
+            :mod:`sinkformer.attention.backends`), ``"sdpa"``, ``"dense"``, ``"tiled"``,
+            ``"streamed"`` or ``"flash"`` (Triton kernels, CUDA). A forced engine that cannot serve
+            the call raises ``ValueError`` with the reason; :func:`explain` tells which engine a call uses and why.
         chunk_size: query rows per block of the streamed engine (implies it).
 
     Returns:
@@ -188,12 +190,16 @@ class _Prepared:
             return out.to(self.out_dtype)
         if engine == "dense":
             return self._dense()
+        if engine == "causal":
+            return self._dense(causal=True)
         opts = self.options
         qf, kf, vf = flatten(self.q, self.batch, n_q), flatten(self.k, self.batch, n_k), flatten(self.v, self.batch, n_k)
         common = dict(batch=self.batch, scale=self.scale, n_iters=opts["n_iters"], tol=opts["tol"],
                       max_iters=opts["max_iters"], keep=self.keep, bias=self.bias)
         if engine == "tiled":
             out = tiled_attention(qf, kf, vf, backward=opts["backward"], dropout_p=opts["dropout_p"], **common)
+        elif engine == "flash":
+            out = flash_attention(qf, kf, vf, backward=opts["backward"], **common)
         else:
             out = streamed_attention(qf, kf, vf, chunk_size=opts["chunk_size"], **common)
         return out.reshape(self.batch + (n_q, d_v)).to(self.out_dtype)
@@ -207,8 +213,9 @@ class _Prepared:
         weights = self.q.new_zeros(self.batch + (self.q.shape[-2], self.k.shape[-2])) + zero
         return out, weights.to(self.out_dtype)
 
-    def _dense(self) -> Tensor | tuple[Tensor, Tensor]:
-        """The weights materialised: SoftMax, Sinkhorn (the reference) or pointwise."""
+    def _dense(self, causal: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """The weights materialised: SoftMax, Sinkhorn (the reference), causal Sinkhorn (every prefix
+        balanced on its own, :func:`~sinkformer.sinkhorn.prefix.prefix_sinkhorn`) or pointwise."""
         q, k, v, opts = self.q, self.k, self.v, self.options
         scores = self.scale * (q @ k.transpose(-1, -2))
         if opts["cost"] == "l2":
@@ -216,7 +223,9 @@ class _Prepared:
         if self.bias is not None:
             scores = scores + self.bias
         normalization = opts["normalization"]
-        if normalization == "softmax":
+        if causal:
+            weights = prefix_sinkhorn(scores, opts["n_iters"], mask=self.keep, marginals="causal")
+        elif normalization == "softmax":
             weights = sinkhorn(_add_log(scores, self.wk), 1, mask=self.keep)
         elif normalization == "sinkhorn":
             weights = _sinkhorn(scores, self.keep, self.wk, self.wq, opts["n_iters"], opts["tol"], opts["max_iters"])
@@ -263,31 +272,53 @@ def _prepare(
         query_padding_mask=query_padding_mask, dtype=dtype,
     )
     sinkhorn_iterations = normalization == "sinkhorn" and (tol is not None or n_iters >= 2)
-    if sinkhorn_iterations and (is_causal or _is_causal_mask(attn_mask, q.shape[-2], k.shape[-2])):
-        raise ValueError(
-            f"is_causal=True (or a causal attn_mask) with Sinkhorn attention and "
-            f"{'tol=' + repr(tol) if tol is not None else f'n_iters={n_iters}'}: the column normalisation sums "
-            "over all queries, so the weights of query t would depend on the queries after t — a leak from the "
-            "future. Use n_iters=1 (exactly causal SoftMax) or normalization='softmax' for causal attention."
-        )
-    if is_causal:
+    if sinkhorn_iterations:
+        _check_causal_sinkhorn(is_causal, attn_mask, n_iters, tol, n_q, n_k)
+    if is_causal and not sinkhorn_iterations:  # (causal Sinkhorn applies the causal mask itself)
         causal = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
         keep = causal if keep is None else keep & causal
     wk = _measure(key_weights, "key_weights", batch, n_k, dtype)
     wq = _measure(query_weights, "query_weights", batch, n_q, dtype)
 
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    if cost == "l2" and normalization in ("softmax", "sinkhorn"):
-        q, k, cost = *_l2_as_dot(q, k), "dot"
     call = Call(
         normalization, n_iters, tol, n_q, n_k, return_weights=return_weights,
         measure_weights=wk is not None or wq is not None, bias_requires_grad=bias is not None and bias.requires_grad,
-        dropout_p=dropout_p, backward=backward, chunk_size=chunk_size,
+        dropout_p=dropout_p, backward=backward, chunk_size=chunk_size, causal=is_causal, device=q.device.type,
     )
+    choice = choose(call, backend)
+    # the flash kernels take half-precision operands on CUDA (tensor cores, float32 accumulation): no copies
+    if not (choice.engine == "flash" and q.is_cuda and out_dtype in (torch.float16, torch.bfloat16)):
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if cost == "l2" and normalization in ("softmax", "sinkhorn"):
+        q, k, cost = *_l2_as_dot(q, k), "dot"
     options = dict(normalization=normalization, n_iters=n_iters, tol=tol, max_iters=max_iters, cost=cost,
                    dropout_p=dropout_p, return_weights=return_weights, backward=backward, chunk_size=chunk_size)
-    return _Prepared(q, k, v, batch, keep, bias, wk, wq, scale, options, out_dtype, choose(call, backend),
-                     key_padding_mask)
+    return _Prepared(q, k, v, batch, keep, bias, wk, wq, scale, options, out_dtype, choice, key_padding_mask)
+
+
+def _check_causal_sinkhorn(is_causal: bool, attn_mask: Tensor | None, n_iters: int | None, tol: float | None,
+                           n_q: int, n_k: int) -> None:
+    """Causal Sinkhorn is the prefix definition (:mod:`sinkformer.sinkhorn.prefix`), asked for by
+    ``is_causal=True`` on self-attention with a fixed ``n_iters``; every other causal form leaks."""
+    if is_causal and tol is not None:
+        raise ValueError(
+            f"is_causal=True with Sinkhorn attention needs a fixed n_iters (each prefix is balanced with the same "
+            f"count), got tol={tol!r}; pass n_iters=... and tol=None"
+        )
+    if is_causal and n_q != n_k:
+        raise ValueError(
+            f"is_causal=True with Sinkhorn attention (n_iters={n_iters}) needs self-attention (n_q == n_k), got "
+            f"n_q={n_q}, n_k={n_k}: cross-attention from causal queries would let query t's weights depend on the "
+            "queries after t. Use normalization='softmax' for causal cross-attention."
+        )
+    if not is_causal and _is_causal_mask(attn_mask, n_q, n_k):
+        what = f"tol={tol!r}" if tol is not None else f"n_iters={n_iters}"
+        raise ValueError(
+            f"a causal attn_mask with Sinkhorn attention and {what}: the column normalisation sums over all "
+            "queries, so the weights of query t would depend on the queries after t — a leak from the future. "
+            "Pass is_causal=True instead (causal Sinkhorn: each prefix balanced on its own), or use n_iters=1 "
+            "(exactly causal SoftMax)."
+        )
 
 
 def _is_causal_mask(attn_mask: Tensor | None, n_q: int, n_k: int) -> bool:
