@@ -165,3 +165,45 @@ def test_convert_selects_with_where_and_warns_when_nothing_found():
         sinkformer.convert(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         sinkformer.convert("not a model")
+
+
+def manual_attention(attn, query, key, **options):
+    """``attn`` (a torch/sinkformer MHA, batch first, packed projections) computed by hand with
+    :func:`sinkformer.attention` and ``options``."""
+    heads = attn.num_heads
+    w_q, w_k, w_v = attn.in_proj_weight.chunk(3)
+    b_q, b_k, b_v = attn.in_proj_bias.chunk(3)
+    q, k, v = ((x @ w.T + b).unflatten(-1, (heads, -1)).transpose(1, 2)
+               for x, w, b in ((query, w_q, b_q), (key, w_k, b_k), (key, w_v, b_v)))
+    return attn.out_proj(sinkformer.attention(q, k, v, **options).transpose(1, 2).flatten(-2))
+
+
+def manual_decoder(decoder, tgt, memory, n_iters):
+    """torch's post-norm decoder (ReLU, no dropout) with causal Sinkhorn self-attention and SoftMax
+    cross-attention, written out."""
+    x = tgt
+    for layer in decoder.layers:
+        x = layer.norm1(x + manual_attention(layer.self_attn, x, x, is_causal=True, n_iters=n_iters))
+        x = layer.norm2(x + manual_attention(layer.multihead_attn, x, memory, normalization="softmax"))
+        x = layer.norm3(x + layer.linear2(torch.relu(layer.linear1(x))))
+    return decoder.norm(x)
+
+
+@pytest.mark.parametrize("n_iters", [1, 3, 5])
+def test_convert_causal_decoder_equals_the_manual_causal_sinkformer(n_iters):
+    torch.manual_seed(0)
+    model = torch.nn.Transformer(d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=2, dim_feedforward=32,
+                                 dropout=0.0, batch_first=True, dtype=torch.float64).eval()
+    src, tgt = torch.randn(2, 6, 16, dtype=torch.float64), torch.randn(2, 5, 16, dtype=torch.float64)
+    mask = model.generate_square_subsequent_mask(5, dtype=torch.float64)
+    with torch.no_grad():
+        softmax = manual_decoder(model.decoder, tgt, model.encoder(src), n_iters=1)
+        torch.testing.assert_close(model(src, tgt, tgt_mask=mask), softmax)  # the manual model is torch's
+    with pytest.warns(UserWarning, match="kept 2 decoder cross-attention"):
+        sinkformer.convert(model, n_iters=n_iters, causal=True, where=lambda name, m: name.startswith("decoder"))
+    with torch.no_grad():
+        expected = manual_decoder(model.decoder, tgt, model.encoder(src), n_iters=n_iters)
+        torch.testing.assert_close(model(src, tgt, tgt_mask=mask), expected, rtol=0, atol=1e-12)
+        torch.testing.assert_close(model(src, tgt, tgt_is_causal=True), expected, rtol=0, atol=1e-12)
+    if n_iters > 1:
+        assert (expected - softmax).abs().max() > 1e-3

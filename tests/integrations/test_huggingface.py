@@ -4,6 +4,7 @@ import importlib
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -117,7 +118,11 @@ def test_register_validates_its_arguments():
         register(name=5)
     assert register(n_iters=3, name="sinkhorn_test") == "sinkhorn_test"
     assert register(n_iters=4, name="sinkhorn_test") == "sinkhorn_test"  # re-registering our own name is fine
-    assert transformers.AttentionInterface()["sinkhorn_test"].keywords == {"n_iters": 4}
+    assert transformers.AttentionInterface()["sinkhorn_test"].keywords == {"n_iters": 4, "causal": False}
+    assert register(n_iters=3, name="sinkhorn_test", causal=True) == "sinkhorn_test"
+    assert transformers.AttentionInterface()["sinkhorn_test"].keywords == {"n_iters": 3, "causal": True}
+    with pytest.raises(TypeError, match="causal must be a bool, got str 'yes'"):
+        register(causal="yes")
 
 
 # --- whole models ----------------------------------------------------------------------------------
@@ -229,6 +234,167 @@ def test_one_training_step_lowers_the_loss():
     optimizer.step()
     after = model(input_ids=ids, attention_mask=mask, labels=labels).loss
     assert after.item() < loss.item()
+
+
+# --- causal Sinkformers: GPT-2 ------------------------------------------------------------------------
+
+
+def gpt2(n_iters, *, causal=True, seed=0, **kwargs):
+    """A tiny random GPT-2 in float64 running causal Sinkhorn attention (``causal=True``)."""
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(vocab_size=23, n_positions=80, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=None,
+                                     pad_token_id=0, initializer_range=0.2, **kwargs)
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    model.set_attn_implementation(register(n_iters, name=f"sinkhorn_causal_{n_iters}_{causal}", causal=causal))
+    return model
+
+
+def left_padded(batch=2, length=6):
+    ids = torch.randint(2, 23, (batch, length), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[0, :2] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def future_gradient(model, ids, t=3):
+    """max |d logits[:, :t+1] / d embeddings[:, t+1:]| (randomly weighted), the past's gradient being non-zero."""
+    embeddings = model.transformer.wte(ids).detach().requires_grad_()
+    logits = model(inputs_embeds=embeddings, use_cache=False).logits
+    w = torch.randn(logits[:, : t + 1].shape, generator=torch.Generator().manual_seed(5), dtype=logits.dtype)
+    (grad,) = torch.autograd.grad((logits[:, : t + 1] * w).sum(), embeddings)
+    assert grad[:, : t + 1].abs().max() > 1e-4
+    return grad[:, t + 1 :].abs().max().item()
+
+
+@pytest.mark.parametrize("n_iters", [2, 3, 5])
+def test_gpt2_causal_sinkformer_does_not_leak_and_is_not_softmax(n_iters, recwarn):
+    model = gpt2(n_iters)
+    ids = torch.randint(2, 23, (2, 8))
+    assert future_gradient(model, ids) == 0.0
+    with torch.no_grad():
+        ours = model(ids).logits
+        model.set_attn_implementation("sdpa")
+        softmax = model(ids).logits
+    assert (ours - softmax).abs().max() > 1e-3
+    assert not [w for w in recwarn if "keep SoftMax" in str(w.message)]  # no layer kept SoftMax
+
+
+def test_gpt2_with_one_iteration_is_its_softmax_model():
+    model = gpt2(1)
+    ids, mask = left_padded()
+    with torch.no_grad():
+        ours = model(input_ids=ids, attention_mask=mask).logits
+        model.set_attn_implementation("eager")
+        eager = model(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(ours[real], eager[real], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("n_iters", [1, 3, 5])
+@pytest.mark.parametrize("padded", [False, True])
+def test_gpt2_generate_uses_the_incremental_state_and_matches_the_full_forward(n_iters, padded):
+    """Greedy, 50 new tokens, float64: the tokens and logits of generate() (KV cache plus the layers'
+    causal Sinkhorn states) are those of one full forward over the generated sequence."""
+    model = gpt2(n_iters)
+    ids, mask = left_padded()
+    if not padded:
+        mask = torch.ones_like(mask)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=50, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    sequences, logits = out.sequences, torch.stack(out.logits, 1)
+    assert sequences.shape == (2, 56)
+    assert len(model.transformer.h[0].attn._sinkformer_decoding.cache) == 55  # the incremental state ran
+    full_mask = torch.cat([mask, torch.ones(2, 49, dtype=torch.long)], 1)
+    positions = (full_mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        full = model(sequences[:, :-1], attention_mask=full_mask, position_ids=positions, use_cache=False).logits
+    full = full[:, 5:].to(logits.dtype)  # generate() hands out float32 logits
+    torch.testing.assert_close(logits, full, rtol=0, atol=1e-5)
+    assert torch.equal(sequences[:, 6:], full.argmax(-1))
+
+
+def test_llama_with_grouped_query_heads_generates_like_its_full_forward():
+    """Rotary positions and grouped key/value heads (2 for 4 query heads), left padding."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=23, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=80,
+                                      bos_token_id=1, eos_token_id=None, pad_token_id=0, initializer_range=0.2)
+    model = transformers.LlamaForCausalLM(config).double().eval()
+    model.set_attn_implementation(register(3, name="sinkhorn_causal_llama", causal=True))
+    ids, mask = left_padded()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    full_mask = torch.cat([mask, torch.ones(2, 19, dtype=torch.long)], 1)
+    with torch.no_grad():
+        full = model(out.sequences[:, :-1], attention_mask=full_mask, position_ids=(full_mask.cumsum(-1) - 1).clamp_min(0),
+                     use_cache=False).logits[:, 5:]
+    torch.testing.assert_close(torch.stack(out.logits, 1), full.to(torch.float32), rtol=0, atol=1e-5)
+    assert torch.equal(out.sequences[:, 6:], full.argmax(-1))
+
+
+def test_gpt2_cached_steps_equal_the_full_forward_in_float64():
+    """The same with past_key_values by hand, several tokens per step, no float32 cast in between."""
+    model = gpt2(4)
+    ids = torch.randint(2, 23, (2, 12))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        first = model(ids[:, :5], use_cache=True)
+        second = model(ids[:, 5:8], past_key_values=first.past_key_values, use_cache=True)
+        third = model(ids[:, 8:], past_key_values=second.past_key_values, use_cache=True)
+    torch.testing.assert_close(torch.cat([first.logits, second.logits, third.logits], 1), full, rtol=0, atol=1e-12)
+
+
+def test_gpt2_decoding_refuses_states_it_cannot_serve():
+    model = gpt2(3)
+    ids = torch.randint(2, 23, (2, 6))
+    first = model(ids, use_cache=True)  # with gradients: no decoding state is recorded
+    with torch.no_grad(), pytest.raises(ValueError, match="has not seen.*without gradients"):
+        model(ids[:, :1], past_key_values=first.past_key_values)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        model(ids[:, :1], past_key_values=cache)
+        other = model(ids.flip(0), use_cache=True).past_key_values  # resets the state to another prompt
+        with pytest.raises(ValueError, match="has not seen"):
+            model(ids[:, :1], past_key_values=cache)
+        model(ids[:, :1], past_key_values=other)  # the prompt the state holds
+    with pytest.raises(ValueError, match="has not seen.*beam search"):  # beam search reorders the cache
+        model.generate(ids[:1], max_new_tokens=8, num_beams=3, do_sample=False)
+
+
+def test_causal_key_padding_reads_causal_masks_and_refuses_others():
+    keep = torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 1, 5, 5).clone()
+    keep[0, ..., :2] = False  # left padding
+    assert hf.causal_key_padding(keep, 5, 5).tolist() == [[True, True, False, False, False], [False] * 5]
+    as_float = torch.zeros(2, 1, 5, 5).masked_fill(~keep, torch.finfo(torch.float32).min)
+    assert torch.equal(hf.causal_key_padding(as_float, 5, 5), hf.causal_key_padding(keep, 5, 5))
+    assert hf.causal_key_padding(keep[..., 3:, :], 2, 5) is not None  # queries 3, 4 with a past of 3
+    assert hf.causal_key_padding(keep[1:], 5, 5) is None  # no padding
+    window = keep & torch.ones(5, 5, dtype=torch.bool).triu(-1)  # a sliding window of 2
+    with pytest.raises(ValueError, match="causal mask with key padding"):
+        hf.causal_key_padding(window, 5, 5)
+
+
+def test_cross_attention_keeps_softmax_when_causal_self_attention_is_sinkhorn():
+    config = dict(is_decoder=True, add_cross_attention=True)
+    sdpa = transformers.AutoModelForCausalLM.from_config(bert_config(**config), attn_implementation="sdpa").eval()
+    ours = transformers.AutoModelForCausalLM.from_config(
+        bert_config(**config), attn_implementation=register(3, "sinkhorn_causal_bert", causal=True)).eval()
+    ours.load_state_dict(sdpa.state_dict())
+    ids = torch.randint(5, len(WORDS), (2, 7))
+    memory = torch.randn(2, 3, 32)
+    with torch.no_grad(), pytest.warns(UserWarning, match="cross-attention layers keep SoftMax") as record:
+        got = ours(input_ids=ids, encoder_hidden_states=memory).logits
+    assert {str(w.message).split(":")[0] for w in record} == {"BertCrossAttention"}
+    with torch.no_grad():
+        assert (got - sdpa(input_ids=ids, encoder_hidden_states=memory).logits).abs().max() > 1e-3
+    changed = ids.clone()
+    changed[:, 4:] = torch.randint(5, len(WORDS), (2, 3))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = ours(input_ids=changed, encoder_hidden_states=memory).logits
+    torch.testing.assert_close(again[:, :4], got[:, :4], rtol=0, atol=1e-5)  # float32 rounding
+    assert (again[:, 4:] - got[:, 4:]).abs().max() > 1e-2
 
 
 # --- packaging and the README ----------------------------------------------------------------------

@@ -1,7 +1,11 @@
 r"""Encoder-decoder Transformer for translation (Sinkformers paper §6.3, fairseq's IWSLT'14 model).
 
-Sinkhorn attention is used in the **encoder only**: the decoder's self-attention is causal and
-its cross-attention SoftMax, because a causal mask leaves no doubly stochastic matrix (§6.3).
+By default Sinkhorn attention is used in the **encoder only** (§6.3): the decoder's
+self-attention is causal SoftMax and its cross-attention SoftMax. ``decoder_normalization=
+"sinkhorn"`` makes the decoder's self-attention causal Sinkhorn (row :math:`t` balanced on the
+prefix :math:`0..t` alone, ``sinkformer.attention(..., is_causal=True)``: no leak from the
+future); the cross-attention stays SoftMax (its column normalisation would sum over all target
+positions).
 
 .. math::
 
@@ -39,6 +43,8 @@ class Seq2SeqTransformer(torch.nn.Module):
         dim, encoder_layers, decoder_layers, num_heads, dim_feedforward, dropout: shape
             (fairseq IWSLT: 512, 6, 6, 4, 1024, 0.3).
         normalization, n_iters: encoder self-attention normalisation (``"softmax"``: Transformer).
+        decoder_normalization: decoder self-attention normalisation: ``"softmax"`` (default, §6.3)
+            or ``"sinkhorn"`` (causal Sinkhorn with the same ``n_iters``).
     """
 
     input_kind = "translation"
@@ -59,6 +65,7 @@ class Seq2SeqTransformer(torch.nn.Module):
         dropout: float = 0.3,
         normalization: str = "sinkhorn",
         n_iters: int = 5,
+        decoder_normalization: str = "softmax",
     ) -> None:
         super().__init__()
         if dim % num_heads:
@@ -77,7 +84,8 @@ class Seq2SeqTransformer(torch.nn.Module):
         self.encoder = TransformerEncoder(
             dim, num_heads, encoder_layers, normalization=normalization, n_iters=n_iters, **layer
         )
-        self.decoder = TransformerDecoder(dim, num_heads, decoder_layers, n_iters=n_iters, **layer)
+        self.decoder = TransformerDecoder(dim, num_heads, decoder_layers, n_iters=n_iters,
+                                          self_normalization=decoder_normalization, **layer)
 
     def _embed(self, embedding: torch.nn.Embedding, ids: Tensor) -> Tensor:
         length = ids.shape[1]

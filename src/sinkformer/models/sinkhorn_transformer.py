@@ -19,12 +19,22 @@ self-attention changes, chosen by :class:`AttentionConfig` ``kind``:
 ``sinkhorn``    Sparse Sinkhorn Attention, blocks of ``block_size``
 ``sortcut``     SortCut Sinkhorn: first ``sortcut_budget`` sorted blocks (encoders only)
 ``mixture``     Sparse Sinkhorn plus vanilla attention
+``sinkformer``  dense Sinkhorn attention (the Sinkformer), ``n_iters`` normalisations;
+                causal models use causal Sinkhorn (row :math:`t` balanced on the prefix
+                :math:`0..t` alone: no leak from the future); ``n_iters=1`` is ``vanilla``
 ==============  ====================================================================
 
 Models: :class:`SinkhornTransformerEncoder`, :class:`SinkhornTransformerDecoder`,
 :class:`SinkhornTransformerLM` (causal, with sampling), :class:`SinkhornSeq2Seq` (encoder-decoder,
 decoded by :func:`sinkformer.models.decoding.greedy_decode`) and :class:`SinkhornClassifier`.
 Decoder cross-attention is always vanilla (the paper sparsifies self-attention).
+
+:meth:`SinkhornTransformerLM.generate` decodes incrementally when every layer's self-attention
+is ``vanilla`` or ``sinkformer``: each layer carries a
+:class:`~sinkformer.attention.CausalSinkhornCache` (keys, values and the running column sums;
+``n_iters=1`` for ``vanilla``, a plain KV cache), so a new token costs :math:`O(t)` per layer
+(:math:`O(t^2 n\_iters)` for ``sinkformer`` with ``n_iters >= 4``) instead of a forward over the
+whole prefix; the outputs are those of the full forward.
 """
 
 from __future__ import annotations
@@ -33,15 +43,18 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
+from einops import rearrange
 from torch import Tensor, nn
 
 from .._validation import check_choice, check_positive_int, check_tensor
+from ..attention import CausalSinkhornCache, attention as attention_function
 from ..nn.sparse import BaselineSelfAttention, SparseSinkhornAttention
 from ..nn.layers import sinusoidal_positions
 
 __all__ = [
     "ATTENTION_KINDS",
     "AttentionConfig",
+    "DenseSinkhornSelfAttention",
     "SinkhornTransformerLayer",
     "SinkhornTransformerEncoder",
     "SinkhornTransformerDecoder",
@@ -50,7 +63,7 @@ __all__ = [
     "SinkhornClassifier",
 ]
 
-ATTENTION_KINDS = ("vanilla", "local", "fixed", "sinkhorn", "sortcut", "mixture")
+ATTENTION_KINDS = ("vanilla", "local", "fixed", "sinkhorn", "sortcut", "mixture", "sinkformer")
 
 
 @dataclass
@@ -60,7 +73,8 @@ class AttentionConfig:
     ``block_size``: local/Sinkhorn block :math:`b` (Child et al.'s :math:`l` for ``fixed``);
     ``sort_iters``, ``temperature``, ``sort_net``, ``share_kv``: Sinkhorn options
     (:class:`~sinkformer.attention.SparseSinkhornAttention`); ``sortcut_budget``: blocks kept by
-    SortCut; ``stride``: summary positions per block of the fixed pattern (the paper's :math:`c = 8`).
+    SortCut; ``stride``: summary positions per block of the fixed pattern (the paper's :math:`c = 8`);
+    ``n_iters``: Sinkhorn normalisations of ``sinkformer`` attention (1 = SoftMax).
     """
 
     kind: str = "sinkhorn"
@@ -71,16 +85,18 @@ class AttentionConfig:
     share_kv: bool = False
     sortcut_budget: int = 2
     stride: int = 8
+    n_iters: int = 5
 
     def __post_init__(self) -> None:
         check_choice(self.kind, "attention kind", ATTENTION_KINDS)
         check_positive_int(self.block_size, "block_size")
+        check_positive_int(self.n_iters, "n_iters")
 
     @classmethod
     def parse(cls, value: "AttentionConfig | str | dict | None" = None, **options) -> "AttentionConfig":
         """An ``AttentionConfig`` from itself, a dict of its fields, ``None`` (the default), or a spec
-        string ``KIND[:BLOCK]`` / ``sortcut:BUDGETxBLOCK`` (``"local:32"``, ``"sortcut:2x8"``);
-        ``options`` set further fields (e.g. ``temperature=0.5``)."""
+        string ``KIND[:BLOCK]`` / ``sortcut:BUDGETxBLOCK`` / ``sinkformer:N_ITERS`` (``"local:32"``,
+        ``"sortcut:2x8"``, ``"sinkformer:3"``); ``options`` set further fields (e.g. ``temperature=0.5``)."""
         if isinstance(value, cls):
             return replace(value, **options) if options else value
         if value is None or isinstance(value, dict):
@@ -93,9 +109,11 @@ class AttentionConfig:
                 budget, _, size = size.partition("x")
                 options["sortcut_budget"] = int(budget)
             if size:
-                options["block_size"] = int(size)
+                options["n_iters" if kind == "sinkformer" else "block_size"] = int(size)
         except ValueError:
-            raise ValueError(f"attention spec must look like 'sinkhorn:16' or 'sortcut:2x8', got {value!r}") from None
+            raise ValueError(
+                f"attention spec must look like 'sinkhorn:16', 'sortcut:2x8' or 'sinkformer:3', got {value!r}"
+            ) from None
         return cls(kind, **options)
 
     @property
@@ -109,6 +127,7 @@ class AttentionConfig:
             "sinkhorn": f"Sinkhorn Transformer ({b})",
             "sortcut": f"SortCut Sinkhorn ({self.sortcut_budget}x{b})",
             "mixture": f"Sinkhorn Mixture ({b})",
+            "sinkformer": f"Sinkformer (n_iters={self.n_iters})",
         }[self.kind]
 
     def build(self, dim: int, heads: int, *, max_len: int, causal: bool, dropout: float = 0.0) -> nn.Module:
@@ -118,6 +137,8 @@ class AttentionConfig:
             stride = min(self.stride, self.block_size)
             return BaselineSelfAttention(dim, heads, pattern=pattern, block_size=self.block_size, stride=stride,
                                          causal=causal, dropout=dropout)
+        if self.kind == "sinkformer":
+            return DenseSinkhornSelfAttention(dim, heads, n_iters=self.n_iters, causal=causal, dropout=dropout)
         if self.kind == "sortcut" and causal:
             raise ValueError("attention kind 'sortcut' cannot be causal: SortCut is an encoder-only scheme (§3.4)")
         return SparseSinkhornAttention(
@@ -126,6 +147,57 @@ class AttentionConfig:
             sortcut_budget=self.sortcut_budget if self.kind == "sortcut" else None,
             mixture=self.kind == "mixture", share_kv=self.share_kv, dropout=dropout,
         )
+
+
+class DenseSinkhornSelfAttention(BaselineSelfAttention):
+    r"""Dense multi-head Sinkhorn self-attention (a Sinkformer layer), causal or not.
+
+    The projections of :class:`~sinkformer.nn.BaselineSelfAttention` (``qkv_proj``, ``out_proj``:
+    a ``vanilla`` model's weights load as they are) with :math:`P = \mathrm{Sinkhorn}_{n\_iters}(QK^\top/\sqrt e)`;
+    ``causal=True`` is causal Sinkhorn (``sinkformer.attention(..., is_causal=True)``: row
+    :math:`t` balanced on the prefix :math:`0..t` alone). ``n_iters=1`` is SoftMax attention.
+
+    ``forward(x (B, n, D), key_padding_mask (B, n) True = padding) -> (B, n, D)``; padded tokens
+    are removed as keys and as queries (no mass in the column normalisation).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, n_iters: int = 5, causal: bool = False,
+                 dropout: float = 0.0, bias: bool = True) -> None:
+        super().__init__(embed_dim, num_heads, pattern="full", causal=causal, dropout=dropout, bias=bias)
+        self.n_iters = check_positive_int(n_iters, "n_iters")
+
+    def extra_repr(self) -> str:
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, n_iters={self.n_iters}, causal={self.causal}"
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        check_tensor(x, "x", ndim=3, floating=True)
+        q, k, v = rearrange(self.qkv_proj(x), "b n (three h e) -> three b h n e", three=3, h=self.num_heads)
+        out = attention_function(
+            q, k, v, n_iters=self.n_iters, is_causal=self.causal, key_padding_mask=key_padding_mask,
+            query_padding_mask=key_padding_mask, dropout_p=self.dropout if self.training else 0.0,
+        )
+        return self.out_proj(rearrange(out, "b h n e -> b n (h e)"))
+
+
+def decoding_cache(self_attn: nn.Module) -> CausalSinkhornCache | None:
+    """The incremental decoding state of a causal self-attention module, or ``None`` if it has none.
+
+    :class:`DenseSinkhornSelfAttention`: causal Sinkhorn with its ``n_iters``; ``vanilla``
+    (:class:`~sinkformer.nn.BaselineSelfAttention` with the full pattern): ``n_iters=1``, causal
+    SoftMax with a KV cache. Sparse patterns (local, fixed, Sparse Sinkhorn) have none.
+    """
+    if isinstance(self_attn, DenseSinkhornSelfAttention):
+        return CausalSinkhornCache(self_attn.n_iters)
+    if isinstance(self_attn, BaselineSelfAttention) and self_attn.pattern == "full":
+        return CausalSinkhornCache(1)
+    return None
+
+
+def _attention_step(self_attn: BaselineSelfAttention, x: Tensor, cache: CausalSinkhornCache) -> Tensor:
+    """The outputs ``(B, m, D)`` of ``self_attn`` for ``m`` new tokens ``x (B, m, D)`` that follow the
+    tokens already in ``cache`` (causal, no padding): equal to the last ``m`` rows of the full forward."""
+    q, k, v = rearrange(self_attn.qkv_proj(x), "b n (three h e) -> three b h n e", three=3, h=self_attn.num_heads)
+    return self_attn.out_proj(rearrange(cache.step(q, k, v), "b h n e -> b n (h e)"))
 
 
 class SinkhornTransformerLayer(nn.Module):
@@ -155,6 +227,17 @@ class SinkhornTransformerLayer(nn.Module):
     def forward(self, x: Tensor, padding_mask: Tensor | None = None, memory: Tensor | None = None,
                 memory_padding_mask: Tensor | None = None) -> Tensor:
         x = x + self.dropout(self.self_attn(self.norm_self(x), padding_mask))
+        if self.cross_attn is not None:
+            h = self.norm_cross(x)
+            x = x + self.dropout(self.cross_attn(h, memory, memory, key_padding_mask=memory_padding_mask, need_weights=False)[0])
+        return x + self.dropout(self.ff(self.norm_ff(x)))
+
+    def step(self, x: Tensor, cache: CausalSinkhornCache, memory: Tensor | None = None,
+             memory_padding_mask: Tensor | None = None) -> Tensor:
+        """Incremental forward of ``m`` new positions ``x (B, m, dim)`` of a causal layer, the earlier
+        positions being in ``cache`` (from :func:`decoding_cache`); the cross-attention rows of the new
+        positions need only ``memory``."""
+        x = x + self.dropout(_attention_step(self.self_attn, self.norm_self(x), cache))
         if self.cross_attn is not None:
             h = self.norm_cross(x)
             x = x + self.dropout(self.cross_attn(h, memory, memory, key_padding_mask=memory_padding_mask, need_weights=False)[0])
@@ -196,6 +279,24 @@ class _Stack(nn.Module):
             x = layer(x, padding_mask, memory, memory_padding_mask)
         return self.norm(x)
 
+    def decoding_caches(self) -> list[CausalSinkhornCache] | None:
+        """One empty :class:`~sinkformer.attention.CausalSinkhornCache` per layer, or ``None`` when a
+        layer's self-attention has no incremental form (sparse patterns)."""
+        caches = [decoding_cache(layer.self_attn) for layer in self.layers]
+        return None if any(cache is None for cache in caches) else caches
+
+    def step(self, tokens: Tensor, caches: list[CausalSinkhornCache], memory: Tensor | None = None,
+             memory_padding_mask: Tensor | None = None) -> Tensor:
+        """Hidden states ``(B, m, dim)`` of ``m`` new tokens ``(B, m)`` placed after the ``len(caches[0])``
+        tokens already decoded: the last ``m`` rows of :meth:`forward` on the whole sequence."""
+        start = len(caches[0])
+        if start + tokens.shape[1] > self.max_len:
+            raise ValueError(f"sequences of length {start + tokens.shape[1]} exceed max_len={self.max_len}")
+        x = self.dropout(self.scale * self.embedding(tokens) + self.positions[start : start + tokens.shape[1]])
+        for layer, cache in zip(self.layers, caches):
+            x = layer.step(x, cache, memory, memory_padding_mask)
+        return self.norm(x)
+
 
 class SinkhornTransformerEncoder(_Stack):
     """Bidirectional encoder: ``tokens (B, n)`` (``padding_mask`` True = pad) -> ``(B, n, dim)``."""
@@ -225,7 +326,8 @@ class SinkhornTransformerLM(nn.Module):
 
     Output projection tied to the input embedding; ``pad_id`` (default none: every id is a
     real symbol) gets a zero, frozen embedding. Position :math:`t` predicts token
-    :math:`t + 1` from tokens :math:`\\le t` only (causal Sinkhorn balancing, §3.3).
+    :math:`t + 1` from tokens :math:`\\le t` only (causal Sinkhorn balancing, §3.3, for the sparse
+    kinds; causal Sinkhorn attention for ``attention="sinkformer:N_ITERS"``, the causal Sinkformer).
     """
 
     input_kind = "lm"
@@ -244,12 +346,23 @@ class SinkhornTransformerLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, prompt: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None) -> Tensor:
-        """Sample ``max_new_tokens`` tokens after ``prompt (B, t)``; returns ``(B, t + max_new_tokens)``.
+                 generator: torch.Generator | None = None, use_cache: bool = True,
+                 return_logits: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        r"""Sample ``max_new_tokens`` tokens after ``prompt (B, t)``; returns ``(B, t + max_new_tokens)``.
 
-        Each step re-runs the model on the last ``max_len`` tokens (no cache) and samples from
-        :math:`\\mathrm{softmax}(\\text{logits}/T)`, restricted to the ``top_k`` most likely tokens
-        if given; ``temperature=0`` is greedy decoding.
+        Each step samples from :math:`\mathrm{softmax}(\text{logits}/T)`, restricted to the
+        ``top_k`` most likely tokens if given; ``temperature=0`` is greedy decoding.
+
+        With ``use_cache`` (default) and a self-attention that has an incremental form
+        (``vanilla``, ``sinkformer``), the prompt is run once and each new token goes through
+        the layers alone, against per-layer :class:`~sinkformer.attention.CausalSinkhornCache`
+        states: :math:`O(t)` per token and layer (:math:`O(t^2 n\_iters)` for ``sinkformer``
+        with ``n_iters >= 4``), the same logits as the full forward. Otherwise — or once the
+        sequence is longer than ``max_len`` — each step re-runs the model on the last
+        ``max_len`` tokens (a sliding window).
+
+        ``return_logits=True`` also returns the ``(B, max_new_tokens, vocab_size)`` logits each
+        token was drawn from (before temperature and ``top_k``).
         """
         check_tensor(prompt, "prompt", ndim=2)
         if prompt.shape[1] < 1:
@@ -261,9 +374,15 @@ class SinkhornTransformerLM(nn.Module):
             check_positive_int(top_k, "top_k")
         was_training = self.training
         self.eval()
-        tokens = prompt
+        caches = self.body.decoding_caches() if use_cache else None
+        tokens, drawn_from = prompt, []
         for _ in range(max_new_tokens):
-            logits = self(tokens[:, -self.max_len :])[:, -1]
+            if caches is not None and tokens.shape[1] <= self.max_len:
+                new = tokens[:, len(caches[0]):]  # the prompt at first, then the last token
+                logits = self.body.step(new, caches)[:, -1] @ self.body.embedding.weight.T
+            else:
+                logits = self(tokens[:, -self.max_len :])[:, -1]
+            drawn_from.append(logits)
             if temperature == 0:
                 nxt = logits.argmax(-1, keepdim=True)
             else:
@@ -274,7 +393,10 @@ class SinkhornTransformerLM(nn.Module):
                 nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
             tokens = torch.cat([tokens, nxt], 1)
         self.train(was_training)
-        return tokens
+        if not return_logits:
+            return tokens
+        empty = prompt.new_zeros((prompt.shape[0], 0, self.vocab_size), dtype=self.body.embedding.weight.dtype)
+        return tokens, torch.stack(drawn_from, 1) if drawn_from else empty
 
 
 class SinkhornSeq2Seq(nn.Module):
@@ -284,7 +406,8 @@ class SinkhornSeq2Seq(nn.Module):
     sorting task, §5.1); ``decoder_attention`` defaults to ``attention`` (a SortCut encoder needs
     another one, SortCut being encoder-only). Shared embeddings, tied output projection.
     ``encode``/``decode``, ``bos_id``, ``eos_id`` and ``max_len`` make it usable with
-    :func:`sinkformer.models.decoding.greedy_decode`.
+    :func:`sinkformer.models.decoding.greedy_decode`, which decodes incrementally through
+    ``decoding_caches``/``decode_step`` when the decoder attention is ``vanilla`` or ``sinkformer``.
     """
 
     input_kind = "translation"
@@ -312,6 +435,17 @@ class SinkhornSeq2Seq(nn.Module):
     def forward(self, src: Tensor, tgt: Tensor, src_padding_mask: Tensor | None = None,
                 tgt_padding_mask: Tensor | None = None) -> Tensor:
         return self.decode(tgt, self.encode(src, src_padding_mask), src_padding_mask, tgt_padding_mask)
+
+    def decoding_caches(self) -> list[CausalSinkhornCache] | None:
+        """Empty per-layer decoder states for :meth:`decode_step`, or ``None`` when the decoder's
+        self-attention has no incremental form (sparse kinds)."""
+        return self.decoder.decoding_caches()
+
+    def decode_step(self, tgt: Tensor, memory: Tensor, memory_padding_mask: Tensor | None,
+                    caches: list[CausalSinkhornCache]) -> Tensor:
+        """Logits ``(B, m, vocab)`` of ``m`` new decoder inputs ``tgt (B, m)`` after those in ``caches``:
+        the last ``m`` rows of :meth:`decode` on the whole prefix (no target padding)."""
+        return self.decoder.step(tgt, caches, memory, memory_padding_mask) @ self.encoder.embedding.weight.T
 
 
 class SinkhornClassifier(nn.Module):

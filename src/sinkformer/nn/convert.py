@@ -49,13 +49,14 @@ def convert(
         where: optional ``(qualified_name, module) -> bool`` selecting which attention modules to
             convert (e.g. ``lambda name, m: name.startswith("encoder")`` for §6.3's encoder-only
             Sinkformer). Default: all.
-        causal: also convert the attention of decoder layers (``self_attn`` and
-            ``multihead_attn`` of every ``nn.TransformerDecoderLayer``), whose queries are causal.
-            By default they stay on SoftMax, with a warning that says so: Sinkhorn's column
-            normalisation sums over all queries, so past outputs would depend on future tokens —
-            in the causal self-attention and in the cross-attention alike. Converted anyway, the
-            self-attention raises ``ValueError`` when it receives a causal mask with
-            ``n_iters >= 2``; the cross-attention cannot know, and leaks under teacher forcing.
+        causal: with ``normalization="sinkhorn"``, also make the *self-attention* of every
+            ``nn.TransformerDecoderLayer`` a causal Sinkformer: called with ``is_causal=True``
+            (``tgt_is_causal=True``, or ``nn.Transformer``'s causal ``tgt_mask``), it computes causal
+            Sinkhorn — row :math:`t` balanced on the prefix :math:`0..t` alone, so no output depends on
+            a later token. The decoder's *cross-attention* (``multihead_attn``) stays on SoftMax either
+            way, with a warning: its column normalisation would sum over all target positions, so past
+            outputs would depend on future tokens under teacher forcing. Default ``False``: both
+            decoder attentions stay on SoftMax (the paper's §6.3), with a warning that names them.
         verbose: log how many modules were converted at INFO (default ``False``: at DEBUG) on the
             logger ``"sinkformer.nn.convert"``; nothing is printed — configure :mod:`logging` to
             see it (``logging.basicConfig(level=logging.INFO)``). The count is also returned with
@@ -68,13 +69,16 @@ def convert(
     check_choice(normalization, "normalization", NORMALIZATIONS)
     check_choice(cost, "cost", COSTS)
 
-    causal_names = _decoder_attention(model)
+    self_names, cross_names = _decoder_attention(model)
     targets = [
         (name, module)
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.MultiheadAttention) and (where is None or where(name, module))
     ]
-    kept = [name for name, _ in targets if name in causal_names] if not causal and normalization == "sinkhorn" else []
+    kept: list[str] = []
+    if normalization == "sinkhorn":
+        leaking = cross_names if causal else self_names | cross_names
+        kept = [name for name, _ in targets if name in leaking]
     targets = [(name, module) for name, module in targets if name not in kept]
     for name, old in targets:
         if isinstance(old, MultiheadAttention):
@@ -93,12 +97,7 @@ def convert(
 
     count = len(targets)
     if kept:
-        warnings.warn(
-            f"convert() kept {len(kept)} decoder attention module(s) on SoftMax ({', '.join(kept)}): their queries "
-            "are causal, and Sinkhorn's column normalisation sums over all queries, so past outputs would depend on "
-            "future tokens. Pass causal=True to convert them anyway.",
-            stacklevel=2,
-        )
+        warnings.warn(_kept_message(kept, causal), stacklevel=2)
     if count == 0 and not kept:
         warnings.warn("convert() found no torch.nn.MultiheadAttention module to convert", stacklevel=2)
     else:
@@ -107,14 +106,29 @@ def convert(
     return (model, count) if return_count else model
 
 
-def _decoder_attention(model: torch.nn.Module) -> set[str]:
-    """Qualified names of the attention modules with causal queries: both attentions of decoder layers."""
-    return {
-        f"{name}.{child}" if name else child
-        for name, module in model.named_modules()
-        if isinstance(module, torch.nn.TransformerDecoderLayer)
-        for child in ("self_attn", "multihead_attn")
-    }
+def _decoder_attention(model: torch.nn.Module) -> tuple[set[str], set[str]]:
+    """Qualified names of the attention modules with causal queries: the self-attentions and the
+    cross-attentions of every ``nn.TransformerDecoderLayer``."""
+    prefixes = [f"{name}." if name else "" for name, module in model.named_modules()
+                if isinstance(module, torch.nn.TransformerDecoderLayer)]
+    return {p + "self_attn" for p in prefixes}, {p + "multihead_attn" for p in prefixes}
+
+
+def _kept_message(kept: list[str], causal: bool) -> str:
+    """The warning of :func:`convert` for the decoder attention it leaves on SoftMax."""
+    names = ", ".join(kept)
+    if causal:
+        return (
+            f"convert(causal=True) kept {len(kept)} decoder cross-attention module(s) on SoftMax ({names}): "
+            "Sinkhorn's column normalisation would sum over all target positions, so past outputs would depend on "
+            "future tokens. The decoder self-attention is now causal Sinkhorn (each prefix balanced on its own)."
+        )
+    return (
+        f"convert() kept {len(kept)} decoder attention module(s) on SoftMax ({names}): their queries are causal, "
+        "and Sinkhorn's column normalisation sums over all queries, so past outputs would depend on future tokens. "
+        "Pass causal=True to make the decoder self-attention causal Sinkhorn (each prefix balanced on its own, no "
+        "leak); the cross-attention stays on SoftMax."
+    )
 
 
 def _like(old: torch.nn.MultiheadAttention, **options) -> MultiheadAttention:

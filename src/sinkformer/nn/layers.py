@@ -79,8 +79,11 @@ class TransformerDecoderLayer(torch.nn.TransformerDecoderLayer):
     """``torch.nn.TransformerDecoderLayer`` whose two attentions are sinkformer modules.
 
     Defaults follow §6.3 of the Sinkformers paper: SoftMax in both the (causal) self-attention
-    and the cross-attention, because a causal mask leaves no doubly stochastic matrix to reach.
-    ``self_normalization`` / ``cross_normalization`` (and ``n_iters``) change that.
+    and the cross-attention. ``self_normalization="sinkhorn"`` makes the self-attention, called
+    with ``tgt_is_causal=True``, causal Sinkhorn (each prefix :math:`0..t` balanced on its own:
+    no leak from the future). ``cross_normalization="sinkhorn"`` is for decoders whose queries
+    are *not* causal (e.g. DETR's object queries): with causal queries the column normalisation of
+    the cross-attention sums over all target positions, which :class:`TransformerDecoder` refuses.
     """
 
     def __init__(
@@ -136,6 +139,11 @@ class TransformerEncoder(torch.nn.Module):
 class TransformerDecoder(torch.nn.Module):
     """``num_layers`` independent :class:`TransformerDecoderLayer` with causal self-attention.
 
+    ``self_normalization="sinkhorn"`` (with ``n_iters``) gives a causal Sinkformer decoder: causal
+    Sinkhorn self-attention, row :math:`t` balanced on the prefix :math:`0..t` alone.
+    ``cross_normalization="sinkhorn"`` with ``n_iters >= 2`` raises ``ValueError``: the
+    cross-attention's column normalisation would sum over all target positions (a leak).
+
     Shapes: ``tgt (batch, T, d_model)``, ``memory (batch, S, d_model)``, padding masks
     ``(batch, T)`` / ``(batch, S)`` bool, True = padding. Position ``t`` sees targets ``<= t``.
     """
@@ -143,13 +151,13 @@ class TransformerDecoder(torch.nn.Module):
     def __init__(self, d_model: int, nhead: int, num_layers: int, *, final_norm: bool = False, **layer_options) -> None:
         super().__init__()
         n_iters = layer_options.get("n_iters", 5)
-        for option in ("self_normalization", "cross_normalization"):
-            if layer_options.get(option) == "sinkhorn" and n_iters >= 2:
-                raise ValueError(
-                    f"{option}='sinkhorn' with n_iters={n_iters} in a causal decoder: Sinkhorn's column normalisation "
-                    "sums over all target positions, so the output at position t would depend on targets after t. "
-                    "Use 'softmax' (or n_iters=1) for decoder attention."
-                )
+        if layer_options.get("cross_normalization") == "sinkhorn" and n_iters >= 2:
+            raise ValueError(
+                f"cross_normalization='sinkhorn' with n_iters={n_iters} in a causal decoder: Sinkhorn's column "
+                "normalisation sums over all target positions, so the output at position t would depend on targets "
+                "after t. Use 'softmax' (or n_iters=1) for the cross-attention; self_normalization='sinkhorn' is "
+                "causal Sinkhorn (no leak)."
+            )
         self.layers = torch.nn.ModuleList(
             TransformerDecoderLayer(d_model, nhead, batch_first=True, **layer_options) for _ in range(num_layers)
         )

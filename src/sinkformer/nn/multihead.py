@@ -36,10 +36,16 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
 
     With ``normalization="sinkhorn"``, a ``key_padding_mask`` in self-attention (``query is key``)
     also marks the padded queries, which then take no part in the column normalisation and
-    output zeros. ``need_weights`` returns the weights before dropout. Causal attention
-    (``is_causal=True`` or a causal ``attn_mask``, as ``nn.TransformerDecoderLayer`` passes) with
-    Sinkhorn and ``n_iters >= 2`` raises ``ValueError``: the column normalisation would mix future
-    queries into past outputs.
+    output zeros. ``need_weights`` returns the weights before dropout.
+
+    Causal self-attention: ``is_causal=True`` (what ``nn.TransformerDecoderLayer`` passes with
+    ``tgt_is_causal=True``, or ``nn.Transformer`` when ``tgt_mask`` is the causal mask; the
+    ``attn_mask`` may be given too, or omitted) is *causal Sinkhorn*: row :math:`t` is row
+    :math:`t` of Sinkhorn on the prefix :math:`0..t` alone (``sinkformer.attention(...,
+    is_causal=True)``), so nothing after :math:`t` influences it; ``n_iters=1`` is causal SoftMax.
+    A causal ``attn_mask`` *without* ``is_causal=True`` raises ``ValueError`` with Sinkhorn and
+    ``n_iters >= 2`` (the whole matrix would be balanced: future queries would enter the column
+    sums of past outputs), and so does ``is_causal=True`` on cross-attention (``L != S``).
 
     Shapes (``batch_first=True``): query ``(N, L, E)``, key/value ``(N, S, E_k/E_v)``, output
     ``(N, L, E)``, weights ``(N, L, S)`` (or ``(N, H, L, S)`` with ``average_attn_weights=False``).
