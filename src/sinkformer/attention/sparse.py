@@ -34,7 +34,10 @@ on, column :math:`p` is rescaled by row sums that include later positions. Here 
 of :math:`S` is column :math:`p` of the balanced *prefix* matrix (blocks and positions
 :math:`0..p`, the future masked in every row *and* column normalisation), so the output at
 position :math:`t` has exactly zero gradient with respect to every input after :math:`t`, for
-any ``sort_iters``. (All prefixes are balanced in one batched call: :math:`O(N_B^3)` memory.)
+any ``sort_iters``. All prefixes are balanced at once by :func:`~sinkformer.sinkhorn.prefix.prefix_sinkhorn`:
+:math:`O(N_B^2)` memory, the first two normalisations and the last in :math:`O(N_B^2)`, each other
+one a log-sum-exp matrix product (:math:`O(N_B^3)` multiply-adds at matmul speed; the brute force,
+one Sinkhorn per prefix, took :math:`O(N_B^3)` memory and exponentials).
 """
 
 from __future__ import annotations
@@ -44,9 +47,10 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from .._validation import broadcastable, check_positive_int, check_qkv, check_tensor
+from .._validation import broadcastable, check_positive_int, check_qkv, check_tensor, compute_dtype
 from ..sinkhorn import sinkhorn
-from .functional import attention
+from ..sinkhorn.prefix import prefix_sinkhorn
+from .functional import _sdpa, attention
 from .masks import align_to_batch
 
 __all__ = [
@@ -172,10 +176,14 @@ def sort_matrix(
         return s if keep is None else s.masked_fill(~keep, 0.0)
     if not causal:
         return sinkhorn(x, 2 * sort_iters, mask=keep)
-    idx = torch.arange(n, device=x.device)
-    in_prefix = (idx[None, :] <= idx[:, None]).unsqueeze(-2)  # (p, 1, j): position j is in prefix p
-    prefixes = sinkhorn(x.unsqueeze(-3).expand(*x.shape[:-2], n, n, n), 2 * sort_iters, mask=keep.unsqueeze(-3) & in_prefix)
-    return prefixes.diagonal(dim1=-3, dim2=-1)  # (..., i, p): column p of prefix p
+    # Column p of the balanced prefix p. Transposed (rows = positions, columns = blocks), that is row p
+    # of prefix p with the first normalisation over the rows of each column: the prefix Sinkhorn.
+    pair = None if block_mask is None else keep.transpose(-1, -2)
+    # in float64: causal SortNet logits grow with the position (cumulative pooling), and float64's range
+    # keeps the matrix products of the prefix Sinkhorn exact for score spreads up to ~700
+    sorted_t = prefix_sinkhorn(x.transpose(-1, -2).double(), 2 * sort_iters, mask=pair, marginals="uniform",
+                               start="columns")
+    return sorted_t.transpose(-1, -2).to(x.dtype)
 
 
 def sparse_sinkhorn_attention(
@@ -245,23 +253,105 @@ def sparse_sinkhorn_attention(
                     generator=generator, block_mask=block_mask)
     # sorted block p = sum_i S_ip (block i); SortCut needs only the first positions
     mix = (S if sortcut_budget is None else S[..., : min(sortcut_budget, nb)]).transpose(-1, -2).to(kb.dtype)
-    ks = (mix @ kb.flatten(-2)).unflatten(-1, kb.shape[-2:])  # (..., positions, b, d)
-    vs = (mix @ vb.flatten(-2)).unflatten(-1, vb.shape[-2:])
     sorted_valid = None if valid_blocks is None else (mix @ valid_blocks.to(mix.dtype)) > 0  # (..., positions, b)
 
     if sortcut_budget is not None:
+        ks = (mix @ kb.flatten(-2)).unflatten(-1, kb.shape[-2:])  # (..., positions, b, d)
+        vs = (mix @ vb.flatten(-2)).unflatten(-1, vb.shape[-2:])
         keep = None if sorted_valid is None else sorted_valid.flatten(-2).unsqueeze(-2)
-        out = attention(q, ks.flatten(-3, -2), vs.flatten(-3, -2), normalization="softmax", attn_mask=keep,
-                        scale=scale, dropout_p=dropout_p)
+        out = _softmax(q, ks.flatten(-3, -2), vs.flatten(-3, -2), keep, scale=scale, dropout_p=dropout_p,
+                       fused=sort_iters > 0)
     else:
         keep = _block_keep(sorted_valid, valid_blocks, block_size, causal, q.device)
-        out = attention(to_blocks(q, block_size), torch.cat([ks, kb], -2), torch.cat([vs, vb], -2),
-                        normalization="softmax", attn_mask=keep, scale=scale, dropout_p=dropout_p)
-        out = out.flatten(-3, -2)[..., :n, :]
+        out = _block_attention(q, _SortedAndOwn.apply(mix, kb), _SortedAndOwn.apply(mix, vb), keep,
+                               block_size=block_size, batch=tuple(batch), scale=scale, dropout_p=dropout_p,
+                               fused=sort_iters > 0)
     if mixture:
         out = out + attention(q, k, v, normalization="softmax", is_causal=causal, key_padding_mask=key_padding_mask,
                               scale=scale, dropout_p=dropout_p)
     return (out, S) if return_sort else out
+
+
+class _SortedAndOwn(torch.autograd.Function):
+    r"""Every position's keys (or values): ``[sorted block p, block p]``, in one buffer.
+
+    ``forward(mix, blocks)``: ``mix`` :math:`= S^\top` ``(..., N_B, N_B)`` (position, block),
+    ``blocks`` :math:`X` ``(..., N_B, b, d)`` -> ``(*batch, N_B, 2b, d)`` whose rows
+    :math:`0..b-1` at position :math:`p` are :math:`\sum_i S_{ip} X_i` and rows :math:`b..2b-1`
+    are :math:`X_p`. The product writes straight into the buffer, and the backward reads the blocks
+    back from it: no concatenation, and no copy of the blocks kept besides the buffer (which the
+    attention keeps anyway). Backward: :math:`\partial\,\text{mix} = G_s X^\top`,
+    :math:`\partial X = \text{mix}^\top G_s + G_o` (:math:`G_s`, :math:`G_o`: the gradient's
+    sorted and own halves), summed over broadcast dimensions.
+    """
+
+    @staticmethod
+    def forward(ctx, mix: Tensor, blocks: Tensor) -> Tensor:
+        nb, b, d = blocks.shape[-3:]
+        batch = torch.broadcast_shapes(mix.shape[:-2], blocks.shape[:-3])
+        out = blocks.new_empty(*batch, nb, 2 * b, d)
+        out[..., b:, :] = blocks
+        torch.bmm(mix.expand(*batch, nb, nb).reshape(-1, nb, nb), out[..., b:, :].view(-1, nb, b * d),
+                  out=out[..., :b, :].view(-1, nb, b * d))
+        ctx.save_for_backward(mix, out)
+        ctx.shapes = mix.shape, blocks.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        mix, out = ctx.saved_tensors
+        mix_shape, blocks_shape = ctx.shapes
+        *batch, nb, b2, d = out.shape
+        b = b2 // 2
+        g_sorted = grad[..., :b, :].reshape(-1, nb, b * d)
+        d_mix = d_blocks = None
+        if ctx.needs_input_grad[0]:
+            own = out[..., b:, :].view(-1, nb, b * d)
+            d_mix = torch.bmm(g_sorted, own.transpose(1, 2)).view(*batch, nb, nb).sum_to_size(mix_shape)
+        if ctx.needs_input_grad[1]:
+            m = mix.expand(*batch, nb, nb).reshape(-1, nb, nb)
+            d_blocks = torch.baddbmm(grad[..., b:, :].reshape(-1, nb, b * d), m.transpose(1, 2), g_sorted)
+            d_blocks = d_blocks.view(*batch, nb, b, d).sum_to_size(blocks_shape)
+        return d_mix, d_blocks
+
+
+def _block_attention(q: Tensor, keys: Tensor, values: Tensor, keep: Tensor | None, *, block_size: int,
+                     batch: tuple[int, ...], scale: float | None, dropout_p: float, fused: bool = True) -> Tensor:
+    """Query block :math:`p` attends to its keys ``[sorted block p, block p]`` in one SoftMax.
+
+    ``q`` ``(..., n, d)``, ``keys`` / ``values`` ``(*batch, N_B, 2b, d | d_v)``, ``keep`` as
+    :func:`_block_keep` -> ``(*batch, n, d_v)``. The blocks run as one 4-D call
+    ``(prod(batch), N_B, b, 2b)``: the layout of PyTorch's fused attention kernels, which keep
+    no weights for the backward (a 5-D call falls back to the unfused kernel, which does).
+    ``fused=False`` forces the unfused (dense) engine: without balancing (``sort_iters=0``) the
+    sorted keys can be :math:`e^{30}` (:data:`EXP_MAX`) times the keys, and the fused CPU kernel's
+    backward overflows (NaN) on scores that large.
+    """
+    n = q.shape[-2]
+    flat = lambda t: t.expand(*batch, *t.shape[-3:]).reshape(-1, *t.shape[-3:])  # noqa: E731
+    if keep is not None and keep.dim() > 3:
+        keep = flat(keep)
+    out = _softmax(flat(to_blocks(q, block_size)), flat(keys), flat(values), keep, scale=scale, dropout_p=dropout_p,
+                   fused=fused)
+    return out.reshape(*batch, -1, out.shape[-1])[..., :n, :]
+
+
+def _softmax(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, *, scale: float | None, dropout_p: float,
+             fused: bool) -> Tensor:
+    """SoftMax attention of tensors built here from validated inputs (as :func:`attention`, without
+    validating them again: that second pass cost a few per cent of a layer at 1k tokens).
+
+    ``fused``: PyTorch's fused kernel (:func:`~sinkformer.attention.functional._sdpa`, in float32 at
+    least, autocast off, as :func:`attention` runs it); else the unfused dense engine, for scores too
+    large for the fused kernel's backward (no balancing, see :func:`_block_attention`).
+    """
+    if not fused:
+        return attention(q, k, v, normalization="softmax", attn_mask=keep, scale=scale, dropout_p=dropout_p,
+                         backend="dense")
+    dtype = compute_dtype(q.dtype)
+    with torch.autocast(q.device.type, enabled=False):
+        out = _sdpa(q.to(dtype), k.to(dtype), v.to(dtype), keep, None, scale, dropout_p)
+    return out.to(q.dtype)
 
 
 def _block_keep(sorted_valid: Tensor | None, valid_blocks: Tensor | None, b: int, causal: bool, device) -> Tensor | None:
