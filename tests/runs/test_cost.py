@@ -26,7 +26,7 @@ def test_full_runs_train_the_papers_step_counts(name, steps):
 
 def test_every_training_experiment_has_a_cost_model():
     trains = {"column-sums", "modelnet", "sentiment", "translation", "vit", "patch-size", "sort", "charlm", "wordlm",
-              "pixels", "sortcut", "nli", "sparse-ablations"}
+              "pixels", "sortcut", "nli", "sparse-ablations", "causal-lm"}
     assert {name for name, exp in registry().items() if exp.cost is not None} == trains
     for name in trains:
         for w in get(name).cost(full_config(name)):

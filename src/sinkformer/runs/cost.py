@@ -38,12 +38,13 @@ COSTS = Path(__file__).resolve().parent / "measured" / "full-cost.json"
 
 @dataclass(frozen=True)
 class Workload:
-    """One model of a full run: ``model``/``info``/``options`` for :func:`sinkformer.models.build_model`,
+    """One model of a full run: ``model``/``info``/``options`` for :func:`sinkformer.models.build_model`
+    (or ``model`` a builder called as ``model(info, **options)``, for an experiment's own model),
     ``inputs(batch)`` the keyword inputs of one batch, ``steps`` optimizer steps per run, ``runs`` runs
     (seeds × identical variants)."""
 
     label: str
-    model: str
+    model: str | Callable[..., torch.nn.Module]
     info: dict[str, Any]
     options: dict[str, Any]
     inputs: Callable[[int], dict[str, torch.Tensor]]
@@ -74,7 +75,10 @@ def measure(workload: Workload, *, time_batch: int = 4, repeats: int = 2) -> dic
     from ..models import build_model
 
     torch.manual_seed(0)
-    model = build_model(workload.model, workload.info, **workload.options)
+    if callable(workload.model):
+        model = workload.model(workload.info, **workload.options)
+    else:
+        model = build_model(workload.model, workload.info, **workload.options)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     b = min(time_batch, workload.batch_size)
     batch = workload.inputs(b)
