@@ -186,7 +186,11 @@ class _Prepared:
             return self._empty()
         engine = self.choice.engine
         if engine == "sdpa":
-            out = _sdpa(self.q, self.k, self.v, self.keep, self.bias, self.scale, self.options["dropout_p"])
+            if self.options["sdpa_is_causal"]:
+                out = F.scaled_dot_product_attention(self.q, self.k, self.v, dropout_p=self.options["dropout_p"],
+                                                     is_causal=True, scale=self.scale)
+            else:
+                out = _sdpa(self.q, self.k, self.v, self.keep, self.bias, self.scale, self.options["dropout_p"])
             return out.to(self.out_dtype)
         if engine == "dense":
             return self._dense()
@@ -274,6 +278,8 @@ def _prepare(
     sinkhorn_iterations = normalization == "sinkhorn" and (tol is not None or n_iters >= 2)
     if sinkhorn_iterations:
         _check_causal_sinkhorn(is_causal, attn_mask, n_iters, tol, n_q, n_k)
+    # SDPA's own is_causal when the causal mask is the only one (no n_q x n_k mask, no safe-softmax path)
+    options_causal = is_causal and not sinkhorn_iterations and keep is None and bias is None
     if is_causal and not sinkhorn_iterations:  # (causal Sinkhorn applies the causal mask itself)
         causal = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
         keep = causal if keep is None else keep & causal
@@ -292,7 +298,8 @@ def _prepare(
     if cost == "l2" and normalization in ("softmax", "sinkhorn"):
         q, k, cost = *_l2_as_dot(q, k), "dot"
     options = dict(normalization=normalization, n_iters=n_iters, tol=tol, max_iters=max_iters, cost=cost,
-                   dropout_p=dropout_p, return_weights=return_weights, backward=backward, chunk_size=chunk_size)
+                   dropout_p=dropout_p, return_weights=return_weights, backward=backward, chunk_size=chunk_size,
+                   sdpa_is_causal=options_causal)
     return _Prepared(q, k, v, batch, keep, bias, wk, wq, scale, options, out_dtype, choice, key_padding_mask)
 
 
