@@ -1,6 +1,6 @@
 """Speed and memory of Sinkhorn attention against SoftMax attention and the paper's algorithm.
 
-    python -m benchmarks attention [--quick] [--long] [--out benchmarks/results]
+    python -m benchmarks attention [--quick] [--long] [--n N ..] [--iters I ..] [--rounds R] [--out benchmarks/results]
 
 Methods, all on ``(b, h, n, d) = (4, 8, n, 64)`` float32, forward and forward+backward:
 
@@ -16,7 +16,10 @@ Each configuration runs in two fresh subprocesses. Memory: with ``MALLOC_MMAP_TH
 that freed blocks return to the system at once, the peak resident set size during one
 forward+backward minus the resident size just before it (inputs already allocated), read from
 ``/proc/self/status`` after resetting the high-water mark. Time (allocator defaults): medians over
-repeats after a warm-up. ``--long`` adds the chunked mode on one head with n = 8k ... 64k.
+repeats after a warm-up. ``--rounds R`` measures time in ``R`` interleaved rounds (each round runs
+every configuration once, in a fresh process): a row's time is the median over rounds, and its ratio
+to SDPA (same ``n``) the median of the per-round ratios, which a shared, noisy machine disturbs less
+than absolute times. ``--long`` adds the chunked mode on one head with n = 8k ... 64k.
 """
 
 from __future__ import annotations
@@ -111,20 +114,27 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def measure(method: str, b: int, h: int, n: int, d: int, n_iters: int, repeats: int, what: str) -> dict:
+def measure(method: str, b: int, h: int, n: int, d: int, n_iters: int, repeats: int, what: str,
+            threads: int | None = None, clock: str = "wall") -> dict:
     """``what="memory"``: peak RSS rise of one forward+backward; ``what="time"``: median times;
-    ``what="single"`` (long sequences): one forward+backward, its time and its peak, no warm-up."""
+    ``what="single"`` (long sequences): one forward+backward, its time and its peak, no warm-up.
+    ``threads``: torch's intra-op threads (``None``: its default); ``clock``: ``"wall"`` or ``"cpu"``
+    (the process's CPU time: on a loaded machine it counts the work, not the waits — meaningful
+    with one thread)."""
     import torch
 
+    if threads is not None:
+        torch.set_num_threads(threads)
+    now = time.process_time if clock == "cpu" else time.perf_counter
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
     fn = make_fn(method, n_iters)
     if what == "single":
         base, _ = _rss_mib()
         _reset_peak()
-        start = time.perf_counter()
+        start = now()
         fn(q, k, v).sum().backward()
-        elapsed = time.perf_counter() - start
+        elapsed = now() - start
         return {"forward_backward_ms": 1e3 * elapsed, "peak_mib": _rss_mib()[1] - base}
 
     def forward():
@@ -149,9 +159,9 @@ def measure(method: str, b: int, h: int, n: int, d: int, n_iters: int, repeats: 
     def median_time(step) -> float:
         times = []
         for _ in range(repeats):
-            start = time.perf_counter()
+            start = now()
             step()
-            times.append(time.perf_counter() - start)
+            times.append(now() - start)
         return sorted(times)[len(times) // 2]
 
     forward()
@@ -168,18 +178,27 @@ def _run_worker(config: dict) -> dict:
     malloc = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
     modes = [("single", malloc)] if config.get("single") else [("memory", malloc), ("time", {})]
     for what, extra in modes:
-        cmd = [sys.executable, "-m", "benchmarks.attention", "--worker", json.dumps({**config, "what": what})]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **extra),
-                              cwd=Path(__file__).resolve().parent.parent)
-        if proc.returncode != 0:
-            return {"error": (proc.stderr.strip().splitlines() or ["killed"])[-1]}
-        result.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+        measured = _worker(config, what, extra)
+        if "error" in measured:
+            return measured
+        result.update(measured)
     return result
 
 
-def grid(quick: bool) -> list[dict]:
-    ns = [256, 1024] if quick else [256, 1024, 4096]
-    iters = [1, 5] if quick else [1, 3, 5, 21]
+def _worker(config: dict, what: str, env: dict) -> dict:
+    """``measure(**config, what=what)`` in a fresh process with ``env`` added to the environment."""
+    cmd = [sys.executable, "-m", "benchmarks.attention", "--worker", json.dumps({**config, "what": what})]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **env),
+                          cwd=Path(__file__).resolve().parent.parent)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["killed"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def grid(quick: bool, ns: list[int] | None = None, iters: list[int] | None = None) -> list[dict]:
+    """The configurations: ``ns``/``iters`` default to the quick or the full grid."""
+    ns = ns or ([256, 1024] if quick else [256, 1024, 4096])
+    iters = iters or ([1, 5] if quick else [1, 3, 5, 21])
     configs = []
     for n in ns:
         for method in METHODS:
@@ -194,7 +213,10 @@ def long_grid() -> list[dict]:
             for n in (8192, 16384, 32768, 65536)]
 
 
-def run(configs: list[dict]) -> list[dict]:
+def run(configs: list[dict], rounds: int = 1) -> list[dict]:
+    """Measure every configuration; with ``rounds > 1``, time in interleaved rounds (see the module
+    docstring): ``forward_ms``/``forward_backward_ms`` the medians over rounds, ``*_rounds`` every
+    round's figure and ``fb_over_sdpa`` the median over rounds of forward+backward / SDPA's (same n)."""
     from tqdm import tqdm
 
     rows = []
@@ -206,7 +228,40 @@ def run(configs: list[dict]) -> list[dict]:
             result = _run_worker(config)
         rows.append({**config, **result})
         tqdm.write(_row_text(rows[-1]))
+    if rounds > 1:
+        _more_rounds(rows, rounds)
     return rows
+
+
+def _more_rounds(rows: list[dict], rounds: int) -> None:
+    """Rounds 2 .. ``rounds`` of the time measurement, each over every measured row in turn."""
+    timed = [row for row in rows if "error" not in row and "forward_ms" in row]
+    for row in timed:
+        row["forward_ms_rounds"], row["forward_backward_ms_rounds"] = [row["forward_ms"]], [row["forward_backward_ms"]]
+    for r in range(2, rounds + 1):
+        for row in timed:
+            config = {key: row[key] for key in ("method", "b", "h", "n", "d", "n_iters", "repeats", "threads", "clock")
+                      if key in row}
+            result = _worker(config, "time", {})
+            if "error" in result:
+                continue
+            row["forward_ms_rounds"].append(result["forward_ms"])
+            row["forward_backward_ms_rounds"].append(result["forward_backward_ms"])
+        print(f"round {r}/{rounds} done", flush=True)
+    for row in timed:
+        row["forward_ms"] = _median(row["forward_ms_rounds"])
+        row["forward_backward_ms"] = _median(row["forward_backward_ms_rounds"])
+    for row in timed:
+        sdpa = _find(rows, "sdpa", row["n"])
+        if sdpa is not None and len(sdpa["forward_backward_ms_rounds"]) == len(row["forward_backward_ms_rounds"]):
+            row["fb_over_sdpa"] = _median([a / b for a, b in zip(row["forward_backward_ms_rounds"],
+                                                                 sdpa["forward_backward_ms_rounds"])])
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else 0.5 * (values[middle - 1] + values[middle])
 
 
 def _row_text(row: dict) -> str:
@@ -225,13 +280,21 @@ def _find(rows, method, n, n_iters=1):
 
 
 def summary(rows: list[dict]) -> dict:
-    """The issue's targets at b=4, h=8, n=1024, d=64, n_iters=5, forward+backward."""
+    """The issues' targets at b=4, h=8, d=64, n_iters=5, forward+backward: n = 1024 (issues 3 and 15)
+    and n = 4096 (issue 15: ours / SDPA, chunked / ours). A time ratio is the median of the per-round
+    ratios when the rows were timed in rounds."""
     sdpa, paper = _find(rows, "sdpa", 1024), _find(rows, "paper-reference", 1024, 5)
     ours5, ours21 = _find(rows, "ours", 1024, 5), _find(rows, "ours", 1024, 21)
     out = {}
     if sdpa and ours5:
-        out["time_ours_over_sdpa"] = ours5["forward_backward_ms"] / sdpa["forward_backward_ms"]
+        out["time_ours_over_sdpa"] = _time_ratio(ours5, sdpa)
         out["memory_ours_over_sdpa"] = ours5["peak_mib"] / sdpa["peak_mib"]
+    sdpa_4k, ours_4k, chunked_4k = (_find(rows, "sdpa", 4096), _find(rows, "ours", 4096, 5),
+                                    _find(rows, "ours-chunked", 4096, 5))
+    if sdpa_4k and ours_4k:
+        out["time_ours_over_sdpa_4096"] = _time_ratio(ours_4k, sdpa_4k)
+    if ours_4k and chunked_4k:
+        out["time_chunked_over_ours_4096"] = _time_ratio(chunked_4k, ours_4k)
     if paper and ours5:
         out["speedup_over_paper"] = paper["forward_backward_ms"] / ours5["forward_backward_ms"]
         out["memory_paper_over_sdpa"] = paper["peak_mib"] / sdpa["peak_mib"] if sdpa else None
@@ -239,6 +302,15 @@ def summary(rows: list[dict]) -> dict:
     if ours5 and ours21:
         out["memory_21_over_5"] = ours21["peak_mib"] / ours5["peak_mib"]
     return out
+
+
+def _time_ratio(row: dict, base: dict) -> float:
+    """forward+backward time of ``row`` over ``base``'s: the median of the per-round ratios when both
+    were timed in the same rounds, else the ratio of their medians."""
+    a, b = row.get("forward_backward_ms_rounds"), base.get("forward_backward_ms_rounds")
+    if a and b and len(a) == len(b):
+        return _median([x / y for x, y in zip(a, b)])
+    return row["forward_backward_ms"] / base["forward_backward_ms"]
 
 
 def cpu_model() -> str:
@@ -250,7 +322,7 @@ def cpu_model() -> str:
 def markdown(rows: list[dict], targets: dict, stamp: str) -> str:
     lines = [
         f"Measured {stamp} on {platform.machine()} ({cpu_model()}) with {os.cpu_count()} CPU cores, "
-        f"torch {_torch_version()}, b={B}, h={H}, d={D}, float32; medians.",
+        f"torch {_torch_version()}, b={B}, h={H}, d={D}, float32; medians{_timing_note(rows)}.",
         "",
         "| method | n | n_iters | forward (ms) | forward+backward (ms) | peak memory (MiB) |",
         "|---|---:|---:|---:|---:|---:|",
@@ -276,9 +348,11 @@ def markdown(rows: list[dict], targets: dict, stamp: str) -> str:
                 lines.append(f"| {row['n']} | {row['forward_backward_ms'] / 1e3:.1f} | {row['peak_mib']:.1f} | "
                              f"{row['peak_mib'] / (row['n'] / 1024):.2f} |")
     if targets:
-        lines += ["", "Targets (n = 1024, n_iters = 5, forward+backward):", ""]
+        lines += ["", "Targets (n = 1024 unless stated, n_iters = 5, forward+backward):", ""]
         names = {
-            "time_ours_over_sdpa": ("time ours / SDPA", "≤ 2"),
+            "time_ours_over_sdpa": ("time ours / SDPA", "≤ 1.25"),
+            "time_ours_over_sdpa_4096": ("time ours / SDPA at n = 4096", "≤ 1.5"),
+            "time_chunked_over_ours_4096": ("time ours-chunked / ours at n = 4096", "≤ 1.5"),
             "speedup_over_paper": ("time paper / ours", "≥ 8"),
             "memory_ours_over_sdpa": ("peak memory ours / SDPA", "≤ 1.5"),
             "memory_21_over_5": ("peak memory ours, 21 / 5 iterations", "≤ 1.1"),
@@ -377,6 +451,24 @@ def plot(rows: list[dict], path: Path, iters: list[int] | None = None):
     return fig
 
 
+def _timing_note(rows: list[dict]) -> str:
+    """How the rows were timed, when not by the defaults (wall clock, torch's threads, one round)."""
+    notes = []
+    rounds = {len(r["forward_backward_ms_rounds"]) for r in rows if r.get("forward_backward_ms_rounds")}
+    if rounds:
+        notes.append(f"over {'/'.join(map(str, sorted(rounds)))} interleaved rounds")
+    threads = {r["threads"] for r in rows if r.get("threads")}
+    if threads:
+        notes.append(f"{'/'.join(map(str, sorted(threads)))} torch thread(s)")
+    if any(r.get("clock") == "cpu" for r in rows):
+        notes.append("time = the process's CPU time")
+    return f" ({', '.join(notes)})" if notes else ""
+
+
+def _key(row: dict) -> tuple:
+    return row["method"], row["b"], row["h"], row["n"], row["n_iters"]
+
+
 def _torch_version() -> str:
     import torch
 
@@ -387,10 +479,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks attention", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="n in {256, 1024}, n_iters in {1, 5}")
     parser.add_argument("--long", action="store_true", help="also the chunked mode on one head, n = 8k .. 64k")
+    parser.add_argument("--n", nargs="+", type=int, help="sequence lengths (default: those of the grid)")
+    parser.add_argument("--iters", nargs="+", type=int, help="Sinkhorn iteration counts (default: the grid's)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time in this many interleaved rounds (medians; ratios to SDPA per round)")
+    parser.add_argument("--threads", type=int, help="torch threads in every measurement (default: torch's)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="time by the wall clock (default) or by the process's CPU time (a loaded machine)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for attention.{json,md,png}")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS, help="measure only these")
     parser.add_argument("--merge", action="store_true",
-                        help="keep the other methods' rows of the existing attention.json (each row keeps its date)")
+                        help="keep the rows of the existing attention.json that this run does not measure "
+                             "(same method, n and n_iters; each row keeps its date)")
     parser.add_argument("--plot-only", action="store_true",
                         help="measure nothing: redraw OUT/attention.png from the existing OUT/attention.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -405,12 +505,16 @@ def main(argv: list[str] | None = None) -> int:
         config.pop("single", None)
         print(json.dumps(measure(**config)))
         return 0
-    configs = [c for c in grid(args.quick) + (long_grid() if args.long else []) if c["method"] in args.methods]
+    configs = [c for c in grid(args.quick, args.n, args.iters) + (long_grid() if args.long else [])
+               if c["method"] in args.methods]
+    if args.threads is not None or args.clock != "wall":
+        configs = [dict(c, threads=args.threads, clock=args.clock) for c in configs]
     stamp = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
-    rows = [dict(row, date=stamp) for row in run(configs)]
+    rows = [dict(row, date=stamp) for row in run(configs, args.rounds)]
     out = Path(args.out)
     if args.merge and (out / "attention.json").exists():
-        kept = [row for row in json.loads((out / "attention.json").read_text())["rows"] if row["method"] not in args.methods]
+        measured = {_key(row) for row in rows}
+        kept = [row for row in json.loads((out / "attention.json").read_text())["rows"] if _key(row) not in measured]
         rows = sorted(kept + rows, key=lambda r: (r["b"] != B, r["n"], METHODS.index(r["method"]), r["n_iters"]))
         stamp = " and ".join(sorted({row.get("date", stamp) for row in rows}))
     targets = summary(rows)

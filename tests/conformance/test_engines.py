@@ -487,6 +487,19 @@ def test_unreached_tolerance_warns_with_the_error(engine):
     assert_close(out, reference(case, n_iters=7), 2e-5, f"{engine} unconverged tol mode")
 
 
+@pytest.mark.parametrize("block", [7, 30])
+@pytest.mark.parametrize("n_iters", [1, 2, 5])
+@pytest.mark.parametrize("case_name", ["plain", "cross", "key_padding", "bool_mask"])
+def test_tiled_engine_in_small_cache_blocks(monkeypatch, block, n_iters, case_name):
+    """The tiled engine visits each tile in cache blocks (rows of one slice, or whole slices); the grid's
+    tiles are too small to be split, so here blocks of 7 and 30 scores split every tile."""
+    from sinkformer.sinkhorn import problem
+
+    monkeypatch.setattr(problem, "CACHE_BLOCK_ELEMENTS", block)
+    check_cell("tiled", make_case(case_name), torch.float64, n_iters=n_iters)
+    check_cell("tiled", make_case(case_name), torch.float32, n_iters=n_iters, grads=False)
+
+
 def test_every_engine_is_in_the_grid():
     from sinkformer.attention.backends import ENGINES as LIBRARY_ENGINES
 

@@ -50,6 +50,8 @@ __all__ = [
     "converged_tol",
     "TILE_ELEMENTS",
     "GPU_TILE_ELEMENTS",
+    "CACHE_BLOCK_ELEMENTS",
+    "cache_blocks",
     "BLOCK_ELEMENTS",
     "MIN_BLOCK_ROWS",
     "STREAM_ABOVE",
@@ -61,6 +63,9 @@ __all__ = [
 TILE_ELEMENTS = 1 << 20
 #: Scores per group on a GPU: a memory budget (512 MiB of float32 per tile), not a cache size.
 GPU_TILE_ELEMENTS = 1 << 27
+#: Scores per cache block of the tiled engine: each pass over a group's tile visits it in blocks of
+#: about this many scores, and runs every product that needs a block while it is in the L2 cache.
+CACHE_BLOCK_ELEMENTS = 1 << 18
 #: Scores per row block of the streamed engine ...
 BLOCK_ELEMENTS = 1 << 20
 #: ... but at least this many query rows per block: thinner blocks waste the matrix products
@@ -314,6 +319,18 @@ def group_size(slices: int, n: int, m: int, device: torch.device) -> int:
     :data:`TILE_ELEMENTS` scores on the CPU (cache), :data:`GPU_TILE_ELEMENTS` on a GPU (memory)."""
     budget = TILE_ELEMENTS if device.type == "cpu" else GPU_TILE_ELEMENTS
     return max(1, min(slices, budget // max(1, n * m)))
+
+
+def cache_blocks(c: int, n: int, m: int, budget: int) -> list[tuple[slice, slice]]:
+    """``(slices, rows)`` index pairs that cover a ``(c, n, m)`` tile in blocks of about ``budget``
+    scores, each contiguous in memory: whole slices when one fits the budget, else row ranges of
+    one slice (at least one row). ``budget``: :data:`CACHE_BLOCK_ELEMENTS` by default."""
+    per_slice = n * m
+    if per_slice <= budget:
+        step = max(1, budget // max(1, per_slice))
+        return [(slice(s, min(c, s + step)), slice(0, n)) for s in range(0, c, step)]
+    rows = max(1, budget // max(1, m))
+    return [(slice(s, s + 1), slice(r, min(n, r + rows))) for s in range(c) for r in range(0, n, rows)]
 
 
 def row_block(slices: int, n: int, m: int, chunk_size: int | None) -> int:

@@ -22,7 +22,8 @@ updates take :math:`\lceil n\_iters/2\rceil` sweeps; the attention output comes 
 
 The backward (:func:`_backward`) is the exact gradient of the ``n_iters`` map: the potentials of
 every update are kept (:math:`O(n\,L)`), the reverse recursion runs in :math:`\lceil L/2\rceil`
-sweeps (a column step and the preceding row step share one), and a last sweep forms
+sweeps (a column step and the preceding row step share one, and one exponential: the two plans
+differ by a column scaling), and a last sweep forms
 :math:`\partial\ell/\partial S = P\odot(dP - XY^\top)` block by block and contracts it into
 :math:`dQ, dK` (the algebra of :mod:`.tiled`). Forward and backward are the custom ops
 ``sinkformer::streamed_forward`` / ``sinkformer::streamed_backward``.
@@ -46,6 +47,9 @@ __all__ = ["streamed_attention", "streamed_potentials", "streamed_softmax"]
 ENGINE = "streamed"
 #: Largest potential change across iterations for the one-exponential rank-L backward.
 _MAX_LOG_RATIO = 80.0
+#: Largest column-potential change for which a row step's plan is taken from the column step's
+#: (entries of that plan below float32's range are lost: they weigh < 1e-38 e^20 < 1e-29).
+_MAX_PAIR_LOG_RATIO = 20.0
 #: A row or column sum below this (or not finite) is recomputed with a stable log-sum-exp.
 _UNDERFLOW = 1e-30
 
@@ -425,13 +429,21 @@ def _backward(problem: Streamed, v, out, dO, fs, gs, counts):
         act_rows = active(t - 1)
         fC, gC = _pots_after(t, fs, gs)
         fR, gR = _pots_after(t - 1, fs, gs)
+        # the column update t leaves f alone: R = C diag(e^{gR - gC}), so R^T x = e^{gR - gC} (C^T x)
+        # (one exponential per entry instead of two, while the factor stays moderate)
+        col_factor = (gR - gC).exp() if t > 2 and _abs_max(gR - gC) <= _MAX_PAIR_LOG_RATIO else None
+        dG_pair = torch.zeros_like(dG) if col_factor is not None else None
         for start, end in problem.blocks():
             C = problem.plan(start, end, fC, gC)  # plan after update t (columns)
             dF_pair[:, start:end] -= torch.bmm(C, col_coef.unsqueeze(-1)).squeeze(-1)
             row_coef[:, start:end] = torch.where(act_rows, dF_pair[:, start:end] * inv_a[:, start:end], 0.0)
-            if t > 2:  # the row step t - 1 feeds g of update t - 2 (g before update 1 is a constant)
+            if col_factor is not None:
+                dG_pair += torch.bmm(row_coef[:, start:end].unsqueeze(1), C).squeeze(1)
+            elif t > 2:  # the row step t - 1 feeds g of update t - 2 (g before update 1 is a constant)
                 R = problem.plan(start, end, fR, gR)  # plan after update t - 1 (rows)
                 dG -= torch.bmm(row_coef[:, start:end].unsqueeze(1), R).squeeze(1)
+        if col_factor is not None:
+            dG -= col_factor * dG_pair
         coefs += [(t, col_coef), (t - 1, row_coef)]
         dF = torch.where(active(t - 1), 0.0, dF_pair)
 

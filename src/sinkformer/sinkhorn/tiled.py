@@ -1,7 +1,7 @@
 r"""The tiled engine: Sinkhorn attention at SoftMax-like cost, O(n) saved per slice.
 
-For a group of (batch·head) slices at a time (:func:`~.problem.group_size`: a cache-sized tile
-on the CPU, a memory budget on a GPU) the forward builds :math:`S = \mathrm{scale}\,QK^\top +
+For a group of (batch·head) slices at a time (:func:`~.problem.group_size`: 2^20 scores or one
+slice on the CPU, a memory budget on a GPU) the forward builds :math:`S = \mathrm{scale}\,QK^\top +
 \mathrm{bias}`, doubly shifts it (:func:`~.problem.double_shift`: every row and column of
 :math:`x = S - m_i - c_j` has maximum 0) and runs the iterations of :mod:`.problem` on that
 cached tile in one of two domains:
@@ -27,7 +27,23 @@ mode through the vector recursion: in the scaling domain every iteration adds a 
     \qquad dP = dO\,V^\top,
 
 (:math:`X, Y` of rank ``n_iters``: the seven matrix products of SoftMax attention); in the log
-domain each iteration's plan is recomputed. ``backward="implicit"`` differentiates the balanced
+domain each iteration's plan is recomputed.
+
+**Passes in cache blocks** (scaling domain). The tile is visited in blocks of about
+:data:`~.problem.CACHE_BLOCK_ELEMENTS` scores (rows of one slice, or whole slices), and every
+product that needs a block runs while the block is in the L2 cache, so the tile travels to and
+from memory once per pass rather than once per product: the forward's first pass writes the
+scores and their row shift; each further pass exponentiates (first pass only), computes
+:math:`u = a\oslash	ilde K	ilde v` on the block's rows — final for those rows — and adds
+:math:`	ilde K^	op u` of the block to the column sums, so a row and a column normalisation
+share one pass, and the last one writes the output block. ``n_iters`` normalisations take
+:math:`1 + \lceil n\_iters/2
+ceil` passes (plus one when ``n_iters`` is even). The backward
+recomputes :math:`	ilde K` block by block with :math:`D = 	ilde K^	op(u\odot dO)` (pass 1),
+runs one column step and the following row step of the reverse recursion per pass, and forms
+:math:`\partial\ell/\partial S` block by block in its last pass (with the recursion's last two
+steps), contracted at once into :math:`dQ` and :math:`dK`; ``5`` iterations take 3 passes. The
+sums run in a different order than over the whole tile: results agree to rounding. ``backward="implicit"`` differentiates the balanced
 fixed point instead (implicit function theorem): :math:`\partial\ell/\partial S = P\odot(dP -
 \alpha\oplus\beta)` where :math:`[\mathrm{diag}(a)\ P;\ P^\top\ \mathrm{diag}(b)][\alpha;\beta] =
 [(P\odot dP)\mathbf 1;\ (P\odot dP)^\top\mathbf 1]` is solved by conjugate gradients.
@@ -44,8 +60,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import problem
 from .problem import (
     Masks,
+    _finite_or_zero,
+    cache_blocks,
     compute_in_float32_under_autocast,
     column_error,
     Tolerance,
@@ -95,20 +114,23 @@ def tiled_attention(
     domain = DOMAIN if domain is None else domain
     seed = torch.randint(0, 2**62, (1,)) if dropout_p > 0 else None
     group = group_size(q.shape[0], q.shape[1], k.shape[1], q.device)
-    options = _Options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group)
+    options = _Options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group,
+                       problem.CACHE_BLOCK_ELEMENTS)
     return torch.ops.sinkformer.tiled_forward(q, k, v, keep, bias, list(batch), seed, *options.args())[0]
 
 
 class _Options:
-    """The non-tensor arguments of both ops, in schema order."""
+    """The non-tensor arguments of both ops, in schema order (``block``: scores per cache block,
+    :func:`~.problem.cache_blocks`; forward and backward use the same blocks, hence the same tile)."""
 
-    def __init__(self, scale, n_iters, tol, max_iters, backward, dropout_p, domain, group):
+    def __init__(self, scale, n_iters, tol, max_iters, backward, dropout_p, domain, group, block):
         self.scale, self.n_iters, self.tol, self.max_iters = scale, n_iters, tol, max_iters
         self.backward, self.dropout_p, self.domain, self.group = backward, dropout_p, domain, group
+        self.block = block
 
     def args(self) -> tuple:
         return (self.scale, self.n_iters, self.tol, self.max_iters, self.backward, self.dropout_p, self.domain,
-                self.group)
+                self.group, self.block)
 
     def history_length(self) -> tuple[int, int] | None:
         """Saved (u or f, v or g) iterates per slice; ``None`` when data-dependent (``tol``)."""
@@ -123,21 +145,22 @@ class _Options:
 def _forward_op(
     q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, batch: list[int], seed: Tensor | None,
     scale: float, n_iters: int | None, tol: float | None, max_iters: int, backward: str, dropout_p: float, domain: str,
-    group: int,
+    group: int, block: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns ``out (B, n, e)``, the shifts ``(B, n)``, ``(B, m)``, the iterates ``(B, n, Lu)``,
     ``(B, m, Lv)``, the normalisations run ``(B,)`` and the domain of each slice ``(B,)`` (True: log).
     ``group``: slices per group (the backward and the dropout masks use the same groups)."""
-    options = _Options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group)
+    options = _Options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group, block)
     B, n = q.shape[0], q.shape[1]
     masks = Masks(keep, bias, tuple(batch))
     out = q.new_empty(B, n, v.shape[-1])
     shifts_r, shifts_c, us, vs, counts, logs = [], [], [], [], [], []
     stops, col_errors = [], []
+    memory = _Tile.memory(q, k, group) if _starts_in_scaling(options, q.device) else None
     for start in range(0, B, group):
         end = min(B, start + group)
         sl = slice(start, end)
-        state = _forward_group(q[sl], k[sl], v[sl], masks, start, end, options, seed, out[sl])
+        state = _forward_group(q[sl], k[sl], v[sl], masks, start, end, options, seed, out[sl], memory)
         shifts_r.append(state.row_shift)
         shifts_c.append(state.col_shift)
         us.append(state.us)
@@ -159,9 +182,9 @@ def _forward_op(
 
 
 @_forward_op.register_fake
-def _(q, k, v, keep, bias, batch, seed, scale, n_iters, tol, max_iters, backward, dropout_p, domain, group):
+def _(q, k, v, keep, bias, batch, seed, scale, n_iters, tol, max_iters, backward, dropout_p, domain, group, block):
     B, n, m = q.shape[0], q.shape[1], k.shape[1]
-    lengths = _Options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group).history_length()
+    lengths = _Options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group, block).history_length()
     if lengths is None:
         length = torch.library.get_ctx().new_dynamic_size()
         lengths = (length, length)
@@ -183,31 +206,30 @@ class _GroupState:
         self.counts, self.log_domain, self.stop, self.col_error = counts, log_domain, stop, col_error
 
 
-def _forward_group(q, k, v, masks: Masks, start: int, end: int, options: _Options, seed, out: Tensor) -> _GroupState:
-    """Forward of slices ``[start, end)``; writes ``out`` and returns what the backward needs."""
+def _forward_group(q, k, v, masks: Masks, start: int, end: int, options: _Options, seed, out: Tensor,
+                   memory: Tensor) -> _GroupState:
+    """Forward of slices ``[start, end)``; writes ``out`` and returns what the backward needs
+    (``memory``: :meth:`_Tile.memory`)."""
     keep, bias = masks.keep_of(start, end), masks.bias_of(start, end)
-    x, row_shift, col_shift = double_shift(_scores(q, k, options.scale, keep, bias), inplace=True)
-    a, b = marginals(*valid_rows_cols(keep, x.shape), x.shape, x)
-    drop = _dropout_mask(x, options.dropout_p, seed, start)
+    shape = (q.shape[0], q.shape[1], k.shape[1])
     keep_all = options.backward != "implicit"
-    use_scaling = options.domain == "scaling" or (options.domain == "auto" and q.device.type == "cpu")
-    if use_scaling:
-        K = x.exp_()
-        us, vs, counts, stop = _scaling_iterate(K, a, b, col_shift.exp(), options)
+    if _starts_in_scaling(options, q.device):
+        tile = _Tile(q, k, masks, start, options, memory)
+        row_shift, col_shift = tile.shift_rows()
+        a, b = marginals(*valid_rows_cols(keep, shape), shape, tile.K)
+        drop = _dropout_mask(tile.K, options.dropout_p, seed, start)
+        us, vs, counts, stop, col_error = _scaling_iterate(tile, a, b, col_shift, v, drop, out, options)
         if _trustworthy(us, vs):
-            u, vt = us[-1], vs[-1]
-            col_error = None
-            if options.backward == "implicit" and options.tol is None:
-                col_error = column_error(vt * _mtv(K, u), b)
-            if drop is not None:
-                K.mul_(drop)
-            torch.bmm(K, vt.unsqueeze(-1) * v, out=out).mul_(u.unsqueeze(-1))
             if not keep_all:
                 us, vs = us[-1:], vs[-1:]
             return _GroupState(row_shift, col_shift, torch.stack(us, -1), torch.stack(vs, -1), counts, False, stop,
                                col_error)
-        del K  # extreme scores: the log domain for this group
+        del tile  # extreme scores: the log domain for this group
         x = _shifted_scores(q, k, options.scale, keep, bias, row_shift, col_shift)
+    else:
+        x, row_shift, col_shift = double_shift(_scores(q, k, options.scale, keep, bias), inplace=True)
+    a, b = marginals(*valid_rows_cols(keep, shape), shape, x)
+    drop = _dropout_mask(x, options.dropout_p, seed, start)
     fs, gs, counts, stop = _log_iterate(x, a, b, col_shift, options)
     P = x.add_(fs[-1].unsqueeze(-1)).add_(gs[-1].unsqueeze(-2)).exp_()
     col_error = column_error(P.sum(-2), b) if options.backward == "implicit" and options.tol is None else None
@@ -215,6 +237,99 @@ def _forward_group(q, k, v, masks: Masks, start: int, end: int, options: _Option
     if not keep_all:
         fs, gs = fs[-1:], gs[-1:]
     return _GroupState(row_shift, col_shift, torch.stack(fs, -1), torch.stack(gs, -1), counts, True, stop, col_error)
+
+
+class _Tile:
+    """The ``(c, n, m)`` tile of one group, visited in cache blocks (:func:`~.problem.cache_blocks`).
+
+    ``K`` holds the scores, then (after :meth:`shift_rows` and the first sweep) :math:`\\tilde K =
+    e^{S - m_i - c_j}`. Every pass reads each block once from memory and runs all its products on
+    it while it is in cache; the row-local results of a block (``u``, ``du``) are final before its
+    column sums are accumulated, so a row and a column normalisation share one pass."""
+
+    def __init__(self, q: Tensor, k: Tensor, masks: Masks, start: int, options: _Options, memory: Tensor):
+        self.q, self.k, self.masks, self.start, self.scale = q, k, masks, start, options.scale
+        c, n, m = q.shape[0], q.shape[1], k.shape[1]
+        self.K = memory[:c * n * m].view(c, n, m)
+        self.blocks = cache_blocks(c, n, m, options.block)
+
+    @staticmethod
+    def memory(q: Tensor, k: Tensor, group: int) -> Tensor:
+        """Storage for the tiles of every group of one call: allocated (and paged in) once, not
+        once per group (a fresh 64 MiB tile costs ~10 % of its forward in page faults)."""
+        return q.new_empty(min(group, q.shape[0]) * q.shape[1] * k.shape[1])
+
+    def scores(self, s: slice, r: slice) -> Tensor:
+        """``scale q k^T + bias`` (-inf where masked) written into the block ``K[s, r]`` (same
+        operations as :func:`_scores`)."""
+        x = self.K[s, r]
+        x.baddbmm_(self.q[s, r], self.k[s].transpose(1, 2), beta=0.0, alpha=self.scale)
+        start = self.start
+        bias = self.masks.bias_of(start + s.start, start + s.stop, r.start, r.stop)
+        if bias is not None:
+            x.add_(bias)
+        keep = self.masks.keep_of(start + s.start, start + s.stop, r.start, r.stop)
+        if keep is not None:
+            x.masked_fill_(~keep, float("-inf"))
+        return x
+
+    def shift_rows(self) -> tuple[Tensor, Tensor]:
+        """Scores minus their row maxima into ``K``; returns the shifts of :func:`~.problem.double_shift`
+        ``(c, n)``, ``(c, m)`` (the column shift is applied by the first sweep, with the exponential)."""
+        c, n, m = self.K.shape
+        row_shift = self.K.new_zeros(c, n)
+        col_top = self.K.new_full((c, m), float("-inf"))
+        for s, r in self.blocks:
+            x = self.scores(s, r)
+            if m:
+                shift = _finite_or_zero(x.amax(-1))
+                row_shift[s, r] = shift
+                x.sub_(shift.unsqueeze(-1))
+                torch.maximum(col_top[s], x.amax(-2), out=col_top[s])
+        return row_shift, _finite_or_zero(col_top)
+
+    def recompute(self, s: slice, r: slice, row_shift: Tensor, col_shift: Tensor) -> Tensor:
+        """:math:`\\tilde K` on one block from the saved shifts (the forward's operations and values)."""
+        x = self.scores(s, r).sub_(row_shift[s, r].unsqueeze(-1))
+        return x.sub_(col_shift[s].unsqueeze(1)).exp_()
+
+    def sweep(self, v: Tensor, a: Tensor, col_shift: Tensor | None = None, frozen: tuple | None = None,
+              columns: bool = True, output: tuple | None = None):
+        """One pass: :math:`u = a \\oslash \\tilde K v` and (``columns``) :math:`\\tilde K^\\top u`.
+
+        ``col_shift``: first pass, turn the row-shifted scores into :math:`\\tilde K` on the way.
+        ``frozen = (active (c,), u_old)``: matrices no longer active keep ``u_old``.
+        ``output = (vt, V, drop, out, implicit)``: this is the last normalisation; writes
+        ``out = u ⊙ (K ⊙ drop)(vt ⊙ V)`` (``K^T u`` still accumulated when ``implicit``, before the
+        dropout). Returns ``u (c, n)`` and the column sums ``(c, m)`` (or ``None``)."""
+        K = self.K
+        u = torch.empty_like(a)
+        col = K.new_zeros(K.shape[0], K.shape[2]) if columns else None
+        if output is not None:
+            vt, V, drop, out, implicit = output
+            vV = vt.unsqueeze(-1) * V
+        for s, r in self.blocks:
+            Kb = K[s, r]
+            if col_shift is not None:
+                Kb.sub_(col_shift[s].unsqueeze(1)).exp_()
+            ub = _ratio(a[s, r], _mv(Kb, v[s]))
+            if frozen is not None:
+                ub = torch.where(frozen[0][s].unsqueeze(-1), ub, frozen[1][s, r])
+            u[s, r] = ub
+            if columns:
+                col[s] += _mtv(Kb, ub)
+            if output is not None:
+                if drop is not None:
+                    Kb.mul_(drop[s, r])
+                torch.bmm(Kb, vV[s], out=out[s, r]).mul_(ub.unsqueeze(-1))
+        return u, col
+
+    def output(self, u: Tensor, vt: Tensor, V: Tensor, drop: Tensor | None, out: Tensor) -> None:
+        """``out = u ⊙ (K ⊙ drop)(vt ⊙ V)`` block by block (the plan after the last normalisation)."""
+        vV = vt.unsqueeze(-1) * V
+        for s, r in self.blocks:
+            Kb = self.K[s, r] if drop is None else self.K[s, r] * drop[s, r]
+            torch.bmm(Kb, vV[s], out=out[s, r]).mul_(u[s, r].unsqueeze(-1))
 
 
 def _scores(q: Tensor, k: Tensor, scale: float, keep: Tensor | None, bias: Tensor | None) -> Tensor:
@@ -246,27 +361,47 @@ def _mtv(K: Tensor, x: Tensor) -> Tensor:
     return torch.bmm(x.unsqueeze(1), K).squeeze(1)
 
 
-def _scaling_iterate(K: Tensor, a: Tensor, b: Tensor, v0: Tensor, options: _Options):
-    """The scaling-domain recursion: ``us = [u1, u3, ..]``, ``vs = [v0, v2, ..]``, the ``(c,)``
-    normalisations run and the :class:`~.problem.Tolerance` (``None`` for a fixed count)."""
-    us, vs = [], [v0]
-    c = K.shape[0]
+def _scaling_iterate(tile: _Tile, a: Tensor, b: Tensor, col_shift: Tensor, v: Tensor, drop: Tensor | None,
+                     out: Tensor, options: _Options):
+    """The scaling-domain recursion on the row-shifted tile, from :math:`\\tilde v^{(0)} = e^{c}`.
+
+    One pass per row normalisation: it computes ``u`` block by block and, on the same blocks,
+    the column sums ``K^T u`` of the following column normalisation; the last pass also writes
+    ``out``. Returns ``us = [u1, u3, ..]``, ``vs = [v0, v2, ..]``, the ``(c,)`` normalisations
+    run, the :class:`~.problem.Tolerance` (``None`` for a fixed count) and, for the implicit
+    backward after a fixed count, the column error of the final plan."""
+    us, vs = [], [col_shift.exp()]
+    c = a.shape[0]
+    implicit = options.backward == "implicit"
+    shift = col_shift  # the first pass exponentiates
     if options.tol is None:
-        for t in range(1, options.n_iters + 1):
-            if t % 2:
-                us.append(_ratio(a, _mv(K, vs[-1])))
-            else:
-                vs.append(_ratio(b, _mtv(K, us[-1])))
-        return us, vs, torch.full((c,), options.n_iters, dtype=torch.int64, device=K.device), None
-    stop = Tolerance(options.tol, options.max_iters, (c,), K.device, ENGINE)
+        n_iters, col_error = options.n_iters, None
+        for t in range(1, n_iters + 1, 2):
+            last = t == n_iters
+            output = (vs[-1], v, drop, out, implicit) if last else None
+            u, col = tile.sweep(vs[-1], a, shift, columns=not last or implicit, output=output)
+            shift = None
+            us.append(u)
+            if not last:
+                vs.append(_ratio(b, col))
+            elif implicit:
+                col_error = column_error(vs[-1] * col, b)
+        if n_iters % 2 == 0:  # ends on a column normalisation: one more pass for the output
+            if implicit:
+                col_error = column_error(vs[-1] * col, b)
+            tile.output(us[-1], vs[-1], v, drop, out)
+        return us, vs, torch.full((c,), n_iters, dtype=torch.int64, device=a.device), None, col_error
+    stop = Tolerance(options.tol, options.max_iters, (c,), a.device, ENGINE)
     done = 0
     while True:
-        u = _ratio(a, _mv(K, vs[-1]))
-        us.append(u if not us else torch.where(stop.active.unsqueeze(-1), u, us[-1]))
+        frozen = (stop.active, us[-1]) if us else None
+        u, col = tile.sweep(vs[-1], a, shift, frozen=frozen)
+        shift = None
+        us.append(u)
         done += 1
-        col = _mtv(K, us[-1])
         if stop.check(column_error(vs[-1] * col, b), done):
-            return us, vs, stop.counts, stop
+            tile.output(us[-1], vs[-1], v, drop, out)
+            return us, vs, stop.counts, stop, None
         vs.append(torch.where(stop.active.unsqueeze(-1), _ratio(b, col), vs[-1]))
         done += 1
 
@@ -327,22 +462,31 @@ def _backward_op(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, keep: Tensor | None, bias: Tensor | None,
     batch: list[int], seed: Tensor | None, row_shift: Tensor, col_shift: Tensor, us: Tensor, vs: Tensor,
     counts: Tensor, log_domain: Tensor, scale: float, n_iters: int | None, tol: float | None, max_iters: int,
-    backward: str, dropout_p: float, domain: str, group: int,
+    backward: str, dropout_p: float, domain: str, group: int, block: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of the forward op (its saved state: shifts, iterates, counts)."""
-    options = _Options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group)
-    B = q.shape[0]
+    options = _Options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group, block)
+    B, n, m = q.shape[0], q.shape[1], k.shape[1]
     masks = Masks(keep, bias, tuple(batch))
     grad_out = grad_out.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    memory = None
     for start in range(0, B, group):
         sl = slice(start, min(B, start + group))
-        kp, bs = masks.keep_of(sl.start, sl.stop), masks.bias_of(sl.start, sl.stop)
-        x = _shifted_scores(q[sl], k[sl], scale, kp, bs, row_shift[sl], col_shift[sl])
-        a, b = marginals(*valid_rows_cols(kp, x.shape), x.shape, x)
+        kp = masks.keep_of(sl.start, sl.stop)
+        shape = (sl.stop - sl.start, n, m)
+        if not _in_log_domain(options, q.device, log_domain, sl.start):
+            memory = _Tile.memory(q, k, group) if memory is None else memory
+            tile = _Tile(q[sl], k[sl], masks, start, options, memory)
+            a, b = marginals(*valid_rows_cols(kp, shape), shape, tile.K)
+            drop = _dropout_mask(tile.K, dropout_p, seed, start)
+            _scaling_backward(tile, a, b, row_shift[sl], col_shift[sl], us[sl], vs[sl], counts[sl], grad_out[sl],
+                              v[sl], out[sl], drop, options, (dq[sl], dk[sl], dv[sl]))
+            continue
+        x = _shifted_scores(q[sl], k[sl], scale, kp, masks.bias_of(sl.start, sl.stop), row_shift[sl], col_shift[sl])
+        a, b = marginals(*valid_rows_cols(kp, shape), shape, x)
         drop = _dropout_mask(x, dropout_p, seed, start)
-        backward_group = _log_backward if _in_log_domain(options, q.device, log_domain, sl.start) else _scaling_backward
-        dS, dv[sl] = backward_group(x, a, b, us[sl], vs[sl], counts[sl], grad_out[sl], v[sl], out[sl], drop, options)
+        dS, dv[sl] = _log_backward(x, a, b, us[sl], vs[sl], counts[sl], grad_out[sl], v[sl], out[sl], drop, options)
         torch.bmm(dS, k[sl], out=dq[sl]).mul_(scale)
         torch.bmm(dS.transpose(1, 2), q[sl], out=dk[sl]).mul_(scale)
     return dq, dk, dv
@@ -351,9 +495,14 @@ def _backward_op(
 def _in_log_domain(options: _Options, device: torch.device, log_domain: Tensor, start: int) -> bool:
     """The domain the forward used for the group at ``start`` (read from the flags only where the
     choice depended on the data: the CPU's scaling domain with its fallback)."""
-    if options.domain == "log" or (options.domain == "auto" and device.type != "cpu"):
+    if not _starts_in_scaling(options, device):
         return True
     return bool(log_domain[start])
+
+
+def _starts_in_scaling(options: _Options, device: torch.device) -> bool:
+    """Whether a group starts in the scaling domain (``domain="auto"``: on the CPU)."""
+    return options.domain == "scaling" or (options.domain == "auto" and device.type == "cpu")
 
 
 @_backward_op.register_fake
@@ -361,60 +510,138 @@ def _(grad_out, q, k, v, out, keep, bias, batch, seed, *rest):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _scaling_backward(x, a, b, us, vs, counts, dO, V, out, drop, options):
-    """``(dS, dV)`` of one group in the scaling domain; ``x`` (the shifted tile) becomes ``K``."""
-    K = x.exp_()
+def _scaling_backward(tile: _Tile, a, b, row_shift, col_shift, us, vs, counts, dO, V, out, drop, options, grads):
+    """Gradients of one group in the scaling domain, written into ``grads = (dq, dk, dv)`` (views).
+
+    With :math:`\\partial\\ell/\\partial S = \\tilde K \\odot (\\mathrm{diag}(u)\\,dP\\,\\mathrm{diag}(\\tilde v)
+    + XY^\\top)`, :math:`dP = dO\\,V^\\top` (times the dropout mask), in passes over the tile:
+
+    1. recompute :math:`\\tilde K` block by block (kept in the tile) and accumulate
+       :math:`D = (\\tilde K\\odot\\mathrm{drop})^\\top(u\\odot dO)`, so :math:`dV = \\tilde v\\odot D`
+       (and the column product of the last row step of the reverse recursion, if any);
+    2. each further pass runs a column step and the following row step of the reverse recursion
+       (:class:`_Reverse`): ``X``, ``Y`` of rank ``L``, one column per normalisation;
+    3. the last pass runs the last two steps, forms ``dS`` block by block in cache (one product
+       with inner size ``e + L``) and contracts it into :math:`dQ = \\mathrm{scale}\\,dS\\,K`,
+       :math:`dK = \\mathrm{scale}\\,dS^\\top Q`.
+
+    ``backward="implicit"`` replaces step 2 by the dual solve of :func:`_implicit_duals` (rank 2)."""
+    dq, dk, dv = grads
+    K = tile.K
+    c, n, m = K.shape
     u, vt = us[..., -1], vs[..., -1]
     uO = u.unsqueeze(-1) * dO
-    # diag(u) dP diag(v) with dP = dO V^T, the gradient w.r.t. the (dropped-out) weights
-    dP = torch.bmm(uO, (vt.unsqueeze(-1) * V).transpose(1, 2))
-    if drop is None:
-        D = torch.bmm(K.transpose(1, 2), uO)  # K^T (u * dO): (c, m, e)
-    else:  # out = diag(u) (K * drop) diag(v) V
-        dP.mul_(drop)
-        D = torch.bmm(drop.mul_(K).transpose(1, 2), uO)
-        del drop
-    dvt = (V * D).sum(-1)  # sum_i u_i K_ij dP_ij
-    dV = D.mul_(vt.unsqueeze(-1))
     du = torch.where(u > 0, (dO * out).sum(-1) / u, torch.zeros_like(u))  # sum_j K_ij v_j dP_ij
-    if options.backward == "implicit":  # dS = P * (dP - alpha ⊕ beta)
+    rev = None if options.backward == "implicit" else _Reverse(a, b, us, vs, counts)
+    L = 2 if rev is None else rev.L
+    X, Y = K.new_empty(c, n, L), K.new_empty(c, m, L)  # column j: the step t = L - j
+    first = rev.row_coef(L, du) if rev is not None and L % 2 else None  # the last step is a row step
+    first_col = K.new_zeros(c, m) if first is not None and L > 1 else None
+    D = K.new_zeros(c, m, V.shape[-1])
+    for s, r in tile.blocks:
+        Kb = tile.recompute(s, r, row_shift, col_shift)
+        D[s].baddbmm_((Kb if drop is None else Kb * drop[s, r]).transpose(1, 2), uO[s, r])
+        if first_col is not None:
+            first_col[s] += _mtv(Kb, first[s, r])
+    dvt = (V * D).sum(-1)  # sum_i u_i K_ij dP_ij
+    dv.copy_(D.mul_(vt.unsqueeze(-1)))
+    if rev is None:  # dS = P * (dP - alpha ⊕ beta)
         alpha, beta = _implicit_duals(K, u, vt, du * u, dvt * vt)
-        X, Y = torch.stack([u * alpha, u], -1), torch.stack([vt, vt * beta], -1)
-        dP.baddbmm_(X, Y.transpose(1, 2), alpha=-1.0)
-    else:  # dS = K * (diag(u) dP diag(v) + X Y^T)
-        X, Y = _reverse_recursion(K, a, b, us, vs, counts, du, dvt)
-        dP.baddbmm_(X, Y.transpose(1, 2))
-    return dP.mul_(K), dV
+        X[..., 0], X[..., 1], Y[..., 0], Y[..., 1] = -u * alpha, -u, vt, vt * beta
+        _gradient_pass(tile, uO, vt, V, X, Y, drop, grads, options.scale)
+        return
+    rev.row_ys(Y)
+    t = L
+    if first is not None:
+        du = rev.row_step(L, first, du, X)
+        if first_col is not None:
+            dvt = dvt + first_col
+        t = L - 1
+    while t > 2:  # column step t and row step t - 1 in one pass
+        ds, dvt = rev.col_step(t, dvt, X, Y)
+        next_col = K.new_zeros(c, m)
+        for s, r in tile.blocks:
+            Kb = K[s, r]
+            du_b = du[s, r] + _mv(Kb, ds[s])
+            dr_b = rev.row_coef(t - 1, du_b, s, r)
+            du[s, r] = rev.row_step(t - 1, dr_b, du_b, X, s, r)
+            next_col[s] += _mtv(Kb, dr_b)
+        dvt = dvt + next_col
+        t -= 2
+    last = rev.col_step(2, dvt, X, Y)[0] if t == 2 else None  # steps 2 and 1 run in the last pass
+    _gradient_pass(tile, uO, vt, V, X, Y, drop, grads, options.scale, (rev, du, last) if last is not None else None)
 
 
-def _reverse_recursion(K, a, b, us, vs, counts, du, dvt):
-    """Reverse mode through the scaling recursion.
+class _Reverse:
+    """Reverse mode through the scaling recursion, one step at a time (``t = L, .., 1``).
 
-    ``du``/``dvt`` are the gradients w.r.t. the final ``u``/``v``; ``us (c, n, Lu)``,
-    ``vs (c, m, Lv)`` the iterates (``Lu + Lv - 1`` normalisations). Steps ``t > counts`` of a
-    matrix were frozen (identity: the gradient passes through).
-    Returns ``X (c, n, L)``, ``Y (c, m, L)`` with :math:`\\partial\\ell/\\partial K \\mathrel{+}= XY^\\top`
-    (one rank-one term per iteration)."""
-    xs, ys = [], []
-    inv_a = _ratio(a, a.square())
-    inv_b = _ratio(b, b.square())
-    for t in range(us.shape[-1] + vs.shape[-1] - 1, 0, -1):
-        act = (counts >= t).unsqueeze(-1)
-        if t % 2:  # u_t = a / (K v_{t-1})
-            u_t, v_prev = us[..., (t - 1) // 2], vs[..., (t - 1) // 2]
-            dr = torch.where(act, -inv_a * du * u_t.square(), torch.zeros_like(du))
-            xs.append(dr)
-            ys.append(v_prev)
-            dvt = dvt + _mtv(K, dr)
-            du = torch.where(act, torch.zeros_like(du), du)
-        else:  # v_t = b / (K^T u_{t-1})
-            v_t, u_prev = vs[..., t // 2], us[..., t // 2 - 1]
-            ds = torch.where(act, -inv_b * dvt * v_t.square(), torch.zeros_like(dvt))
-            xs.append(u_prev)
-            ys.append(ds)
-            du = du + _mv(K, ds)
-            dvt = torch.where(act, torch.zeros_like(dvt), dvt)
-    return torch.stack(xs, -1), torch.stack(ys, -1)
+    ``us (c, n, Lu)``, ``vs (c, m, Lv)``: the iterates (``L = Lu + Lv - 1`` normalisations); steps
+    ``t > counts`` of a matrix were frozen (identity: the gradient passes through). A row step
+    :math:`u_t = a \\oslash \\tilde K v_{t-1}` turns the gradient ``du`` into the row coefficient
+    :math:`dr = -du\\, u_t^2 / a` (then :math:`d\\tilde v \\mathrel{+}= \\tilde K^\\top dr`), a column
+    step the column coefficient :math:`ds = -d\\tilde v\\, \\tilde v_t^2 / b` (then :math:`du
+    \\mathrel{+}= \\tilde K ds`); each adds the rank-one term :math:`dr\\,v_{t-1}^\\top` or
+    :math:`u_{t-1}\\,ds^\\top` to :math:`\\partial\\ell/\\partial\\tilde K`, stored as column ``L - t``
+    of ``X (c, n, L)``, ``Y (c, m, L)``. Vectors may be row blocks ``[s, r]`` of the tile."""
+
+    def __init__(self, a: Tensor, b: Tensor, us: Tensor, vs: Tensor, counts: Tensor):
+        self.us, self.vs, self.counts = us, vs, counts
+        self.inv_a, self.inv_b = _ratio(a, a.square()), _ratio(b, b.square())
+        self.L = us.shape[-1] + vs.shape[-1] - 1
+
+    def _active(self, t: int, s: slice = slice(None)) -> Tensor:
+        return (self.counts[s] >= t).unsqueeze(-1)
+
+    def row_coef(self, t: int, du: Tensor, s: slice = slice(None), r: slice = slice(None)) -> Tensor:
+        u_t = self.us[s, r, (t - 1) // 2]
+        return torch.where(self._active(t, s), -self.inv_a[s, r] * du * u_t.square(), torch.zeros_like(du))
+
+    def row_ys(self, Y: Tensor) -> None:
+        """The ``Y`` columns of every row step: :math:`v_{t-1}`, known before the reverse pass."""
+        for t in range(1, self.L + 1, 2):
+            Y[..., self.L - t] = self.vs[..., (t - 1) // 2]
+
+    def row_step(self, t: int, dr: Tensor, du: Tensor, X: Tensor, s: slice = slice(None),
+                 r: slice = slice(None)) -> Tensor:
+        """Record the row step's coefficient ``dr`` in ``X``; returns ``du`` after it (0 where it ran)."""
+        X[s, r, self.L - t] = dr
+        return torch.where(self._active(t, s), torch.zeros_like(du), du)
+
+    def col_step(self, t: int, dvt: Tensor, X: Tensor, Y: Tensor) -> tuple[Tensor, Tensor]:
+        """Column coefficient ``ds`` of step ``t`` (its term recorded) and ``dvt`` after it."""
+        v_t = self.vs[..., t // 2]
+        act = self._active(t)
+        ds = torch.where(act, -self.inv_b * dvt * v_t.square(), torch.zeros_like(dvt))
+        X[..., self.L - t] = self.us[..., t // 2 - 1]
+        Y[..., self.L - t] = ds
+        return ds, torch.where(act, torch.zeros_like(dvt), dvt)
+
+
+def _gradient_pass(tile: _Tile, uO, vt, V, X, Y, drop, grads, scale, last_steps=None) -> None:
+    """The last pass: :math:`dS = \\tilde K\\odot(\\mathrm{diag}(u)\\,dP\\,\\mathrm{diag}(\\tilde v)
+    + XY^\\top)` block by block, contracted into ``dq`` (rows of the block) and ``dk`` (summed).
+
+    ``last_steps = (reverse, du, ds2)``: the column step 2 ran (``ds2``), its :math:`\\tilde K ds_2`
+    and the row step 1 (the last column of ``X``) run here, block by block."""
+    dq, dk, _ = grads
+    K, k, q = tile.K, tile.k, tile.q
+    dk.zero_()
+    vV = vt.unsqueeze(-1) * V
+    right = torch.cat([vV, Y], -1).transpose(1, 2) if drop is None else None  # (c, e + L, m)
+    for s, r in tile.blocks:
+        Kb = K[s, r]
+        if last_steps is not None:
+            rev, du, ds = last_steps
+            du_b = du[s, r] + _mv(Kb, ds[s])
+            rev.row_step(1, rev.row_coef(1, du_b, s, r), du_b, X, s, r)
+        if drop is None:
+            dP = torch.bmm(torch.cat([uO[s, r], X[s, r]], -1), right[s])
+        else:
+            dP = torch.bmm(uO[s, r], vV[s].transpose(1, 2)).mul_(drop[s, r])
+            dP.baddbmm_(X[s, r], Y[s].transpose(1, 2))
+        dS = dP.mul_(Kb)
+        dq[s, r].baddbmm_(dS, k[s], beta=0.0, alpha=scale)
+        dk[s].baddbmm_(dS.transpose(1, 2), q[s, r], alpha=scale)
 
 
 def _log_backward(x, a, b, fs, gs, counts, dO, V, out, drop, options):
@@ -513,7 +740,7 @@ def _backward(ctx, grad_out, *unused):
             grad_out, q, k, v, out, keep, bias, ctx.batch, seed, row_shift, col_shift, us, vs, counts, log_domain,
             *ctx.options,
         )
-    return (dq, dk, dv) + (None,) * 12
+    return (dq, dk, dv) + (None,) * 13
 
 
 torch.library.register_autograd("sinkformer::tiled_forward", _backward, setup_context=_setup_context)
