@@ -31,7 +31,7 @@ BLOCKS = runnable_blocks()
 
 def test_the_readme_and_docs_have_runnable_blocks():
     pages = {name.split("#")[0] for name, _ in BLOCKS}
-    assert sum(name.startswith("README.md") for name, _ in BLOCKS) == 3  # the three snippets
+    assert sum(name.startswith("README.md") for name, _ in BLOCKS) == 4  # the four snippets
     assert {"docs/dynamics.md", "docs/sparse.md", "docs/training.md"} <= pages
     # a marker must sit right above a python block, or the block would silently not run
     for page in PAGES:
