@@ -58,6 +58,7 @@ from .problem import (
     column_error,
     compute_in_float32_under_autocast,
     converged_tol,
+    implicit_duals,
     marginals,
     valid_rows_cols,
     warn_if_unconverged,
@@ -413,37 +414,13 @@ def _reverse_recursion(p: _Problem, fs: Tensor, gs: Tensor, counts: Tensor, dF: 
 
 
 def _implicit_duals(p: _Problem, F: Tensor, G: Tensor, r: Tensor, c: Tensor, max_iters: int = 1000):
-    """Solve ``[diag(a) P; P^T diag(b)] [alpha; beta] = [r; c]`` for :math:`P = e^{s + F\\oplus G}` with
-    ``a, b`` its actual row/column sums, by Jacobi-preconditioned conjugate gradients whose products
-    with ``P`` and ``P^T`` are matrix-vector sweeps. The recursion and the stop rule (relative residual
-    1e-10 in float64, 1e-6 in float32) are those of :func:`.tiled._implicit_duals`."""
+    """:func:`~.problem.implicit_duals` for :math:`P = e^{s + F\\oplus G}`, its products with ``P`` and
+    ``P^T`` matrix-vector sweeps."""
     K = _kernels()
     tol = 1e-10 if p.acc == torch.float64 else 1e-6
-    Pv = lambda y: p.sweep(K.MATVEC, False, G, pot_r=F, w=y.contiguous())[0]  # noqa: E731
-    Ptv = lambda x: p.sweep(K.MATVEC, True, F, pot_r=G, w=x.contiguous())[0]  # noqa: E731
-    a, b = Pv(torch.ones_like(G)), Ptv(torch.ones_like(F))
-    H = lambda x, y: (a * x + Pv(y), Ptv(x) + b * y)  # noqa: E731
-    pa, pb = torch.where(a > 0, 1 / a, torch.ones_like(a)), torch.where(b > 0, 1 / b, torch.ones_like(b))
-    x, y = torch.zeros_like(r), torch.zeros_like(c)
-    rx, ry = r.clone(), c.clone()
-    zx, zy = pa * rx, pb * ry
-    px, py = zx.clone(), zy.clone()
-    rz = (rx * zx).sum(-1) + (ry * zy).sum(-1)
-    norm0 = torch.sqrt((r.square().sum(-1) + c.square().sum(-1))).clamp_min(1e-30)
-    for _ in range(max_iters):
-        hx, hy = H(px, py)
-        curvature = (px * hx).sum(-1) + (py * hy).sum(-1)
-        step = torch.where(curvature > 0, rz / curvature, torch.zeros_like(rz))
-        x, y = x + step.unsqueeze(-1) * px, y + step.unsqueeze(-1) * py
-        rx, ry = rx - step.unsqueeze(-1) * hx, ry - step.unsqueeze(-1) * hy
-        if bool((torch.sqrt(rx.square().sum(-1) + ry.square().sum(-1)) / norm0).max() <= tol):
-            break
-        zx, zy = pa * rx, pb * ry
-        rz_new = (rx * zx).sum(-1) + (ry * zy).sum(-1)
-        beta = torch.where(rz > 0, rz_new / rz, torch.zeros_like(rz))
-        px, py = zx + beta.unsqueeze(-1) * px, zy + beta.unsqueeze(-1) * py
-        rz = rz_new
-    return x, y
+    return implicit_duals(lambda y: p.sweep(K.MATVEC, False, G, pot_r=F, w=y.contiguous())[0],
+                          lambda x: p.sweep(K.MATVEC, True, F, pot_r=G, w=x.contiguous())[0], r, c, tol=tol,
+                          max_iters=max_iters)
 
 
 # ------------------------------------------------------------------------------------------------

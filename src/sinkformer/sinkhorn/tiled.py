@@ -65,6 +65,7 @@ from .problem import (
     Masks,
     _finite_or_zero,
     cache_blocks,
+    implicit_duals,
     compute_in_float32_under_autocast,
     column_error,
     Tolerance,
@@ -679,37 +680,10 @@ def _log_backward(x, a, b, fs, gs, counts, dO, V, out, drop, options):
 
 
 def _implicit_duals(K, u, vt, r, c, max_iters=1000):
-    """Solve ``[diag(a) P; P^T diag(b)] [alpha; beta] = [r; c]`` by Jacobi-preconditioned CG,
-    with ``P = diag(u) K diag(vt)`` and ``a, b`` its actual row/column sums.
-
-    CG stops at a relative residual of 1e-10 (float64) or 1e-6 (float32): asking float32 for
-    less makes it run on past its rounding floor, and the drift costs 0.1-10 % of the gradient."""
+    """:func:`~.problem.implicit_duals` for ``P = diag(u) K diag(vt)`` (products on the cached tile)."""
     tol = 1e-10 if K.dtype == torch.float64 else 1e-6
-    Pv = lambda y: u * _mv(K, vt * y)  # noqa: E731
-    Ptv = lambda x: vt * _mtv(K, u * x)  # noqa: E731
-    a, b = Pv(torch.ones_like(vt)), Ptv(torch.ones_like(u))
-    H = lambda x, y: (a * x + Pv(y), Ptv(x) + b * y)  # noqa: E731
-    pa, pb = torch.where(a > 0, 1 / a, torch.ones_like(a)), torch.where(b > 0, 1 / b, torch.ones_like(b))
-    x, y = torch.zeros_like(r), torch.zeros_like(c)
-    rx, ry = r.clone(), c.clone()
-    zx, zy = pa * rx, pb * ry
-    px, py = zx.clone(), zy.clone()
-    rz = (rx * zx).sum(-1) + (ry * zy).sum(-1)
-    norm0 = torch.sqrt((r.square().sum(-1) + c.square().sum(-1))).clamp_min(1e-30)
-    for _ in range(max_iters):
-        hx, hy = H(px, py)
-        curvature = (px * hx).sum(-1) + (py * hy).sum(-1)
-        step = torch.where(curvature > 0, rz / curvature, torch.zeros_like(rz))
-        x, y = x + step.unsqueeze(-1) * px, y + step.unsqueeze(-1) * py
-        rx, ry = rx - step.unsqueeze(-1) * hx, ry - step.unsqueeze(-1) * hy
-        if bool((torch.sqrt(rx.square().sum(-1) + ry.square().sum(-1)) / norm0).max() <= tol):
-            break
-        zx, zy = pa * rx, pb * ry
-        rz_new = (rx * zx).sum(-1) + (ry * zy).sum(-1)
-        beta = torch.where(rz > 0, rz_new / rz, torch.zeros_like(rz))
-        px, py = zx + beta.unsqueeze(-1) * px, zy + beta.unsqueeze(-1) * py
-        rz = rz_new
-    return x, y
+    return implicit_duals(lambda y: u * _mv(K, vt * y), lambda x: vt * _mtv(K, u * x), r, c, tol=tol,
+                          max_iters=max_iters)
 
 
 def _dropout_mask(like: Tensor, p: float, seed: Tensor | None, start: int) -> Tensor | None:
