@@ -53,8 +53,8 @@ def paper_reference(q, k, v, n_iters):
     C = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     n = C.shape[-1]
     log_marginal = -math.log(n)
-    f = torch.zeros(C.shape[:-1], dtype=C.dtype)
-    g = torch.zeros(C.shape[:-2] + (n,), dtype=C.dtype)
+    f = torch.zeros(C.shape[:-1], dtype=C.dtype, device=C.device)
+    g = torch.zeros(C.shape[:-2] + (n,), dtype=C.dtype, device=C.device)
     for it in range(n_iters):
         if it % 2 == 0:
             f = log_marginal - torch.logsumexp(C + g.unsqueeze(-2), dim=-1)

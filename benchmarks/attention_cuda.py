@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import os
 import statistics
 import sys
@@ -45,22 +44,10 @@ SMOKE = dict(b=1, h=2, d=16, ns=[40], dtypes=["float32"], iters=[3], repeats=1)
 
 
 def official_sinkformers(q, k, v, n_iters: int):
-    """Sinkformers Appendix B, literally: log domain, g0 = 0, f/g alternate with log(1/n) marginals,
-    K = n * exp(C + f + g), unrolled through autograd (every iterate kept for the backward)."""
-    import torch
+    """Sinkformers Appendix B, literally (the CPU benchmark's :func:`benchmarks.attention.paper_reference`)."""
+    from benchmarks.attention import paper_reference
 
-    C = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    n = C.shape[-1]
-    log_marginal = -math.log(n)
-    f = torch.zeros(C.shape[:-1], dtype=C.dtype, device=C.device)
-    g = torch.zeros(C.shape[:-2] + (n,), dtype=C.dtype, device=C.device)
-    for it in range(n_iters):
-        if it % 2 == 0:
-            f = log_marginal - torch.logsumexp(C + g.unsqueeze(-2), dim=-1)
-        else:
-            g = log_marginal - torch.logsumexp(C + f.unsqueeze(-1), dim=-2)
-    K = n * torch.exp(C + f.unsqueeze(-1) + g.unsqueeze(-2))
-    return K @ v
+    return paper_reference(q, k, v, n_iters)
 
 
 def make_fn(method: str, n_iters: int, device: str, dtype):
