@@ -496,8 +496,32 @@ def test_tiled_engine_in_small_cache_blocks(monkeypatch, block, n_iters, case_na
     from sinkformer.sinkhorn import problem
 
     monkeypatch.setattr(problem, "CACHE_BLOCK_ELEMENTS", block)
+    monkeypatch.setattr(problem, "WHOLE_SLICE_BUDGETS", 1)
     check_cell("tiled", make_case(case_name), torch.float64, n_iters=n_iters)
     check_cell("tiled", make_case(case_name), torch.float32, n_iters=n_iters, grads=False)
+
+
+@pytest.mark.parametrize("n_iters", [1, 4, 5, None])
+@pytest.mark.parametrize("case_name", ["plain", "cross", "query_and_key_padding", "float_mask", "extreme"])
+def test_tiled_engine_groups_on_threads(monkeypatch, n_iters, case_name):
+    """On the CPU the tiled engine's groups of slices run on one Python thread per core
+    (:mod:`sinkformer.sinkhorn.cpu_parallel`); the grid's calls are too small for it, so here every
+    slice is its own group, threads are used at any size, and tiles are split in 7-score blocks
+    (``n_iters=None``: tol mode, each matrix stopping on its own)."""
+    from sinkformer.sinkhorn import cpu_parallel, problem
+
+    monkeypatch.setattr(problem, "TILE_ELEMENTS", 1)
+    monkeypatch.setattr(problem, "CACHE_BLOCK_ELEMENTS", 7)
+    monkeypatch.setattr(problem, "WHOLE_SLICE_BUDGETS", 1)
+    monkeypatch.setattr(cpu_parallel, "PARALLEL_ABOVE", 0)
+    tol = 1e-10 if n_iters is None else None
+    if tol is not None and case_name == "extreme":  # not balanceable: both engines stop at max_iters and say so
+        with pytest.warns(SinkhornConvergenceWarning, match="did not reach tol"):
+            check_cell("tiled", make_case(case_name), torch.float64, tol=tol, max_iters=101)
+    else:
+        check_cell("tiled", make_case(case_name), torch.float64, n_iters=n_iters, tol=tol)
+    if n_iters == 5:  # and the implicit backward, against the unrolled map at convergence
+        test_implicit_backward("tiled", torch.float64)
 
 
 def test_every_engine_is_in_the_grid():

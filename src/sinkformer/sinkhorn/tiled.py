@@ -34,12 +34,11 @@ domain each iteration's plan is recomputed.
 product that needs a block runs while the block is in the L2 cache, so the tile travels to and
 from memory once per pass rather than once per product: the forward's first pass writes the
 scores and their row shift; each further pass exponentiates (first pass only), computes
-:math:`u = a\oslash	ilde K	ilde v` on the block's rows — final for those rows — and adds
-:math:`	ilde K^	op u` of the block to the column sums, so a row and a column normalisation
+:math:`u = a\oslash\tilde K\tilde v` on the block's rows — final for those rows — and adds
+:math:`\tilde K^\top u` of the block to the column sums, so a row and a column normalisation
 share one pass, and the last one writes the output block. ``n_iters`` normalisations take
-:math:`1 + \lceil n\_iters/2
-ceil` passes (plus one when ``n_iters`` is even). The backward
-recomputes :math:`	ilde K` block by block with :math:`D = 	ilde K^	op(u\odot dO)` (pass 1),
+:math:`1 + \lceil n\_iters/2\rceil` passes (plus one when ``n_iters`` is even). The backward
+recomputes :math:`\tilde K` block by block with :math:`D = \tilde K^\top(u\odot dO)` (pass 1),
 runs one column step and the following row step of the reverse recursion per pass, and forms
 :math:`\partial\ell/\partial S` block by block in its last pass (with the recursion's last two
 steps), contracted at once into :math:`dQ` and :math:`dK`; ``5`` iterations take 3 passes. The
@@ -61,6 +60,7 @@ import torch
 from torch import Tensor
 
 from . import problem
+from .cpu_parallel import map_groups
 from .problem import (
     Masks,
     _finite_or_zero,
@@ -157,11 +157,18 @@ def _forward_op(
     out = q.new_empty(B, n, v.shape[-1])
     shifts_r, shifts_c, us, vs, counts, logs = [], [], [], [], [], []
     stops, col_errors = [], []
-    memory = _Tile.memory(q, k, group) if _starts_in_scaling(options, q.device) else None
-    for start in range(0, B, group):
+    scaling = _starts_in_scaling(options, q.device)
+
+    def run(start: int, scratch: dict) -> _GroupState:
         end = min(B, start + group)
+        if scaling and "memory" not in scratch:
+            scratch["memory"] = _Tile.memory(q, k, group)
         sl = slice(start, end)
-        state = _forward_group(q[sl], k[sl], v[sl], masks, start, end, options, seed, out[sl], memory)
+        return _forward_group(q[sl], k[sl], v[sl], masks, start, end, options, seed, out[sl], scratch.get("memory"))
+
+    starts = list(range(0, B, group))
+    for start, state in zip(starts, map_groups(starts, run, q.device, B * n * k.shape[1])):
+        end = min(B, start + group)
         shifts_r.append(state.row_shift)
         shifts_c.append(state.col_shift)
         us.append(state.us)
@@ -241,18 +248,23 @@ def _forward_group(q, k, v, masks: Masks, start: int, end: int, options: _Option
 
 
 class _Tile:
-    """The ``(c, n, m)`` tile of one group, visited in cache blocks (:func:`~.problem.cache_blocks`).
+    """The ``(c, n, m)`` tile of one group, visited in cache blocks (:class:`~.problem.CacheBlocks`).
 
     ``K`` holds the scores, then (after :meth:`shift_rows` and the first sweep) :math:`\\tilde K =
     e^{S - m_i - c_j}`. Every pass reads each block once from memory and runs all its products on
     it while it is in cache; the row-local results of a block (``u``, ``du``) are final before its
-    column sums are accumulated, so a row and a column normalisation share one pass."""
+    column sums are accumulated, so a row and a column normalisation share one pass. The views of
+    every block are made once per pass (``blocks.rows_of``, ``blocks.slices_of``), so a pass costs
+    a few operations per block."""
 
     def __init__(self, q: Tensor, k: Tensor, masks: Masks, start: int, options: _Options, memory: Tensor):
         self.q, self.k, self.masks, self.start, self.scale = q, k, masks, start, options.scale
         c, n, m = q.shape[0], q.shape[1], k.shape[1]
         self.K = memory[:c * n * m].view(c, n, m)
         self.blocks = cache_blocks(c, n, m, options.block)
+        self.Kb = self.blocks.rows_of(self.K)
+        self._qb, self._kTb = self.blocks.rows_of(q), self.blocks.slices_of(k.transpose(1, 2))
+        self._masked = masks.keep is not None or masks.bias is not None
 
     @staticmethod
     def memory(q: Tensor, k: Tensor, group: int) -> Tensor:
@@ -260,77 +272,89 @@ class _Tile:
         once per group (a fresh 64 MiB tile costs ~10 % of its forward in page faults)."""
         return q.new_empty(min(group, q.shape[0]) * q.shape[1] * k.shape[1])
 
-    def scores(self, s: slice, r: slice) -> Tensor:
-        """``scale q k^T + bias`` (-inf where masked) written into the block ``K[s, r]`` (same
-        operations as :func:`_scores`)."""
-        x = self.K[s, r]
-        x.baddbmm_(self.q[s, r], self.k[s].transpose(1, 2), beta=0.0, alpha=self.scale)
-        start = self.start
-        bias = self.masks.bias_of(start + s.start, start + s.stop, r.start, r.stop)
-        if bias is not None:
-            x.add_(bias)
-        keep = self.masks.keep_of(start + s.start, start + s.stop, r.start, r.stop)
-        if keep is not None:
-            x.masked_fill_(~keep, float("-inf"))
+    def scores(self, i: int) -> Tensor:
+        """``scale q k^T + bias`` (-inf where masked) written into block ``i`` (the operations of
+        :func:`_scores`)."""
+        x = self.Kb[i]
+        x.baddbmm_(self._qb[i], self._kTb[i], beta=0.0, alpha=self.scale)
+        if self._masked:
+            s, r = self.blocks.index[i]
+            start = self.start
+            bias = self.masks.bias_of(start + s.start, start + s.stop, r.start, r.stop)
+            if bias is not None:
+                x.add_(bias)
+            keep = self.masks.keep_of(start + s.start, start + s.stop, r.start, r.stop)
+            if keep is not None:
+                x.masked_fill_(~keep, float("-inf"))
         return x
 
     def shift_rows(self) -> tuple[Tensor, Tensor]:
         """Scores minus their row maxima into ``K``; returns the shifts of :func:`~.problem.double_shift`
         ``(c, n)``, ``(c, m)`` (the column shift is applied by the first sweep, with the exponential)."""
         c, n, m = self.K.shape
-        row_shift = self.K.new_zeros(c, n)
-        col_top = self.K.new_full((c, m), float("-inf"))
-        for s, r in self.blocks:
-            x = self.scores(s, r)
-            if m:
-                shift = _finite_or_zero(x.amax(-1))
-                row_shift[s, r] = shift
-                x.sub_(shift.unsqueeze(-1))
-                torch.maximum(col_top[s], x.amax(-2), out=col_top[s])
-        return row_shift, _finite_or_zero(col_top)
+        row_shift = self.K.new_zeros(c, n, 1)
+        col_top = self.K.new_full((c, 1, m), float("-inf"))
+        if m:
+            tops = self.blocks.slices_of(col_top)
+            for i, shift in enumerate(self.blocks.rows_of(row_shift)):
+                x = self.scores(i)
+                torch.amax(x, -1, keepdim=True, out=shift)
+                x.sub_(shift.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0))
+                torch.maximum(tops[i], x.amax(-2, keepdim=True), out=tops[i])
+        return row_shift.squeeze(-1), _finite_or_zero(col_top.squeeze(1))
 
-    def recompute(self, s: slice, r: slice, row_shift: Tensor, col_shift: Tensor) -> Tensor:
-        """:math:`\\tilde K` on one block from the saved shifts (the forward's operations and values)."""
-        x = self.scores(s, r).sub_(row_shift[s, r].unsqueeze(-1))
-        return x.sub_(col_shift[s].unsqueeze(1)).exp_()
+    def recompute(self, row_shift: Tensor, col_shift: Tensor):
+        """Yield ``(i, K̃ of block i)`` from the saved shifts (the forward's operations and values)."""
+        rows, cols = self.blocks.rows_of(row_shift.unsqueeze(-1)), self.blocks.slices_of(col_shift.unsqueeze(1))
+        for i in range(len(self.Kb)):
+            yield i, self.scores(i).sub_(rows[i]).sub_(cols[i]).exp_()
 
-    def sweep(self, v: Tensor, a: Tensor, col_shift: Tensor | None = None, frozen: tuple | None = None,
-              columns: bool = True, output: tuple | None = None):
+    def sweep(self, v: Tensor, a: Tensor, empty: Tensor, col_shift: Tensor | None = None,
+              frozen: tuple | None = None, columns: bool = True, output: tuple | None = None):
         """One pass: :math:`u = a \\oslash \\tilde K v` and (``columns``) :math:`\\tilde K^\\top u`.
 
+        ``empty (c, n)``: 1 where ``a == 0`` (those rows get ``u = 0/(Kv + 1) = 0``), else 0.
         ``col_shift``: first pass, turn the row-shifted scores into :math:`\\tilde K` on the way.
         ``frozen = (active (c,), u_old)``: matrices no longer active keep ``u_old``.
         ``output = (vt, V, drop, out, implicit)``: this is the last normalisation; writes
         ``out = u ⊙ (K ⊙ drop)(vt ⊙ V)`` (``K^T u`` still accumulated when ``implicit``, before the
         dropout). Returns ``u (c, n)`` and the column sums ``(c, m)`` (or ``None``)."""
-        K = self.K
-        u = torch.empty_like(a)
-        col = K.new_zeros(K.shape[0], K.shape[2]) if columns else None
+        blocks = self.blocks
+        c, n, m = self.K.shape
+        u = self.K.new_empty(c, n, 1)
+        ub, ab, eb = blocks.rows_of(u), blocks.rows_of(a.unsqueeze(-1)), blocks.rows_of(empty.unsqueeze(-1))
+        vb = blocks.slices_of(v.unsqueeze(-1))
+        col = self.K.new_zeros(c, 1, m) if columns else None
+        colb = blocks.slices_of(col) if columns else None
+        shiftb = blocks.slices_of(col_shift.unsqueeze(1)) if col_shift is not None else None
+        if frozen is not None:
+            activeb, oldb = blocks.slices_of(frozen[0].view(c, 1, 1)), blocks.rows_of(frozen[1].unsqueeze(-1))
         if output is not None:
             vt, V, drop, out, implicit = output
-            vV = vt.unsqueeze(-1) * V
-        for s, r in self.blocks:
-            Kb = K[s, r]
-            if col_shift is not None:
-                Kb.sub_(col_shift[s].unsqueeze(1)).exp_()
-            ub = _ratio(a[s, r], _mv(Kb, v[s]))
+            vVb, outb = blocks.slices_of(vt.unsqueeze(-1) * V), blocks.rows_of(out)
+            dropb = blocks.rows_of(drop) if drop is not None else None
+        for i, Kb in enumerate(self.Kb):
+            if shiftb is not None:
+                Kb.sub_(shiftb[i]).exp_()
+            torch.baddbmm(eb[i], Kb, vb[i], out=ub[i])
+            torch.div(ab[i], ub[i], out=ub[i])
             if frozen is not None:
-                ub = torch.where(frozen[0][s].unsqueeze(-1), ub, frozen[1][s, r])
-            u[s, r] = ub
+                torch.where(activeb[i], ub[i], oldb[i], out=ub[i])
             if columns:
-                col[s] += _mtv(Kb, ub)
+                colb[i].baddbmm_(ub[i].transpose(1, 2), Kb)
             if output is not None:
-                if drop is not None:
-                    Kb.mul_(drop[s, r])
-                torch.bmm(Kb, vV[s], out=out[s, r]).mul_(ub.unsqueeze(-1))
-        return u, col
+                if dropb is not None:
+                    Kb.mul_(dropb[i])
+                torch.bmm(Kb, vVb[i], out=outb[i]).mul_(ub[i])
+        return u.squeeze(-1), (col.squeeze(1) if columns else None)
 
     def output(self, u: Tensor, vt: Tensor, V: Tensor, drop: Tensor | None, out: Tensor) -> None:
         """``out = u ⊙ (K ⊙ drop)(vt ⊙ V)`` block by block (the plan after the last normalisation)."""
-        vV = vt.unsqueeze(-1) * V
-        for s, r in self.blocks:
-            Kb = self.K[s, r] if drop is None else self.K[s, r] * drop[s, r]
-            torch.bmm(Kb, vV[s], out=out[s, r]).mul_(u[s, r].unsqueeze(-1))
+        blocks = self.blocks
+        vVb, ub, outb = blocks.slices_of(vt.unsqueeze(-1) * V), blocks.rows_of(u.unsqueeze(-1)), blocks.rows_of(out)
+        dropb = blocks.rows_of(drop) if drop is not None else None
+        for i, Kb in enumerate(self.Kb):
+            torch.bmm(Kb if dropb is None else Kb * dropb[i], vVb[i], out=outb[i]).mul_(ub[i])
 
 
 def _scores(q: Tensor, k: Tensor, scale: float, keep: Tensor | None, bias: Tensor | None) -> Tensor:
@@ -374,13 +398,14 @@ def _scaling_iterate(tile: _Tile, a: Tensor, b: Tensor, col_shift: Tensor, v: Te
     us, vs = [], [col_shift.exp()]
     c = a.shape[0]
     implicit = options.backward == "implicit"
+    empty = (a == 0).to(a.dtype)
     shift = col_shift  # the first pass exponentiates
     if options.tol is None:
         n_iters, col_error = options.n_iters, None
         for t in range(1, n_iters + 1, 2):
             last = t == n_iters
             output = (vs[-1], v, drop, out, implicit) if last else None
-            u, col = tile.sweep(vs[-1], a, shift, columns=not last or implicit, output=output)
+            u, col = tile.sweep(vs[-1], a, empty, shift, columns=not last or implicit, output=output)
             shift = None
             us.append(u)
             if not last:
@@ -396,7 +421,7 @@ def _scaling_iterate(tile: _Tile, a: Tensor, b: Tensor, col_shift: Tensor, v: Te
     done = 0
     while True:
         frozen = (stop.active, us[-1]) if us else None
-        u, col = tile.sweep(vs[-1], a, shift, frozen=frozen)
+        u, col = tile.sweep(vs[-1], a, empty, shift, frozen=frozen)
         shift = None
         us.append(u)
         done += 1
@@ -471,25 +496,28 @@ def _backward_op(
     masks = Masks(keep, bias, tuple(batch))
     grad_out = grad_out.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    memory = None
-    for start in range(0, B, group):
+
+    def run(start: int, scratch: dict) -> None:
         sl = slice(start, min(B, start + group))
         kp = masks.keep_of(sl.start, sl.stop)
         shape = (sl.stop - sl.start, n, m)
         if not _in_log_domain(options, q.device, log_domain, sl.start):
-            memory = _Tile.memory(q, k, group) if memory is None else memory
-            tile = _Tile(q[sl], k[sl], masks, start, options, memory)
+            if "memory" not in scratch:
+                scratch["memory"] = _Tile.memory(q, k, group)
+            tile = _Tile(q[sl], k[sl], masks, start, options, scratch["memory"])
             a, b = marginals(*valid_rows_cols(kp, shape), shape, tile.K)
             drop = _dropout_mask(tile.K, dropout_p, seed, start)
             _scaling_backward(tile, a, b, row_shift[sl], col_shift[sl], us[sl], vs[sl], counts[sl], grad_out[sl],
                               v[sl], out[sl], drop, options, (dq[sl], dk[sl], dv[sl]))
-            continue
+            return
         x = _shifted_scores(q[sl], k[sl], scale, kp, masks.bias_of(sl.start, sl.stop), row_shift[sl], col_shift[sl])
         a, b = marginals(*valid_rows_cols(kp, shape), shape, x)
         drop = _dropout_mask(x, dropout_p, seed, start)
         dS, dv[sl] = _log_backward(x, a, b, us[sl], vs[sl], counts[sl], grad_out[sl], v[sl], out[sl], drop, options)
         torch.bmm(dS, k[sl], out=dq[sl]).mul_(scale)
         torch.bmm(dS.transpose(1, 2), q[sl], out=dk[sl]).mul_(scale)
+
+    map_groups(list(range(0, B, group)), run, q.device, B * n * m)
     return dq, dk, dv
 
 
@@ -523,54 +551,71 @@ def _scaling_backward(tile: _Tile, a, b, row_shift, col_shift, us, vs, counts, d
     2. each further pass runs a column step and the following row step of the reverse recursion
        (:class:`_Reverse`): ``X``, ``Y`` of rank ``L``, one column per normalisation;
     3. the last pass runs the last two steps, forms ``dS`` block by block in cache (one product
-       with inner size ``e + L``) and contracts it into :math:`dQ = \\mathrm{scale}\\,dS\\,K`,
-       :math:`dK = \\mathrm{scale}\\,dS^\\top Q`.
+       ``[u ⊙ dO, X] [vt ⊙ V, Y]^T`` with inner size ``e + L``) and contracts it into
+       :math:`dQ = \\mathrm{scale}\\,dS\\,K`, :math:`dK = \\mathrm{scale}\\,dS^\\top Q`.
 
     ``backward="implicit"`` replaces step 2 by the dual solve of :func:`_implicit_duals` (rank 2)."""
-    dq, dk, dv = grads
+    blocks = tile.blocks
     K = tile.K
     c, n, m = K.shape
+    e = V.shape[-1]
     u, vt = us[..., -1], vs[..., -1]
-    uO = u.unsqueeze(-1) * dO
-    du = torch.where(u > 0, (dO * out).sum(-1) / u, torch.zeros_like(u))  # sum_j K_ij v_j dP_ij
     rev = None if options.backward == "implicit" else _Reverse(a, b, us, vs, counts)
     L = 2 if rev is None else rev.L
-    X, Y = K.new_empty(c, n, L), K.new_empty(c, m, L)  # column j: the step t = L - j
+    left = K.new_empty(c, n, e + L)  # [u ⊙ dO, X]: X column j is the step t = L - j
+    uO, X = torch.mul(u.unsqueeze(-1), dO, out=left[..., :e]), left[..., e:]
+    Y = K.new_empty(c, m, L)
+    du = torch.where(u > 0, (dO * out).sum(-1) / u, torch.zeros_like(u))  # sum_j K_ij v_j dP_ij
     first = rev.row_coef(L, du) if rev is not None and L % 2 else None  # the last step is a row step
-    first_col = K.new_zeros(c, m) if first is not None and L > 1 else None
-    D = K.new_zeros(c, m, V.shape[-1])
-    for s, r in tile.blocks:
-        Kb = tile.recompute(s, r, row_shift, col_shift)
-        D[s].baddbmm_((Kb if drop is None else Kb * drop[s, r]).transpose(1, 2), uO[s, r])
+    first_col = K.new_zeros(c, 1, m) if first is not None and L > 1 else None
+    D = K.new_zeros(c, m, e)
+    uOb, Db = blocks.rows_of(uO), blocks.slices_of(D)
+    dropb = blocks.rows_of(drop) if drop is not None else None
+    if first_col is not None:
+        firstb, first_colb = blocks.rows_of(first.unsqueeze(-1)), blocks.slices_of(first_col)
+    for i, Kb in tile.recompute(row_shift, col_shift):
+        Db[i].baddbmm_((Kb if dropb is None else Kb * dropb[i]).transpose(1, 2), uOb[i])
         if first_col is not None:
-            first_col[s] += _mtv(Kb, first[s, r])
+            first_colb[i].baddbmm_(firstb[i].transpose(1, 2), Kb)
     dvt = (V * D).sum(-1)  # sum_i u_i K_ij dP_ij
-    dv.copy_(D.mul_(vt.unsqueeze(-1)))
+    grads[2].copy_(D.mul_(vt.unsqueeze(-1)))
     if rev is None:  # dS = P * (dP - alpha ⊕ beta)
         alpha, beta = _implicit_duals(K, u, vt, du * u, dvt * vt)
         X[..., 0], X[..., 1], Y[..., 0], Y[..., 1] = -u * alpha, -u, vt, vt * beta
-        _gradient_pass(tile, uO, vt, V, X, Y, drop, grads, options.scale)
+        _gradient_pass(tile, left, vt, V, Y, drop, grads, options.scale)
         return
     rev.row_ys(Y)
     t = L
     if first is not None:
         du = rev.row_step(L, first, du, X)
         if first_col is not None:
-            dvt = dvt + first_col
+            dvt = dvt + first_col.squeeze(1)
         t = L - 1
     while t > 2:  # column step t and row step t - 1 in one pass
         ds, dvt = rev.col_step(t, dvt, X, Y)
-        next_col = K.new_zeros(c, m)
-        for s, r in tile.blocks:
-            Kb = K[s, r]
-            du_b = du[s, r] + _mv(Kb, ds[s])
-            dr_b = rev.row_coef(t - 1, du_b, s, r)
-            du[s, r] = rev.row_step(t - 1, dr_b, du_b, X, s, r)
-            next_col[s] += _mtv(Kb, dr_b)
+        du, next_col = _row_step_pass(tile, rev, t - 1, du, ds, X)
         dvt = dvt + next_col
         t -= 2
-    last = rev.col_step(2, dvt, X, Y)[0] if t == 2 else None  # steps 2 and 1 run in the last pass
-    _gradient_pass(tile, uO, vt, V, X, Y, drop, grads, options.scale, (rev, du, last) if last is not None else None)
+    last = (rev, du, rev.col_step(2, dvt, X, Y)[0]) if t == 2 else None  # steps 2 and 1 in the last pass
+    _gradient_pass(tile, left, vt, V, Y, drop, grads, options.scale, last)
+
+
+def _row_step_pass(tile: _Tile, rev: _Reverse, t: int, du: Tensor, ds: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
+    """Row step ``t`` of the reverse recursion after a column step (``ds``), block by block:
+    :math:`du \\mathrel{+}= \\tilde K ds`, :math:`dr = du \\odot` :meth:`_Reverse.row_factor`, recorded
+    in ``X``; returns ``du`` after the step and the column product :math:`\\tilde K^\\top dr` ``(c, m)``."""
+    blocks = tile.blocks
+    c, n, m = tile.K.shape
+    total, dr = torch.empty_like(du).unsqueeze(-1), torch.empty_like(du).unsqueeze(-1)
+    col = tile.K.new_zeros(c, 1, m)
+    dub, dsb, factorb = blocks.rows_of(du.unsqueeze(-1)), blocks.slices_of(ds.unsqueeze(-1)), blocks.rows_of(
+        rev.row_factor(t).unsqueeze(-1))
+    totalb, drb, colb = blocks.rows_of(total), blocks.rows_of(dr), blocks.slices_of(col)
+    for i, Kb in enumerate(tile.Kb):
+        torch.baddbmm(dub[i], Kb, dsb[i], out=totalb[i])
+        torch.mul(totalb[i], factorb[i], out=drb[i])
+        colb[i].baddbmm_(drb[i].transpose(1, 2), Kb)
+    return rev.row_step(t, dr.squeeze(-1), total.squeeze(-1), X), col.squeeze(1)
 
 
 class _Reverse:
@@ -583,30 +628,33 @@ class _Reverse:
     step the column coefficient :math:`ds = -d\\tilde v\\, \\tilde v_t^2 / b` (then :math:`du
     \\mathrel{+}= \\tilde K ds`); each adds the rank-one term :math:`dr\\,v_{t-1}^\\top` or
     :math:`u_{t-1}\\,ds^\\top` to :math:`\\partial\\ell/\\partial\\tilde K`, stored as column ``L - t``
-    of ``X (c, n, L)``, ``Y (c, m, L)``. Vectors may be row blocks ``[s, r]`` of the tile."""
+    of ``X (c, n, L)``, ``Y (c, m, L)``."""
 
     def __init__(self, a: Tensor, b: Tensor, us: Tensor, vs: Tensor, counts: Tensor):
         self.us, self.vs, self.counts = us, vs, counts
         self.inv_a, self.inv_b = _ratio(a, a.square()), _ratio(b, b.square())
         self.L = us.shape[-1] + vs.shape[-1] - 1
 
-    def _active(self, t: int, s: slice = slice(None)) -> Tensor:
-        return (self.counts[s] >= t).unsqueeze(-1)
+    def _active(self, t: int) -> Tensor:
+        return (self.counts >= t).unsqueeze(-1)
 
-    def row_coef(self, t: int, du: Tensor, s: slice = slice(None), r: slice = slice(None)) -> Tensor:
-        u_t = self.us[s, r, (t - 1) // 2]
-        return torch.where(self._active(t, s), -self.inv_a[s, r] * du * u_t.square(), torch.zeros_like(du))
+    def row_factor(self, t: int) -> Tensor:
+        """:math:`-u_t^2/a` where step ``t`` ran, else 0 ``(c, n)``: ``dr = du ⊙ row_factor``."""
+        u_t = self.us[..., (t - 1) // 2]
+        return torch.where(self._active(t), -self.inv_a * u_t.square(), torch.zeros_like(u_t))
+
+    def row_coef(self, t: int, du: Tensor) -> Tensor:
+        return du * self.row_factor(t)
 
     def row_ys(self, Y: Tensor) -> None:
         """The ``Y`` columns of every row step: :math:`v_{t-1}`, known before the reverse pass."""
         for t in range(1, self.L + 1, 2):
             Y[..., self.L - t] = self.vs[..., (t - 1) // 2]
 
-    def row_step(self, t: int, dr: Tensor, du: Tensor, X: Tensor, s: slice = slice(None),
-                 r: slice = slice(None)) -> Tensor:
+    def row_step(self, t: int, dr: Tensor, du: Tensor, X: Tensor) -> Tensor:
         """Record the row step's coefficient ``dr`` in ``X``; returns ``du`` after it (0 where it ran)."""
-        X[s, r, self.L - t] = dr
-        return torch.where(self._active(t, s), torch.zeros_like(du), du)
+        X[..., self.L - t] = dr
+        return torch.where(self._active(t), torch.zeros_like(du), du)
 
     def col_step(self, t: int, dvt: Tensor, X: Tensor, Y: Tensor) -> tuple[Tensor, Tensor]:
         """Column coefficient ``ds`` of step ``t`` (its term recorded) and ``dvt`` after it."""
@@ -618,31 +666,42 @@ class _Reverse:
         return ds, torch.where(act, torch.zeros_like(dvt), dvt)
 
 
-def _gradient_pass(tile: _Tile, uO, vt, V, X, Y, drop, grads, scale, last_steps=None) -> None:
+def _gradient_pass(tile: _Tile, left, vt, V, Y, drop, grads, scale, last_steps=None) -> None:
     """The last pass: :math:`dS = \\tilde K\\odot(\\mathrm{diag}(u)\\,dP\\,\\mathrm{diag}(\\tilde v)
     + XY^\\top)` block by block, contracted into ``dq`` (rows of the block) and ``dk`` (summed).
 
-    ``last_steps = (reverse, du, ds2)``: the column step 2 ran (``ds2``), its :math:`\\tilde K ds_2`
-    and the row step 1 (the last column of ``X``) run here, block by block."""
+    ``left = [u ⊙ dO, X] (c, n, e + L)``. ``last_steps = (reverse, du, ds2)``: the column step 2 ran
+    (``ds2``); :math:`du + \\tilde K ds_2` and the row step 1 (the last column of ``X``, the
+    block's rows of ``left``) run here, block by block, before the block's ``dS``."""
     dq, dk, _ = grads
-    K, k, q = tile.K, tile.k, tile.q
+    blocks = tile.blocks
+    e, L = V.shape[-1], Y.shape[-1]
     dk.zero_()
     vV = vt.unsqueeze(-1) * V
-    right = torch.cat([vV, Y], -1).transpose(1, 2) if drop is None else None  # (c, e + L, m)
-    for s, r in tile.blocks:
-        Kb = K[s, r]
+    dqb, dkb, qb, kb = blocks.rows_of(dq), blocks.slices_of(dk), blocks.rows_of(tile.q), blocks.slices_of(tile.k)
+    leftb = blocks.rows_of(left)
+    if drop is None:
+        rightb = blocks.slices_of(torch.cat([vV, Y], -1).transpose(1, 2))  # (c, e + L, m)
+    else:
+        dropb, vVb, Yb = blocks.rows_of(drop), blocks.slices_of(vV.transpose(1, 2)), blocks.slices_of(Y.transpose(1, 2))
+    if last_steps is not None:
+        rev, du, ds = last_steps
+        total = torch.empty_like(du).unsqueeze(-1)
+        dub, dsb, totalb = blocks.rows_of(du.unsqueeze(-1)), blocks.slices_of(ds.unsqueeze(-1)), blocks.rows_of(total)
+        factorb = blocks.rows_of(rev.row_factor(1).unsqueeze(-1))
+        lastb = blocks.rows_of(left[..., e + L - 1:])  # X[..., L - 1]: the row step 1
+    for i, Kb in enumerate(tile.Kb):
         if last_steps is not None:
-            rev, du, ds = last_steps
-            du_b = du[s, r] + _mv(Kb, ds[s])
-            rev.row_step(1, rev.row_coef(1, du_b, s, r), du_b, X, s, r)
+            torch.baddbmm(dub[i], Kb, dsb[i], out=totalb[i])
+            torch.mul(totalb[i], factorb[i], out=lastb[i])
         if drop is None:
-            dP = torch.bmm(torch.cat([uO[s, r], X[s, r]], -1), right[s])
+            dP = torch.bmm(leftb[i], rightb[i])
         else:
-            dP = torch.bmm(uO[s, r], vV[s].transpose(1, 2)).mul_(drop[s, r])
-            dP.baddbmm_(X[s, r], Y[s].transpose(1, 2))
+            dP = torch.bmm(leftb[i][..., :e], vVb[i]).mul_(dropb[i])
+            dP.baddbmm_(leftb[i][..., e:], Yb[i])
         dS = dP.mul_(Kb)
-        dq[s, r].baddbmm_(dS, k[s], beta=0.0, alpha=scale)
-        dk[s].baddbmm_(dS.transpose(1, 2), q[s, r], alpha=scale)
+        dqb[i].baddbmm_(dS, kb[i], beta=0.0, alpha=scale)
+        dkb[i].baddbmm_(dS.transpose(1, 2), qb[i], alpha=scale)
 
 
 def _log_backward(x, a, b, fs, gs, counts, dO, V, out, drop, options):

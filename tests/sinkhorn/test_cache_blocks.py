@@ -1,0 +1,30 @@
+"""CacheBlocks: the views of every cache block of a tile, made by splits, equal plain indexing."""
+
+import pytest
+import torch
+
+from sinkformer.sinkhorn.problem import cache_blocks
+
+
+@pytest.mark.parametrize("c, n, m, budget", [(3, 9, 9, 7), (3, 9, 9, 30), (5, 4, 6, 100), (2, 10, 3, 1),
+                                             (4, 1024, 1024, 1 << 18), (1, 4096, 4096, 1 << 18), (2, 0, 5, 7)])
+def test_views_cover_the_tile_in_block_order(c, n, m, budget):
+    blocks = cache_blocks(c, n, m, budget)
+    K = torch.arange(c * n * m, dtype=torch.float32).view(c, n, m)
+    col = torch.arange(c * m, dtype=torch.float32).view(c, m)
+    index = blocks.index
+    rows, slices = blocks.rows_of(K), blocks.slices_of(col)
+    assert len(rows) == len(slices) == len(index) or (n == 0 and len(index) == len(slices))
+    covered = torch.zeros(c, n, m, dtype=torch.int64)
+    for (s, r), view, column in zip(index, rows, slices):
+        assert torch.equal(view, K[s, r]) and view.data_ptr() == K[s, r].data_ptr()  # views, not copies
+        assert torch.equal(column, col[s])
+        assert view.numel() <= max(budget, m) or r == slice(0, n)
+        covered[s, r] += 1
+    assert bool((covered == 1).all())
+
+
+def test_small_slices_are_whole_blocks_large_ones_row_ranges():
+    assert cache_blocks(32, 1024, 1024, 1 << 18).rows is None  # 4 budgets: one block per slice
+    plan = cache_blocks(1, 4096, 4096, 1 << 18)
+    assert plan.rows == 64 and len(plan.index) == 64
