@@ -173,7 +173,8 @@ def test_attention_plot_one_colour_per_method_one_style_per_n_iters(tmp_path, it
         assert len({lk[:2] for lk in looks}) == len(looks), "two n_iters share a line style"
         assert len({lk[2] for lk in looks}) == len(looks), "two n_iters share a marker"
         # Sinkhorn methods: one line per n_iters shown (paper-reference at n=1024, 21 it. is an error row)
-        assert len(lines) == 2 + 3 * len(shown)
+        softmax = len(attention_bench.SOFTMAX_METHODS)
+        assert len(lines) == softmax + (len(attention_bench.METHODS) - softmax) * len(shown)
     # the shared colours: SDPA is the Transformer colour, ours the Sinkformer one
     line = next(ln for ln in fig.axes[0].get_lines() if ln.get_label() == "sdpa")
     assert to_rgba(line.get_color()) == to_rgba(TRANSFORMER_COLOR)

@@ -48,6 +48,7 @@ METHOD_COLORS = {
     "vanilla-sdpa": "#6baed6",
     "ours": SINKFORMER_COLOR,
     "ours-chunked": "tab:red",
+    "ours-softmax": "#fdae6b",
     "paper-reference": "tab:green",
     "local": "tab:purple",
     "sortcut": "tab:brown",
