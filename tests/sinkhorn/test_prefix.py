@@ -199,3 +199,29 @@ def test_costs_of_the_module_docstring(monkeypatch):
         prefix_sinkhorn(scores, n_iters, start=start)
         assert len(calls) == expected_products(n_iters, start), (n_iters, start)
     assert [expected_products(k, "rows") for k in range(1, 8)] == [0, 0, 0, 2, 2, 4, 4]
+
+
+@pytest.mark.parametrize("n_iters", [2, 3])
+@pytest.mark.parametrize("mask", ["none", "keys", "any"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_two_and_three_iterations_without_logarithms_equal_the_log_domain(n_iters, mask, dtype):
+    """Rows first with 2 or 3 iterations runs in the scaling domain (SoftMax, cumulative column sums);
+    rows whose sums underflow (here: the second matrix, scores spread beyond the dtype's exponent range)
+    fall back to the log domain one by one, and the gradient stays finite."""
+    g = torch.Generator().manual_seed(11)
+    n, spread = 16, (300 if dtype == torch.float32 else 3000)
+    scores = torch.stack([2 * torch.randn(n, n, generator=g), spread * torch.randn(n, n, generator=g)]).to(dtype)
+    m = {"none": None, "keys": key_mask(2, n, 2), "any": torch.rand(2, n, n, generator=g) > 0.25}[mask]
+    problem = prefix._Prefix.build(scores, m, "causal", "rows")
+    weights, inexact = prefix._rows_first_in_scaling_domain(problem, n_iters)
+    assert not inexact[0].any() and inexact[1].any()  # moderate scores: every row exact
+    log = prefix._log_domain(problem, n_iters, "rows")
+    tol = dict(rtol=1e-12, atol=1e-14) if dtype == torch.float64 else dict(rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(weights[0], log[0], **tol)
+    exact_rows = ~inexact[1]
+    torch.testing.assert_close(weights[1][exact_rows], log[1][exact_rows], **tol)
+    leaf = scores.clone().requires_grad_()
+    got = prefix_sinkhorn(leaf, n_iters, mask=m)
+    torch.testing.assert_close(got, torch.where(inexact.unsqueeze(-1), log, weights))
+    (grad,) = torch.autograd.grad((got * torch.randn(got.shape, generator=g, dtype=dtype)).sum(), leaf)
+    assert torch.isfinite(grad).all()

@@ -264,7 +264,7 @@ class _Tile:
         self.blocks = cache_blocks(c, n, m, options.block)
         self.Kb = self.blocks.rows_of(self.K)
         self._qb, self._kTb = self.blocks.rows_of(q), self.blocks.slices_of(k.transpose(1, 2))
-        self._masked = masks.keep is not None or masks.bias is not None
+        self._index = self.blocks.index if masks.keep is not None or masks.bias is not None else None
 
     @staticmethod
     def memory(q: Tensor, k: Tensor, group: int) -> Tensor:
@@ -277,8 +277,8 @@ class _Tile:
         :func:`_scores`)."""
         x = self.Kb[i]
         x.baddbmm_(self._qb[i], self._kTb[i], beta=0.0, alpha=self.scale)
-        if self._masked:
-            s, r = self.blocks.index[i]
+        if self._index is not None:  # masks: sliced to the block
+            s, r = self._index[i]
             start = self.start
             bias = self.masks.bias_of(start + s.start, start + s.stop, r.start, r.stop)
             if bias is not None:
