@@ -225,3 +225,14 @@ def test_two_and_three_iterations_without_logarithms_equal_the_log_domain(n_iter
     torch.testing.assert_close(got, torch.where(inexact.unsqueeze(-1), log, weights))
     (grad,) = torch.autograd.grad((got * torch.randn(got.shape, generator=g, dtype=dtype)).sum(), leaf)
     assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("n_iters", [2, 3])
+def test_two_and_three_iterations_first_and_second_derivatives(n_iters):
+    """The scaling-domain path's own backward (_ScaledRows) against finite differences, twice."""
+    mask = key_mask(2, 6, 8)
+    scores = torch.randn(2, 6, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda s: prefix_sinkhorn(s, n_iters, mask=mask), (scores,))
+    assert torch.autograd.gradgradcheck(lambda s: prefix_sinkhorn(s, n_iters, mask=mask), (scores,))
+    any_mask = torch.rand(2, 6, 6, generator=torch.Generator().manual_seed(3)) > 0.3
+    assert torch.autograd.gradcheck(lambda s: prefix_sinkhorn(s, n_iters, mask=any_mask), (scores,))

@@ -1,14 +1,12 @@
 """Independent groups of (batch·head) slices on the CPU's cores, one Python thread per core.
 
-The tiled engine visits each group's tile in cache blocks, and each block costs a few dozen small
+The tiled engine visits each group's tile in cache blocks, and each block costs a few small
 operations. With PyTorch's intra-op threads, every one of them is split across the cores (a
 barrier per operation, and a block written by one core's product read by the other core's next
 one). :func:`map_groups` instead gives each core whole groups: ``W = torch.get_num_threads()``
 Python threads, each computing single-threaded, take the groups in turn. A block then stays in
 its core's cache from product to product, and one thread's Python time overlaps the other's
-products (PyTorch releases the GIL inside its operations). Measured on the 2-core CI machine
-(b = 4, h = 8, d = 64, the seven products of SoftMax attention's forward and backward in cache
-blocks): -14 % at n = 1024, -11 % at n = 4096.
+products (PyTorch releases the GIL inside its operations); ``docs/speed.md`` says what it gained.
 
 Groups must be independent (each writes its own rows of preallocated outputs); results come back
 in order, and an exception raised by any group is raised again in the caller. Each worker has its
