@@ -14,3 +14,15 @@ def nr_nc_reference(scores: torch.Tensor, n_iters: int) -> torch.Tensor:
     for it in range(n_iters):
         K = K / K.sum(-1, keepdim=True) if it % 2 == 0 else K / K.sum(-2, keepdim=True)
     return K
+
+
+def future_gradient(fn, x: torch.Tensor, t: int = 2) -> float:
+    """max |d (out[:, :t+1] . w) / d x[:, t+1:]| for ``fn(x) -> (batch, n, ...)`` (``w`` random: a plain
+    sum of layer-normalised outputs is constant), after checking that the past's gradient does not
+    vanish. Zero means no leak from the future."""
+    x = x.clone().requires_grad_()
+    out = fn(x)
+    w = torch.randn(out[:, : t + 1].shape, generator=torch.Generator().manual_seed(5), dtype=out.dtype)
+    (grad,) = torch.autograd.grad((out[:, : t + 1] * w).sum(), x)
+    assert grad[:, : t + 1].abs().max() > 1e-4
+    return grad[:, t + 1 :].abs().max().item()

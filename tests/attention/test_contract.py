@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import future_gradient
 
 import sinkformer
 from sinkformer import SinkhornConvergenceWarning, attention, sinkhorn
@@ -137,17 +138,6 @@ def test_long_sequence_with_an_unreachable_key_stays_finite():
 
 
 # ---- causal safety through every public entry point ------------------------------------------
-
-
-def future_gradient(fn, x, t=2):
-    """max |d (out[:, :t+1] . w) / d x[:, t+1:]| for ``fn(x) -> (batch, n, e)`` (``w`` random: a plain sum
-    of layer-normalised outputs is constant), beside the same for the past (which must not vanish)."""
-    x = x.clone().requires_grad_()
-    out = fn(x)
-    w = torch.randn(out[:, : t + 1].shape, generator=torch.Generator().manual_seed(5), dtype=out.dtype)
-    (grad,) = torch.autograd.grad((out[:, : t + 1] * w).sum(), x)
-    assert grad[:, : t + 1].abs().max() > 1e-4
-    return grad[:, t + 1 :].abs().max().item()
 
 
 def test_causal_sinkhorn_does_not_leak_and_other_causal_forms_are_refused():
