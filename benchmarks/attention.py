@@ -161,16 +161,19 @@ def measure(method: str, b: int, h: int, n: int, d: int, n_iters: int, repeats: 
         _, peak = _rss_mib()
         return {"peak_mib": peak - base}
 
-    def median_time(step) -> float:
-        times = []
-        for _ in range(repeats):
-            start = now()
-            step()
-            times.append(now() - start)
-        return sorted(times)[len(times) // 2]
-
     forward()
-    return {"forward_ms": 1e3 * median_time(forward), "forward_backward_ms": 1e3 * median_time(forward_backward)}
+    return {"forward_ms": 1e3 * median_seconds(forward, repeats, now),
+            "forward_backward_ms": 1e3 * median_seconds(forward_backward, repeats, now)}
+
+
+def median_seconds(step, repeats: int, clock=time.perf_counter) -> float:
+    """Median time of ``repeats`` calls of ``step()`` by ``clock`` (the upper median for even counts)."""
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        step()
+        times.append(clock() - start)
+    return sorted(times)[len(times) // 2]
 
 
 # ----------------------------------------------------------------------------- the driver

@@ -24,7 +24,6 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -38,7 +37,7 @@ def measure(method: str, n: int, n_iters: int, what: str, repeats: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from benchmarks.attention import _reset_peak, _rss_mib
+    from benchmarks.attention import _reset_peak, _rss_mib, median_seconds
     from sinkformer import attention
 
     torch.manual_seed(0)
@@ -63,19 +62,12 @@ def measure(method: str, n: int, n_iters: int, what: str, repeats: int) -> dict:
         fn(q, k, v).sum().backward()
         return {"peak_mib": _rss_mib()[1] - base}
 
-    def median(step) -> float:
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        return 1e3 * sorted(times)[len(times) // 2]
-
     def forward():
         with torch.no_grad():
             fn(q, k, v)
 
-    return {"forward_ms": median(forward), "forward_backward_ms": median(forward_backward)}
+    return {"forward_ms": 1e3 * median_seconds(forward, repeats),
+            "forward_backward_ms": 1e3 * median_seconds(forward_backward, repeats)}
 
 
 def _worker(config: dict) -> dict:
