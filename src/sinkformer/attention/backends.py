@@ -15,8 +15,10 @@ Engines (one name per concept, the same in code, errors and docs):
 ``"flash"``    fused Triton kernels (:mod:`sinkformer.sinkhorn.flash`): never an ``n_q × n_k``
                matrix, exact custom backward; CUDA tensors (CPU ones under Triton's interpreter).
 ``"causal"``   causal Sinkhorn (``is_causal=True``): row :math:`t` is row :math:`t` of the balanced
-               prefix :math:`0..t` (:mod:`sinkformer.sinkhorn.prefix`), weights materialised,
-               autograd; :math:`O(n^2)` for ``n_iters <= 3``, matrix products beyond.
+               prefix :math:`0..t` (:mod:`sinkformer.sinkhorn.prefix`). 2 or 3 iterations with at
+               most key padding: row blocks, never an ``n × n`` matrix, custom backward
+               (:mod:`sinkformer.sinkhorn.causal_blocks`); otherwise weights materialised,
+               autograd, :math:`O(n^2)` for ``n_iters <= 3``, matrix products beyond.
 =============  ====================================================================================
 
 :func:`choose` applies the rules of ``"auto"`` in order and checks a forced engine against

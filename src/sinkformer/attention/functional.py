@@ -33,6 +33,7 @@ from torch import Tensor
 from .._validation import _skip_data_checks, check_choice, check_positive_int, check_qkv, check_tensor, compute_dtype
 from .._validation import check_finite
 from ..sinkhorn import sinkhorn
+from ..sinkhorn.causal_blocks import causal_block_attention
 from ..sinkhorn.prefix import prefix_sinkhorn
 from ..sinkhorn.problem import check_iterations, check_scale, flatten
 from ..sinkhorn.flash import flash_attention
@@ -195,7 +196,7 @@ class _Prepared:
         if engine == "dense":
             return self._dense()
         if engine == "causal":
-            return self._dense(causal=True)
+            return self._causal_blocks() if self._in_causal_blocks() else self._dense(causal=True)
         opts = self.options
         qf, kf, vf = flatten(self.q, self.batch, n_q), flatten(self.k, self.batch, n_k), flatten(self.v, self.batch, n_k)
         common = dict(batch=self.batch, scale=self.scale, n_iters=opts["n_iters"], tol=opts["tol"],
@@ -216,6 +217,27 @@ class _Prepared:
             return out
         weights = self.q.new_zeros(self.batch + (self.q.shape[-2], self.k.shape[-2])) + zero
         return out, weights.to(self.out_dtype)
+
+    def _in_causal_blocks(self) -> bool:
+        """Causal Sinkhorn that :func:`~sinkformer.sinkhorn.causal_blocks.causal_block_attention` serves
+        without an ``n × n`` matrix: 2 or 3 iterations, dot-product scores, no bias, no weights
+        returned, no dropout, at most a key padding mask."""
+        opts = self.options
+        return (opts["n_iters"] in (2, 3) and opts["cost"] == "dot" and self.bias is None
+                and not opts["return_weights"] and not opts["dropout_p"]
+                and (self.keep is None or self.keep.shape[-2] == 1))
+
+    def _causal_blocks(self) -> Tensor:
+        """Causal Sinkhorn in row blocks; rows whose sums underflow come from the log domain (:meth:`_dense`)."""
+        n, batch, B = self.q.shape[-2], self.batch, math.prod(self.batch)
+        q, k, v = flatten(self.q, batch, n), flatten(self.k, batch, n), flatten(self.v, batch, n)
+        keep = None if self.keep is None else self.keep.expand(batch + (1, n)).reshape(B, n)
+        out, inexact = causal_block_attention(q, k, v, keep, self.scale, self.options["n_iters"])
+        out = out.reshape(batch + (n, self.v.shape[-1]))
+        if bool(inexact.any()):
+            replace = inexact.reshape(batch + (n, 1))
+            out = torch.where(replace, self._dense(causal=True).to(out.dtype), out)
+        return out.to(self.out_dtype)
 
     def _dense(self, causal: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """The weights materialised: SoftMax, Sinkhorn (the reference), causal Sinkhorn (every prefix

@@ -1,0 +1,168 @@
+r"""Causal Sinkhorn attention with 2 or 3 iterations in row blocks: O(n) memory saved, never n × n.
+
+For rows first and the causal marginals (:mod:`.prefix`), row :math:`t` of prefix :math:`t` is
+:math:`A_{tj} = b^{(t)}_j R_{tj} / C_{tj}` after 2 normalisations and :math:`A_{tj}/\sum_{j'}A_{tj'}`
+after 3, with :math:`R` the causal row SoftMax and :math:`C_{tj} = \sum_{i\le t} R_{ij}`. Row
+:math:`t` needs only the rows :math:`\le t`: the forward visits blocks of query rows in order,
+carrying the column sums of the rows before the block, and writes ``out = P v`` block by block.
+It saves the row statistics (``O(n)``) and the carried sums at each block start
+(``O(n^2 / rows)``). The backward visits the blocks in reverse order, carrying the column sums of
+:math:`dC` of the rows after the block (:math:`\partial C_{tj}/\partial R_{ij} = 1` for
+:math:`i \le t`), and recomputes each block's scores:
+
+.. math::
+
+    dA = \big(dP - (dP\odot P)\mathbf 1\big)/s\ \ (3\text{ iterations}),\quad
+    dR = b\,dA/C + \sum_{t\ge i} dC_{t\cdot},\quad dC = -b\,dA\,(R/C)/C,\quad
+    dS = R\odot\big(dR - (dR\odot R)\mathbf 1\big).
+
+Key padding only (``keep`` of shape ``(B, n)``); rows whose sums underflow (``C`` below
+``n · tiny/eps``) are flagged, and the caller replaces them by the log domain of :mod:`.prefix`.
+Second derivatives recompute the weights with :func:`~.prefix.prefix_sinkhorn` and differentiate
+them by autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .prefix import cumsum_rows
+
+__all__ = ["causal_block_attention", "BLOCK_SCORES"]
+
+#: Scores per row block (all slices together), at least 16 rows. Small blocks stay in cache: at
+#: n = 1024, 8 heads, 3 iterations, forward+backward took 103 ms with 2^19 scores, 126 ms with 2^20,
+#: 264 ms with 2^22 (2-core Xeon).
+BLOCK_SCORES = 1 << 19
+
+
+def causal_block_attention(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, scale: float,
+                           n_iters: int) -> tuple[Tensor, Tensor]:
+    """``(B, n, d) x (B, n, d) x (B, n, e) -> (B, n, e)`` and the ``(B, n)`` rows to replace.
+
+    ``keep``: bool ``(B, n)`` kept keys, or ``None``; ``n_iters``: 2 or 3."""
+    B, n = q.shape[0], q.shape[1]
+    rows = max(16, min(n, BLOCK_SCORES // max(1, B * n)))
+    out, inexact, _ = _CausalBlocks.apply(q, k, v, keep, scale, n_iters, rows)
+    return out, inexact
+
+
+class _Problem:
+    """Masks and marginals of the ``B`` causal problems, and one row block's quantities."""
+
+    def __init__(self, q: Tensor, k: Tensor, keep: Tensor | None, scale: float, n_iters: int, rows: int):
+        B, n = q.shape[0], q.shape[1]
+        self.q, self.k, self.scale, self.n_iters, self.rows = q, k, scale, n_iters, rows
+        self.keys = torch.ones(B, n, dtype=torch.bool, device=q.device) if keep is None else keep
+        # b[t, j] = sum_{i=j..t} 1/count_i (count_i: keys kept by row i) = H[t] - H[j-1], in float64
+        # (prefix.prefix_column_marginals, read block by block instead of as an (n, n) table)
+        count = self.keys.to(torch.float64).cumsum(-1)
+        self.row_valid = count > 0  # row t keeps a key j <= t
+        H = torch.where(self.row_valid, 1.0 / count.clamp_min(1), 0.0).cumsum(-1)
+        self.H, self.H_before = H, torch.nn.functional.pad(H, (1, 0))[:, :-1]
+        info = torch.finfo(q.dtype)
+        self.threshold = n * info.tiny / info.eps
+
+    def blocks(self):
+        n = self.q.shape[1]
+        return [(start, min(n, start + self.rows)) for start in range(0, n, self.rows)]
+
+    def block(self, start: int, end: int, carry: Tensor) -> dict:
+        """Rows ``[start, end)`` against keys ``[0, end)``: ``R``, ``C`` (with ``carry``, the column sums
+        of the rows before), the safe ``C``, ``b``, ``A`` and (3 iterations) ``P``, ``total``, and the
+        rows whose ``C`` underflowed."""
+        q, k = self.q[:, start:end], self.k[:, :end]
+        S = torch.baddbmm(q.new_empty(()), q, k.transpose(1, 2), beta=0.0, alpha=self.scale)
+        t = torch.arange(start, end, device=q.device).unsqueeze(-1)
+        allowed = (torch.arange(end, device=q.device) <= t) & self.keys[:, :end].unsqueeze(-2)  # (B, r, end)
+        S.masked_fill_(~allowed, float("-inf"))
+        top = S.amax(-1, keepdim=True)
+        R = torch.softmax(S.sub_(torch.where(torch.isfinite(top), top, 0.0)), dim=-1)
+        valid = self.row_valid[:, start:end].unsqueeze(-1)
+        R = torch.where(valid, R, 0.0)
+        C = cumsum_rows(R).add_(carry[:, :end].unsqueeze(-2))
+        exact = allowed & (C >= self.threshold)
+        inexact = (allowed & ~exact).any(-1)
+        safe_C = C + ~exact
+        b = (self.H[:, start:end].unsqueeze(-1) - self.H_before[:, :end].unsqueeze(-2)).to(R.dtype)
+        A = b * (R / safe_C)
+        out = dict(R=R, C=C, safe_C=safe_C, b=b, A=A, inexact=inexact)
+        if self.n_iters == 3:
+            total = A.sum(-1, keepdim=True)
+            out["total"] = torch.where(total > 0, total, 1.0)
+            out["P"] = A / out["total"]
+        else:
+            out["P"] = A
+        return out
+
+
+class _CausalBlocks(torch.autograd.Function):
+    @staticmethod
+    def forward(q, k, v, keep, scale, n_iters, rows):
+        problem = _Problem(q, k, keep, scale, n_iters, rows)
+        B, n = q.shape[0], q.shape[1]
+        out = v.new_empty(B, n, v.shape[-1])
+        inexact = torch.zeros(B, n, dtype=torch.bool, device=q.device)
+        carry = q.new_zeros(B, n)
+        carries = []
+        for start, end in problem.blocks():
+            carries.append(carry.clone())
+            blk = problem.block(start, end, carry)
+            torch.bmm(blk["P"], v[:, :end], out=out[:, start:end])
+            inexact[:, start:end] = blk["inexact"]
+            carry[:, :end] = blk["C"][:, -1]
+        return out, inexact, torch.stack(carries) if carries else q.new_zeros(0, B, n)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, keep, scale, n_iters, rows = inputs
+        ctx.save_for_backward(q, k, v, keep, output[2])
+        ctx.args = (scale, n_iters, rows)
+        ctx.mark_non_differentiable(output[1], output[2])
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor, *unused):
+        q, k, v, keep, carries = ctx.saved_tensors
+        scale, n_iters, rows = ctx.args
+        if torch.is_grad_enabled():  # create_graph=True: second derivatives through the weights
+            return _grads_with_graph(d_out, q, k, v, keep, scale, n_iters) + (None,) * 4
+        problem = _Problem(q, k, keep, scale, n_iters, rows)
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        later = q.new_zeros(q.shape[0], q.shape[1])  # column sums of dC over the rows after the block
+        for index, (start, end) in reversed(list(enumerate(problem.blocks()))):
+            blk = problem.block(start, end, carries[index])
+            dO = d_out[:, start:end]
+            dv[:, :end].baddbmm_(blk["P"].transpose(1, 2), dO)
+            dA = torch.bmm(dO, v[:, :end].transpose(1, 2))
+            if n_iters == 3:
+                dA.sub_((dA * blk["P"]).sum(-1, keepdim=True)).div_(blk["total"])
+            dQ = dA.mul_(blk["b"])
+            ratio = blk["R"] / blk["safe_C"]
+            dR = dQ / blk["safe_C"]
+            dC = dQ.mul_(ratio).div_(blk["safe_C"]).neg_()
+            suffix = _reverse_cumsum_rows(dC).add_(later[:, :end].unsqueeze(-2))
+            later[:, :end] += dC.sum(-2)
+            dR.add_(suffix)
+            R = blk["R"]
+            dS = R * (dR - (dR * R).sum(-1, keepdim=True))
+            torch.bmm(dS, k[:, :end], out=dq[:, start:end]).mul_(scale)
+            dk[:, :end].baddbmm_(dS.transpose(1, 2), q[:, start:end], alpha=scale)
+        return dq, dk, dv, None, None, None, None
+
+
+def _reverse_cumsum_rows(x: Tensor) -> Tensor:
+    """``sum_{i >= t} x[..., i, :]`` for every row ``t``."""
+    return cumsum_rows(x.flip(-2)).flip(-2)
+
+
+def _grads_with_graph(d_out, q, k, v, keep, scale, n_iters):
+    """First derivatives with a graph: the weights of :func:`~.prefix.prefix_sinkhorn`, by autograd."""
+    from .prefix import prefix_sinkhorn
+
+    with torch.enable_grad():
+        inputs = [t if t.requires_grad else t.detach().requires_grad_() for t in (q, k, v)]
+        mask = None if keep is None else keep.unsqueeze(-2)
+        weights = prefix_sinkhorn(scale * inputs[0] @ inputs[1].transpose(1, 2), n_iters, mask=mask)
+        out = weights @ inputs[2]
+        return torch.autograd.grad(out, inputs, d_out, create_graph=True)
