@@ -35,7 +35,9 @@ def map_groups(starts: list[int], work: Callable[[int, dict], T], device: torch.
 
     ``scores``: the call's total number of scores (``B·n·m``). Threads are used on the CPU when
     there are at least two groups, at least two intra-op threads, and ``scores >= PARALLEL_ABOVE``;
-    each worker sets its intra-op threads to 1 and restores the caller's count when it ends.
+    each worker sets its intra-op threads to 1 and restores the caller's count when it ends
+    (PyTorch also keeps that count as the default of threads not yet started: one that first
+    touches ATen during the call starts single-threaded).
     """
     workers = min(len(starts), torch.get_num_threads()) if device.type == "cpu" else 1
     if workers <= 1 or scores < PARALLEL_ABOVE:
