@@ -1,14 +1,14 @@
-r"""Causal Sinkhorn attention with 2 or 3 iterations in row blocks: O(n) memory saved, never n × n.
+r"""Causal Sinkhorn attention with 2 or 3 iterations in row blocks: never an n × n matrix.
 
 For rows first and the causal marginals (:mod:`.prefix`), row :math:`t` of prefix :math:`t` is
 :math:`A_{tj} = b^{(t)}_j R_{tj} / C_{tj}` after 2 normalisations and :math:`A_{tj}/\sum_{j'}A_{tj'}`
 after 3, with :math:`R` the causal row SoftMax and :math:`C_{tj} = \sum_{i\le t} R_{ij}`. Row
 :math:`t` needs only the rows :math:`\le t`: the forward visits blocks of query rows in order,
 carrying the column sums of the rows before the block, and writes ``out = P v`` block by block.
-It saves the row statistics (``O(n)``) and the carried sums at each block start
-(``O(n^2 / rows)``). The backward visits the blocks in reverse order, carrying the column sums of
-:math:`dC` of the rows after the block (:math:`\partial C_{tj}/\partial R_{ij} = 1` for
-:math:`i \le t`), and recomputes each block's scores:
+It saves its inputs and the carried sums at each block start (``O(n^2 / rows)`` per slice). The
+backward visits the blocks in reverse order, carrying the column sums of :math:`dC` of the rows
+after the block (:math:`\partial C_{tj}/\partial R_{ij} = 1` for :math:`i \le t`), and recomputes
+each block's scores:
 
 .. math::
 
