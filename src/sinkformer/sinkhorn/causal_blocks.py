@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .prefix import cumsum_rows
+from .prefix import cumsum_rows, inverse_count_sums, scaled_rows
 
 __all__ = ["causal_block_attention", "BLOCK_SCORES"]
 
@@ -59,10 +59,7 @@ class _Problem:
         # (prefix.prefix_column_marginals, read block by block instead of as an (n, n) table)
         count = self.keys.to(torch.float64).cumsum(-1)
         self.row_valid = count > 0  # row t keeps a key j <= t
-        H = torch.where(self.row_valid, 1.0 / count.clamp_min(1), 0.0).cumsum(-1)
-        self.H, self.H_before = H, torch.nn.functional.pad(H, (1, 0))[:, :-1]
-        info = torch.finfo(q.dtype)
-        self.threshold = n * info.tiny / info.eps
+        self.H, self.H_before = inverse_count_sums(count)
 
     def blocks(self):
         n = self.q.shape[1]
@@ -70,8 +67,7 @@ class _Problem:
 
     def block(self, start: int, end: int, carry: Tensor) -> dict:
         """Rows ``[start, end)`` against keys ``[0, end)``: ``R``, ``C`` (with ``carry``, the column sums
-        of the rows before), the safe ``C``, ``b``, ``A`` and (3 iterations) ``P``, ``total``, and the
-        rows whose ``C`` underflowed."""
+        of the rows before), ``b`` and what :func:`~.prefix.scaled_rows` makes of them."""
         q, k = self.q[:, start:end], self.k[:, :end]
         S = torch.baddbmm(q.new_empty(()), q, k.transpose(1, 2), beta=0.0, alpha=self.scale)
         t = torch.arange(start, end, device=q.device).unsqueeze(-1)
@@ -82,19 +78,9 @@ class _Problem:
         valid = self.row_valid[:, start:end].unsqueeze(-1)
         R = torch.where(valid, R, 0.0)
         C = cumsum_rows(R).add_(carry[:, :end].unsqueeze(-2))
-        exact = allowed & (C >= self.threshold)
-        inexact = (allowed & ~exact).any(-1)
-        safe_C = C + ~exact
         b = (self.H[:, start:end].unsqueeze(-1) - self.H_before[:, :end].unsqueeze(-2)).to(R.dtype)
-        A = b * (R / safe_C)
-        out = dict(R=R, C=C, safe_C=safe_C, b=b, A=A, inexact=inexact)
-        if self.n_iters == 3:
-            total = A.sum(-1, keepdim=True)
-            out["total"] = torch.where(total > 0, total, 1.0)
-            out["P"] = A / out["total"]
-        else:
-            out["P"] = A
-        return out
+        P, safe_C, total, inexact = scaled_rows(R, C, allowed, b, self.n_iters == 3, self.q.shape[1])
+        return dict(R=R, C=C, safe_C=safe_C, b=b, P=P, total=total, inexact=inexact)
 
 
 class _CausalBlocks(torch.autograd.Function):

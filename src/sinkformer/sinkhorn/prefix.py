@@ -52,7 +52,8 @@ from torch import Tensor
 
 from .._validation import broadcastable, check_positive_int, check_tensor, compute_dtype
 
-__all__ = ["MARGINALS", "prefix_sinkhorn", "prefix_column_marginals", "log_matmul", "log_cumsum_exp", "cumsum_rows"]
+__all__ = ["MARGINALS", "prefix_sinkhorn", "prefix_column_marginals", "log_matmul", "log_cumsum_exp", "cumsum_rows", "scaled_rows",
+           "inverse_count_sums"]
 
 MARGINALS = ("causal", "uniform")
 _EXACT_CHUNK = 1 << 22  # terms per chunk of the exact log-sum-exp fallback
@@ -141,18 +142,32 @@ def _rows_first_in_scaling_domain(problem: "_Prefix", n_iters: int) -> tuple[Ten
     R = torch.softmax(problem.x_rows, dim=-1)
     if not bool(problem.row_valid.all()):
         R = torch.where(problem.row_valid.unsqueeze(-1), R, 0.0)
-    C = cumsum_rows(R)
+    weights, _, _, inexact_rows = scaled_rows(R, cumsum_rows(R), problem.col_valid, problem.log_b.exp(),
+                                              n_iters == 3, R.shape[-1])
+    return weights, inexact_rows
+
+
+def scaled_rows(R: Tensor, C: Tensor, needed: Tensor, b: Tensor, normalise: bool,
+                terms: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    r""":math:`A = b \odot R / C`, and :math:`A / A\mathbf 1` when ``normalise``: causal Sinkhorn's rows
+    after 2 (3) iterations from the row SoftMax ``R`` and its cumulative column sums ``C``.
+
+    ``needed``: bool, the entries with mass (causal and kept); an entry whose ``C`` is below
+    ``terms * tiny / eps`` is inexact (terms lost to underflow could exceed its rounding). Returns the
+    weights, the ``C`` used (1 added off the exact entries, where ``R`` is 0 or the row is replaced:
+    every ratio finite), the row totals (``None`` without ``normalise``) and the ``(..., rows)`` bool
+    of rows with an inexact entry. ``b (R / C)``, not ``R (b / C)``: ``R_tj <= C_tj``, so a
+    backward's ``(R / C) / C`` stays finite where ``b / C^2`` would not."""
     info = torch.finfo(C.dtype)
-    exact = problem.col_valid & (C.detach() >= C.shape[-1] * info.tiny / info.eps)
-    inexact_rows = (problem.col_valid & ~exact).any(-1)
-    # C is 0 where R is (above the diagonal, masked entries): + 1 there, and on inexact entries, keeps
-    # every ratio finite. b (R / C), not R (b / C): R_tj <= C_tj, so the backward's (R / C) / C stays
-    # finite where b / C^2 would not.
-    A = problem.log_b.exp() * (R / (C + ~exact))
-    if n_iters == 2:
-        return A, inexact_rows
+    exact = needed & (C.detach() >= terms * info.tiny / info.eps)
+    inexact_rows = (needed & ~exact).any(-1)
+    safe_C = C + ~exact
+    A = b * (R / safe_C)
+    if not normalise:
+        return A, safe_C, None, inexact_rows
     total = A.sum(-1, keepdim=True)
-    return A / torch.where(total > 0, total, 1.0), inexact_rows
+    total = torch.where(total > 0, total, 1.0)
+    return A / total, safe_C, total, inexact_rows
 
 
 _CUMSUM_BLOCK = 64  # rows per triangular product of cumsum_rows
@@ -298,8 +313,8 @@ def prefix_column_marginals(keep: Tensor, marginals: str, dtype: torch.dtype = t
         col_valid = key.unsqueeze(-2) & torch.ones(n, n, dtype=torch.bool, device=keep.device).tril()
         rows_upto = (count > 0).to(dtype).cumsum(-1)  # valid rows in prefix t
         if marginals == "causal":  # b[t, j] = key_j * sum_{i=j..t} 1/count_i
-            inv = torch.where(count > 0, 1.0 / count.clamp_min(1), torch.zeros_like(count)).cumsum(-1)
-            b = inv.unsqueeze(-1) - torch.nn.functional.pad(inv, (1, 0))[..., :-1].unsqueeze(-2)
+            inv, inv_before = inverse_count_sums(count)
+            b = inv.unsqueeze(-1) - inv_before.unsqueeze(-2)
         else:
             b = (rows_upto / (key.to(dtype).cumsum(-1)).clamp_min(1)).unsqueeze(-1).expand(col_valid.shape)
     else:
@@ -311,6 +326,14 @@ def prefix_column_marginals(keep: Tensor, marginals: str, dtype: torch.dtype = t
             b = (rows_upto / col_valid.to(dtype).sum(-1).clamp_min(1)).unsqueeze(-1).expand(col_valid.shape)
     log_b = torch.where(col_valid, b.clamp_min(torch.finfo(dtype).tiny).log(), torch.zeros((), dtype=dtype, device=keep.device))
     return log_b, col_valid
+
+
+def inverse_count_sums(count: Tensor) -> tuple[Tensor, Tensor]:
+    r""":math:`H_t = \sum_{i \le t} 1/\mathrm{count}_i` (rows without a key add 0) and :math:`H_{t-1}`
+    ``(..., n)``, from ``count`` ``(..., n)`` the keys kept by each row: the causal marginals of keys
+    masked by ``key`` are :math:`b^{(t)}_j = \mathrm{key}_j (H_t - H_{j-1})`."""
+    inv = torch.where(count > 0, 1.0 / count.clamp_min(1), torch.zeros_like(count)).cumsum(-1)
+    return inv, torch.nn.functional.pad(inv, (1, 0))[..., :-1]
 
 
 def log_cumsum_exp(y: Tensor, *, needed: Tensor | None = None) -> Tensor:
