@@ -155,15 +155,20 @@ def measure(method: str, b: int, h: int, n: int, d: int, n_iters: int, repeats: 
     if what == "memory":
         for t in (q, k, v):
             t.grad = None
-        base, _ = _rss_mib()
-        _reset_peak()
-        fn(q, k, v).sum().backward()
-        _, peak = _rss_mib()
-        return {"peak_mib": peak - base}
+        return {"peak_mib": peak_rise_mib(lambda: fn(q, k, v).sum().backward())}
 
     forward()
     return {"forward_ms": 1e3 * median_seconds(forward, repeats, now),
             "forward_backward_ms": 1e3 * median_seconds(forward_backward, repeats, now)}
+
+
+def peak_rise_mib(step) -> float:
+    """Rise of the resident-set high-water mark during ``step()``, in MiB (the high-water mark reset
+    first; meaningful with ``MALLOC_MMAP_THRESHOLD_`` set so that freed blocks leave at once)."""
+    base, _ = _rss_mib()
+    _reset_peak()
+    step()
+    return _rss_mib()[1] - base
 
 
 def median_seconds(step, repeats: int, clock=time.perf_counter) -> float:

@@ -37,7 +37,7 @@ def measure(method: str, n: int, n_iters: int, what: str, repeats: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from benchmarks.attention import _reset_peak, _rss_mib, median_seconds
+    from benchmarks.attention import median_seconds, peak_rise_mib
     from sinkformer import attention
 
     torch.manual_seed(0)
@@ -57,10 +57,7 @@ def measure(method: str, n: int, n_iters: int, what: str, repeats: int) -> dict:
     if what == "memory":
         for t in (q, k, v):
             t.grad = None
-        base, _ = _rss_mib()
-        _reset_peak()
-        fn(q, k, v).sum().backward()
-        return {"peak_mib": _rss_mib()[1] - base}
+        return {"peak_mib": peak_rise_mib(lambda: fn(q, k, v).sum().backward())}
 
     def forward():
         with torch.no_grad():

@@ -236,3 +236,15 @@ def test_two_and_three_iterations_first_and_second_derivatives(n_iters):
     assert torch.autograd.gradgradcheck(lambda s: prefix_sinkhorn(s, n_iters, mask=mask), (scores,))
     any_mask = torch.rand(2, 6, 6, generator=torch.Generator().manual_seed(3)) > 0.3
     assert torch.autograd.gradcheck(lambda s: prefix_sinkhorn(s, n_iters, mask=any_mask), (scores,))
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 5), (2, 3, 7, 4), (1, 64, 9), (2, 130, 6), (4, 65, 3)])
+def test_cumsum_rows_is_torch_cumsum_over_rows_with_two_derivatives(shape):
+    """Triangular products of 64 rows plus carries: blocks of one row, exactly one block, a last
+    partial block; first and second derivatives against finite differences."""
+    from sinkformer.sinkhorn.prefix import cumsum_rows
+
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(cumsum_rows(x), x.cumsum(-2))
+    assert torch.autograd.gradcheck(cumsum_rows, (x,))
+    assert torch.autograd.gradgradcheck(cumsum_rows, (x,))

@@ -184,37 +184,24 @@ def cumsum_rows(x: Tensor) -> Tensor:
     """
     if x.device.type != "cpu" or x.shape[-2] <= 1:
         return torch.cumsum(x, -2)
-    return _CumsumRows.apply(x)
+    return _CumsumRows.apply(x, False)
 
 
 class _CumsumRows(torch.autograd.Function):
-    """Blocked cumulative sum over rows; its backward is the reversed sum (itself differentiable)."""
+    """Blocked cumulative sum over rows (``reverse``: over rows ``>= t``); the gradient of one
+    direction is the other, itself differentiable."""
 
     @staticmethod
-    def forward(x: Tensor) -> Tensor:
-        return _blocked_cumsum(x, reverse=False)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        return _ReverseCumsumRows.apply(grad)
-
-
-class _ReverseCumsumRows(torch.autograd.Function):
-    @staticmethod
-    def forward(x: Tensor) -> Tensor:
-        return _blocked_cumsum(x, reverse=True)
+    def forward(x: Tensor, reverse: bool) -> Tensor:
+        return _blocked_cumsum(x, reverse)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        pass
+        ctx.reverse = inputs[1]
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        return _CumsumRows.apply(grad)
+    def backward(ctx, grad: Tensor):
+        return _CumsumRows.apply(grad, not ctx.reverse), None
 
 
 def _blocked_cumsum(x: Tensor, reverse: bool) -> Tensor:
