@@ -1,4 +1,4 @@
-"""The Sinkhorn core: one problem definition, three engines.
+"""The Sinkhorn core: one problem definition, several engines (``sinkformer.attention.ENGINES`` lists them).
 
 ``sinkformer.sinkhorn`` is the function :func:`sinkformer.sinkhorn.dense.sinkhorn` (the log-domain
 reference), which also carries this package's names and submodules as attributes.
@@ -8,11 +8,14 @@ reference), which also carries this package's names and submodules as attributes
 * :mod:`.dense` — the whole matrix, autograd through the iterations (the reference).
 * :mod:`.tiled` — scaling domain on cached tiles, exact or implicit custom backward (default).
 * :mod:`.streamed` — never an ``n × m`` matrix (long sequences, point clouds, dynamics).
+* :mod:`.flash` — fused Triton kernels for CUDA tensors, never an ``n × m`` matrix.
 * :mod:`.prefix` — every prefix of a causal problem balanced on its own (causal Sinkformers, causal
-  block sorting of Sparse Sinkhorn Attention).
+  block sorting of Sparse Sinkhorn Attention); :mod:`.causal_blocks` — its 2- and 3-iteration form in
+  row blocks, never an ``n × n`` matrix.
+* :mod:`.cpu_parallel` — whole groups of slices on one Python thread per core (the tiled engine).
 """
 
-from . import dense, prefix, problem, streamed, tiled
+from . import causal_blocks, cpu_parallel, dense, flash, prefix, problem, streamed, tiled
 from .dense import log_sinkhorn_loop, sinkhorn
 from .problem import CONVERGED_TOL, SinkhornConvergenceWarning, SinkhornResult, double_shift
 
@@ -28,7 +31,7 @@ __all__ = [
 
 # ``sinkformer.sinkhorn`` (the attribute of the parent package) is the function ``sinkhorn`` itself, a
 # plain function call for torch.compile; it carries this package's names and submodules as attributes.
-for _module in (problem, dense, tiled, streamed, prefix):
+for _module in (problem, dense, tiled, streamed, flash, prefix, causal_blocks, cpu_parallel):
     setattr(sinkhorn, _module.__name__.rpartition(".")[2], _module)
 for _name in __all__:
     setattr(sinkhorn, _name, globals()[_name])
