@@ -1,6 +1,7 @@
 """map_groups: the tiled engine's groups of slices on one Python thread per core."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -65,3 +66,47 @@ def test_grad_mode_of_the_caller_reaches_the_workers(two_threads):
     with torch.no_grad():
         assert map_groups([0, 1], mode, CPU, scores=1 << 40) == [False, False]
     assert map_groups([0, 1], mode, CPU, scores=1 << 40) == [True, True]
+
+
+def test_workers_leave_other_threads_threading_as_the_user_set_it(two_threads):
+    """Threads started while the workers run get the user's thread count, for life (a worker that set
+    its own count with torch.set_num_threads(1) made it every new thread's default meanwhile)."""
+    if cpu_parallel._runtime() is None:
+        pytest.skip("no per-thread OpenMP setting in this PyTorch build: groups run on the calling thread")
+    probes, stop = [], threading.Event()
+
+    def probe():
+        first = torch.get_num_threads()  # a new thread's first ATen call fixes its count
+        torch.ones(8).sum()
+        probes.append((first, torch.get_num_threads()))
+
+    def start_probes():
+        while not stop.is_set():
+            thread = threading.Thread(target=probe)
+            thread.start()
+            thread.join()
+
+    def work(start, scratch):
+        time.sleep(0.02)
+        return threading.current_thread().name, torch.get_num_threads()
+
+    spawner = threading.Thread(target=start_probes)
+    spawner.start()
+    try:
+        inside = map_groups(list(range(8)), work, CPU, scores=1 << 40)
+    finally:
+        stop.set()
+        spawner.join()
+    assert {threads for _, threads in inside} == {1}  # the workers themselves are single-threaded
+    assert {name for name, _ in inside} <= {"sinkformer-group-0", "sinkformer-group-1"}
+    assert len(probes) >= 10
+    assert set(probes) == {(2, 2)}, f"{sum(p != (2, 2) for p in probes)} of {len(probes)} probes not at 2 threads"
+    assert torch.get_num_threads() == 2
+
+
+def test_a_worker_that_cannot_be_made_single_threaded_leaves_the_groups_to_the_caller(two_threads, monkeypatch):
+    monkeypatch.setattr(cpu_parallel, "single_threaded_here", lambda: False)
+    main = threading.current_thread().name
+    out = map_groups(list(range(6)), lambda start, scratch: (start, threading.current_thread().name), CPU,
+                     scores=1 << 40)
+    assert out == [(s, main) for s in range(6)]

@@ -8,6 +8,13 @@ Python threads, each computing single-threaded, take the groups in turn. A block
 its core's cache from product to product, and one thread's Python time overlaps the other's
 products (PyTorch releases the GIL inside its operations); ``docs/speed.md`` says what it gained.
 
+A worker makes *its own* operations single-threaded through the OpenMP runtime's per-thread
+setting (``omp_set_num_threads`` from the worker), never through ``torch.set_num_threads``: that
+one also sets the count PyTorch gives every thread that starts meanwhile, so threads the user
+started during a call would stay single-threaded for life. Where the per-thread setting cannot
+be reached or verified (a PyTorch built without OpenMP, a runtime not found), groups run on the
+calling thread with PyTorch's intra-op threads: slower, never wrong.
+
 Groups must be independent (each writes its own rows of preallocated outputs); results come back
 in order, and an exception raised by any group is raised again in the caller. Each worker has its
 own ``scratch`` dict (for example a tile buffer allocated once per worker).
@@ -15,13 +22,16 @@ own ``scratch`` dict (for example a tile buffer allocated once per worker).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import itertools
+import os
 import threading
 from typing import Callable, TypeVar
 
 import torch
 
-__all__ = ["map_groups", "PARALLEL_ABOVE"]
+__all__ = ["map_groups", "PARALLEL_ABOVE", "single_threaded_here"]
 
 T = TypeVar("T")
 
@@ -30,45 +40,89 @@ T = TypeVar("T")
 PARALLEL_ABOVE = 1 << 21
 
 
+@functools.lru_cache(maxsize=None)
+def _runtime() -> tuple[Callable[[int], int], Callable[[int], int] | None, Callable[[], int] | None] | None:
+    """The per-thread setters of the libraries PyTorch loaded: ``(omp_set_num_threads,
+    MKL_Set_Num_Threads_Local or None, MKL_Get_Max_Threads or None)`` (MKL's C interface, arguments
+    by value), or ``None`` when PyTorch does not use OpenMP or its runtime is not found."""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    names = ("libgomp.so.1", "libiomp5.so", "libomp.so", "libomp.dylib", "libiomp5md.dll", "libtorch_cpu.so",
+             "libtorch_cpu.dylib")
+    libraries = [None] + [os.path.join(os.path.dirname(torch.__file__), "lib", name) for name in names]
+    found: dict = {}
+    for path in libraries:
+        try:
+            library = ctypes.CDLL(path)
+        except (OSError, TypeError):  # not there (or CDLL(None) on Windows)
+            continue
+        for symbol in ("omp_set_num_threads", "MKL_Set_Num_Threads_Local", "MKL_Get_Max_Threads"):
+            if symbol not in found and hasattr(library, symbol):
+                found[symbol] = getattr(library, symbol)
+    if "omp_set_num_threads" not in found:
+        return None
+    return found["omp_set_num_threads"], found.get("MKL_Set_Num_Threads_Local"), found.get("MKL_Get_Max_Threads")
+
+
+def single_threaded_here() -> bool:
+    """Make the calling thread's PyTorch operations single-threaded (OpenMP and MKL), leaving every
+    other thread, and the count PyTorch gives new threads, as they were. ``True`` when verified
+    (PyTorch and MKL both report one thread here), ``False`` when not possible.
+
+    Meant for a worker thread that the caller starts and ends: the setting lives as long as it."""
+    runtime = _runtime()
+    if runtime is None:
+        return False
+    omp_threads, mkl_threads, mkl_max = runtime
+    torch.get_num_threads()  # PyTorch's per-thread initialisation first: it would undo the settings below
+    omp_threads(1)
+    if mkl_threads is not None:
+        mkl_threads(1)
+    return torch.get_num_threads() == 1 and (mkl_max is None or mkl_max() == 1)
+
+
 def map_groups(starts: list[int], work: Callable[[int, dict], T], device: torch.device, scores: int) -> list[T]:
     """``[work(start, scratch) for start in starts]``, on the CPU in parallel when worthwhile.
 
     ``scores``: the call's total number of scores (``B·n·m``). Threads are used on the CPU when
-    there are at least two groups, at least two intra-op threads, and ``scores >= PARALLEL_ABOVE``;
-    each worker sets its intra-op threads to 1 and restores the caller's count when it ends
-    (PyTorch also keeps that count as the default of threads not yet started: one that first
-    touches ATen during the call starts single-threaded).
+    there are at least two groups, at least two intra-op threads, ``scores >= PARALLEL_ABOVE``,
+    and the workers can be made single-threaded without touching other threads
+    (:func:`single_threaded_here`); otherwise the groups run in order on the calling thread.
     """
     workers = min(len(starts), torch.get_num_threads()) if device.type == "cpu" else 1
-    if workers <= 1 or scores < PARALLEL_ABOVE:
+    if workers <= 1 or scores < PARALLEL_ABOVE or _runtime() is None:
         scratch: dict = {}
         return [work(start, scratch) for start in starts]
     results: list = [None] * len(starts)
     errors: list[BaseException] = []
+    fallback = threading.Event()  # a worker could not be made single-threaded: the caller runs the rest
     taken = itertools.count()  # next() on a count is atomic under the GIL: each group runs once
-    threads_before = torch.get_num_threads()
     grad_mode = torch.is_grad_enabled()
 
+    def take(scratch: dict) -> None:
+        while not errors:
+            i = next(taken)
+            if i >= len(starts):
+                return
+            results[i] = work(starts[i], scratch)
+
     def worker() -> None:
-        torch.set_num_threads(1)
-        scratch: dict = {}
+        if not single_threaded_here():
+            fallback.set()
+            return
         try:
             with torch.set_grad_enabled(grad_mode):
-                while not errors:
-                    i = next(taken)
-                    if i >= len(starts):
-                        break
-                    results[i] = work(starts[i], scratch)
+                take({})
         except BaseException as error:  # noqa: BLE001 - raised again in the caller
             errors.append(error)
-        finally:
-            torch.set_num_threads(threads_before)
 
     threads = [threading.Thread(target=worker, name=f"sinkformer-group-{i}", daemon=True) for i in range(workers)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    if fallback.is_set() and not errors:
+        take({})
     if errors:
         raise errors[0]
     return results
