@@ -21,7 +21,7 @@ def full_config(name):
 def test_full_runs_train_the_papers_step_counts(name, steps):
     work = get(name).cost(full_config(name))
     assert work and all(w.steps == steps for w in work)
-    assert {w.runs for w in work} == {1}  # the paper's single runs (--seeds for more)
+    assert {w.runs for w in work} == {6}  # the paper's single runs, 6 seeds for paired intervals and a sign-flip test
 
 
 def test_every_training_experiment_has_a_cost_model():

@@ -61,6 +61,7 @@ __all__ = [
     "SinkhornTransformerLM",
     "SinkhornSeq2Seq",
     "SinkhornClassifier",
+    "share_weights",
 ]
 
 ATTENTION_KINDS = ("vanilla", "local", "fixed", "sinkhorn", "sortcut", "mixture", "sinkformer")
@@ -468,3 +469,27 @@ class SinkhornClassifier(nn.Module):
             return self.classifier(h.mean(1))
         keep = (~padding_mask).unsqueeze(-1).to(h.dtype)
         return self.classifier((h * keep).sum(1) / keep.sum(1).clamp_min(1.0))
+
+
+def share_weights(model: nn.Module, reference: nn.Module) -> list[str]:
+    """Copy into ``model`` every tensor it shares with ``reference``; returns the names copied.
+
+    A tensor is shared when ``reference`` has one of the same name and shape, or when it is a
+    ``q_proj`` / ``k_proj`` / ``v_proj`` weight or bias and ``reference`` has the fused ``qkv_proj`` of
+    the same module (vanilla, local and fixed attention fuse them; rows ``[q; k; v]``). Seeded alike,
+    the models of one comparison then start from the Transformer's weights wherever they have them;
+    what only the variant has (a SortNet) keeps its own initialisation.
+    """
+    source, copied = reference.state_dict(), []
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            value = source.get(name)
+            if value is None:
+                module, _, leaf = name.rpartition(".")
+                owner, _, projection = module.rpartition(".")
+                fused = source.get(f"{owner}.qkv_proj.{leaf}") if projection in ("q_proj", "k_proj", "v_proj") else None
+                value = None if fused is None else fused.chunk(3, dim=0)["qkv".index(projection[0])]
+            if value is not None and value.shape == tensor.shape:
+                tensor.copy_(value)
+                copied.append(name)
+    return copied

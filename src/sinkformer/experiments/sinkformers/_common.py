@@ -7,7 +7,9 @@ Every experiment compares a Transformer with its Sinkformer, everything else equ
   fused kernel; one Sinkhorn normalisation *is* SoftMax), ``n_iters > 1`` the Sinkformer;
 * :func:`build` — the model, seeded, so both variants of one seed start from identical weights;
 * :func:`load_data` — the experiment's dataset: embedded by default, the real one under
-  ``--full`` (path from ``--data``);
+  ``--full`` (path from ``--data``); each seed then trains on its own random subset of the
+  training split where the configuration's ``train_fraction`` is below 1
+  (:func:`sinkformer.experiments._seeds.training_subset`), the same for every model of that seed;
 * :func:`seed_summary`, :func:`median_curve` — statistics over seeds (best/median/mean/worst,
   median curve with its min–max band);
 * :func:`compare`, :func:`finding` — the paired comparisons over seeds (interval and verdict,
@@ -134,8 +136,10 @@ def finding(ctx: Run, *, paper: str, this_run: str, comparisons: Sequence[Compar
     )
 
 
-def compare(per_seed: dict[str, Sequence[float]], variant: str, *, metric: str, paper: str,
+def compare(per_seed: dict[str, Sequence[float]], variant: str, *, metric: str, paper: str, kind: str,
             higher_is_better: bool = True, paper_better: bool = True, baseline: str = TRANSFORMER) -> Comparison:
-    """The paired comparison of ``per_seed[variant]`` with ``per_seed[baseline]`` (same seeds, in order)."""
+    """The paired comparison of ``per_seed[variant]`` with ``per_seed[baseline]`` (same seeds, in order);
+    ``kind``: what it tests (:data:`sinkformer.runs.verdicts.KINDS`, e.g. from
+    :func:`~sinkformer.runs.verdicts.paper_kind`)."""
     return paired(per_seed[baseline], per_seed[variant], metric=metric, higher_is_better=higher_is_better,
-                  paper_better=paper_better, paper=paper, baseline_name=baseline, variant_name=variant)
+                  paper_better=paper_better, paper=paper, kind=kind, baseline_name=baseline, variant_name=variant)

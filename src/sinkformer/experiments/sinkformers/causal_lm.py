@@ -38,7 +38,8 @@ from ...nn import MultiheadAttention
 from ...nn.layers import sinusoidal_positions
 from ...plotting import SINKFORMER_COLOR, TRANSFORMER_COLOR, pyplot
 from ...runs import Run, fit, markdown_table, register
-from ...runs.verdicts import paired
+from ...runs.verdicts import EXTENSION, paired
+from .._seeds import subset_line, training_subset
 from ._common import finding, mode_line, training_line
 
 __all__ = ["CausalLM", "build_lm", "label", "uniform_causal", "attention_statistics", "load_wikitext103",
@@ -333,13 +334,13 @@ PAPER = ("No causal language model in the Sinkformers paper; its §6 finds Sinkf
     full_minutes=1000.0,
     defaults={
         "dataset": "stdlib", "max_chars": 200_000, "seq_len": 64, "eval_split": "test",
-        "n_iters": [1, 3, 5], "seeds": 5, "stats_windows": 16,
+        "n_iters": [1, 3, 5], "seeds": 6, "train_fraction": 0.8, "stats_windows": 16,
         "model_options": {"dim": 32, "depth": 2, "heads": 2, "ff_mult": 4, "dropout": 0.0},
         "train": {"epochs": 1, "batch_size": 16, "lr": 4e-3, "warmup_steps": 20, "grad_clip": 1.0,
                   "max_eval_batches": 0},
     },
     full={  # WikiText-103 raw, one pass over its ~540M training bytes in windows of 512 (about 33k steps)
-        "dataset": "wikitext-103", "max_chars": 0, "seq_len": 512,
+        "dataset": "wikitext-103", "max_chars": 0, "seq_len": 512, "train_fraction": 1.0,
         "model_options": {"dim": 512, "depth": 6, "heads": 8, "ff_mult": 4, "dropout": 0.1},
         "train": {"epochs": 1, "batch_size": 32, "lr": 5e-4, "warmup_steps": 2000, "grad_clip": 1.0,
                   "max_eval_batches": 0},
@@ -357,11 +358,12 @@ def run(ctx: Run) -> None:
     stats: dict[str, list[list[dict]]] = {name: [] for name in names}
     n_params = 0
     for seed in range(cfg["seeds"]):
+        subset = training_subset(data, seed, cfg["train_fraction"])
         for n, name in zip(n_iters, names):
             torch.manual_seed(seed)
             model = build_lm(data.info, **cfg["model_options"], n_iters=n)
             n_params = sum(p.numel() for p in model.parameters())
-            result = fit(model, data, cfg["train"], seed=seed, ctx=ctx, label=name, model=name, n_iters=n)
+            result = fit(model, subset, cfg["train"], seed=seed, ctx=ctx, label=name, model=name, n_iters=n)
             bpc[name].append(result.final["test_loss"] / LN2 * bytes_per_char)
             accuracy[name].append(100 * result.final["test_acc"])
             seconds[name] += [row["epoch_seconds"] for row in result.history]
@@ -372,7 +374,7 @@ def run(ctx: Run) -> None:
     references = _references(cfg["seq_len"])
     epoch_seconds = {name: statistics.fmean(seconds[name]) for name in names}
     comparisons = [paired(bpc[TRANSFORMER], bpc[name], metric="held-out bits per character", higher_is_better=False,
-                          paper_better=True, paper="not in the paper (§6: Sinkformer ≥ Transformer)",
+                          paper_better=True, paper="not in the paper (§6: Sinkformer ≥ Transformer)", kind=EXTENSION,
                           baseline_name=TRANSFORMER, variant_name=name) for name in names[1:]]
     ctx.results.update({
         "bits_per_character": bpc, "mean_bits_per_character": {n: statistics.fmean(v) for n, v in bpc.items()},
@@ -403,7 +405,8 @@ Data: {source}; bytes as tokens, windows of {cfg["seq_len"]}, {len(data.train)} 
 windows ({bytes_per_char:.3f} bytes per character on the held-out text; bits per character = bits per byte × that).
 Decoder-only models ({n_params / 1e3:.0f}k parameters: dim {cfg["model_options"]["dim"]}, {cfg["model_options"]["depth"]}
 layers, {cfg["model_options"]["heads"]} heads, pre-LayerNorm, sinusoidal positions, tied output), {_training(cfg["train"])};
-for each seed every model starts from the same weights and sees the same batches. The Transformer's causal
+for each seed every model starts from the same weights and sees the same batches.
+{subset_line(cfg["train_fraction"], len(data.train))} The Transformer's causal
 self-attention is SoftMax; the causal Sinkformer's is Sinkhorn with {", ".join(str(n) for n in n_iters[1:])} normalisations on
 every prefix 0..t (row t of the prefix's balanced matrix; nothing after t reaches it), with the column marginals of
 uniform causal attention (`sinkformer.attention(..., is_causal=True, n_iters=N)`).

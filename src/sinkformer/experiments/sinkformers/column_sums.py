@@ -29,6 +29,7 @@ from ...runs import Run, fit, markdown_table, register
 from ...runs.cost import Workload, images, points, translation
 from ...training import AttentionRecorder, TrainConfig
 from ._common import build, finding, load_data, mode_line
+from .modelnet import PCT_FULL_MODEL, PCT_FULL_TRAIN
 
 __all__ = ["run", "ShuffledRowsRecorder", "spread"]
 
@@ -168,10 +169,7 @@ def _full_cost(cfg: dict) -> list:
                        "label_smoothing": 0.1, "bleu_every": 1000}},
             {"title": "PCT on ModelNet40", "model": "point_cloud_transformer", "dataset": "modelnet40",
              "subpath": "modelnet40_ply_hdf5_2048", "data_options": {"n_points": 1024},
-             "model_options": {"dim": 64, "n_samples": [512, 256], "k_neighbors": 32, "n_attention_layers": 4,
-                               "dropout": 0.5},
-             "train": {"epochs": 250, "batch_size": 32, "optimizer": "sgd", "momentum": 0.9, "lr": 1e-4,
-                       "milestones": [200]}},
+             "model_options": PCT_FULL_MODEL, "train": PCT_FULL_TRAIN},  # modelnet --full's PCT, 300 epochs
         ],
     },
 )

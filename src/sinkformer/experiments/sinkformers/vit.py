@@ -6,8 +6,16 @@ attention layer. The paper (cats vs dogs, median over 5 runs) reports a median t
 79.0 % (Transformer) vs 79.5 % (Sinkformer), best 80.0 % vs 80.5 %, and 3 min 20 s vs
 3 min 25 s per epoch.
 
-The quick form uses scikit-learn's 8 × 8 digits with a small ViT; ``--full`` is Appendix C.4
-(``--data``: a folder with ``cat/`` and ``dog/``, Kaggle's dogs-vs-cats ``train.zip`` sorted).
+The paper's gap, +0.5 points of 79.0 (0.6 %), is under 1 % of the Transformer's accuracy: the
+comparison tests a gap within the paper's noise (:func:`~sinkformer.runs.verdicts.paper_kind`).
+
+The quick form uses scikit-learn's 8 × 8 digits with a small ViT, 6 seeds, each with its own random
+80 % of the training images; ``--full`` is Appendix C.4 (``--data``: a folder with ``cat/`` and
+``dog/``, Kaggle's dogs-vs-cats ``train.zip`` sorted), with the authors' code's learning rate
+**3e-5** (``vit-pytorch/trainer_cats_and_dogs.py``: ``main(..., lr=3e-5)``, which their
+``one_expe.py`` runs unchanged for Figure 5), not the 5e-5 of the paper's Appendix C.4: the figure
+was made by the code, and the other ``--full`` forms follow the authors' code where it and the
+text differ (``modelnet``'s attention, ``patch-size``'s 5 iterations).
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ from __future__ import annotations
 from ...plotting import pyplot
 from ...runs import Run, fit, markdown_table, register
 from ...runs.cost import Workload, images
+from ...runs.verdicts import paper_kind
+from .._seeds import subset_line, training_subset
 from ._common import (
     COLORS,
     SINKFORMER,
@@ -70,16 +80,18 @@ def _full_cost(cfg: dict) -> list:
     quick_minutes=0.45,
     full_minutes=6000.0,
     defaults={
-        "dataset": "digits", "data_options": {}, "n_iters": 3, "seeds": 5,
+        "dataset": "digits", "data_options": {}, "n_iters": 3, "seeds": 6, "train_fraction": 0.8,
         "model_options": {"patch_size": 2, "dim": 32, "depth": 2, "num_heads": 4, "dim_feedforward": 64},
         "train": {"epochs": 10, "batch_size": 64, "lr": 2e-3, "milestones": [8]},
     },
     full={
-        # the authors' recipe: vit-pytorch (dim 128, 8 heads of 64, feed-forward 128), random resized crops and flips
-        "dataset": "image_folder", "data_options": {"image_size": 224, "augment": True}, "seeds": 5,
+        # the authors' recipe: vit-pytorch (dim 128, 8 heads of 64, feed-forward 128), random resized crops and flips;
+        # lr 3e-5 as their code (the paper's Appendix C.4 says 5e-5; see the module docstring)
+        "dataset": "image_folder", "data_options": {"image_size": 224, "augment": True}, "seeds": 6,
+        "train_fraction": 1.0,
         "model_options": {"patch_size": 16, "dim": 128, "depth": 6, "num_heads": 8, "head_dim": 64,
                           "dim_feedforward": 128},
-        "train": {"epochs": 300, "batch_size": 64, "lr": 5e-5, "milestones": [250], "num_workers": 4},
+        "train": {"epochs": 300, "batch_size": 64, "lr": 3e-5, "milestones": [250], "num_workers": 4},
     },
 )
 def run(ctx: Run) -> None:
@@ -87,9 +99,10 @@ def run(ctx: Run) -> None:
     data = load_data(ctx, cfg["dataset"], cfg["data_options"])
     histories: dict[str, list[list[dict]]] = {TRANSFORMER: [], SINKFORMER: []}
     for seed in range(cfg["seeds"]):
+        subset = training_subset(data, seed, cfg["train_fraction"])
         for name, n_iters in ((TRANSFORMER, 1), (SINKFORMER, cfg["n_iters"])):
-            model = build("vit", data, n_iters, seed, cfg["model_options"])
-            result = fit(model, data, cfg["train"], seed=seed, ctx=ctx, label=name, model=name, n_iters=n_iters)
+            model = build("vit", subset, n_iters, seed, cfg["model_options"])
+            result = fit(model, subset, cfg["train"], seed=seed, ctx=ctx, label=name, model=name, n_iters=n_iters)
             histories[name].append(result.history)
     ctx.save_figure(_figure(histories, cfg["dataset"]), "vit_accuracy")
 
@@ -103,7 +116,8 @@ def run(ctx: Run) -> None:
             for n, it in ((TRANSFORMER, 1), (SINKFORMER, cfg["n_iters"]))]
     table = markdown_table(["model", "median test acc. %", "best", "worst", "median train acc. %", "s / epoch"], rows)
     per_seed = {n: [100 * h[-1]["test_acc"] for h in runs] for n, runs in histories.items()}
-    comparison = compare(per_seed, SINKFORMER, metric="final test accuracy (%)",
+    kind, better = paper_kind(79.5, 79.0, higher_is_better=True)
+    comparison = compare(per_seed, SINKFORMER, metric="final test accuracy (%)", kind=kind, paper_better=better,
                          paper="cats vs dogs: +0.5 points (median of 5 runs, 79.0 → 79.5 %)")
     overhead = 100 * (seconds[SINKFORMER] / seconds[TRANSFORMER] - 1)
     this_run = (
@@ -119,6 +133,7 @@ def run(ctx: Run) -> None:
 
 Vision Transformer ({describe(cfg["model_options"])}), {training_line(cfg["train"])}; the Sinkformer runs
 {cfg["n_iters"]} Sinkhorn iterations. Same initial weights per seed.
+{subset_line(cfg["train_fraction"], len(data.train))}
 Train accuracy is measured during each epoch (dotted), test accuracy after it (solid).
 
 ![accuracy curves](vit_accuracy.png)

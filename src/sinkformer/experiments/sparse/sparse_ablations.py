@@ -10,7 +10,7 @@ SortNet, :math:`\\tau = 0.75`, 5 Sinkhorn iterations, separate keys and values):
 * the number of sorting iterations (Figure 4).
 
 The paper measured LM1B subword perplexity; the quick form uses the embedded text at character
-level (bits per character, ``--set level=word`` for perplexity) and a small model.
+level (bits per byte: the tokens are UTF-8 bytes; ``--set level=word`` for perplexity) and a small model.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def run(ctx: Run) -> None:
     cfg = ctx.config
     data = load_text_lm(ctx.data, level=cfg["level"], seq_len=cfg["seq_len"], vocab_size=cfg["vocab_size"],
                         max_chars=cfg["max_chars"])
-    metric, unit = ("bits", "bits per character") if cfg["level"] == "char" else ("perplexity", "perplexity")
+    metric, unit = ("bits", "bits per byte") if cfg["level"] == "char" else ("perplexity", "perplexity")
     trained: dict[tuple, float] = {}
     rows: list[tuple[str, str, dict, float]] = []
     for group, label, options in variants(cfg):
