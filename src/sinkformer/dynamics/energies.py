@@ -51,10 +51,9 @@ def f0(x: Tensor, A: Tensor, weights: Tensor | None = None) -> Tensor:
 
 
 def t0_field(x: Tensor, A: Tensor, V: Tensor, weights: Tensor | None = None) -> Tensor:
-    """:math:`T^0_\\mu(x_i) = \\sum_j w_j e^{x_j^\\top Ax_i}Vx_j` (the unnormalised kernel :math:`k_0`)."""
+    """:math:`T^0_\\mu(x_i) = \\sum_j w_j e^{x_j^\\top Ax_i}Vx_j` (the unnormalised kernel :math:`k_0`: ``velocity(kind="exp")``)."""
     check_tensor(x, "x", min_dim=2, floating=True)
-    kernel = (_scores(x, A) + _log_w(x, weights).unsqueeze(-2)).exp()
-    return kernel @ x @ V.to(x.dtype).T
+    return velocity(x, (A.to(x.dtype), torch.eye(x.shape[-1], dtype=x.dtype), V.to(x.dtype)), "exp", weights=weights)
 
 
 def f_inf(x: Tensor, A: Tensor, weights: Tensor | None = None, *, tol: float = 1e-12, **velocity_kwargs) -> Tensor:

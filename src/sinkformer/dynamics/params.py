@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -57,20 +58,26 @@ def as_heads(params: Params, d: int | None = None, *, batched: bool = False) -> 
 
 
 def stack_heads(heads: list[tuple[Tensor, Tensor, Tensor]], dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """Stack heads into ``Q, K (H, k_max, d)`` and ``V (H, d, d)`` in ``dtype``.
+    """Stack heads into ``Q, K (..., H, k_max, d)`` and ``V (..., H, d, d)`` in ``dtype``.
 
     Heads with fewer rows are padded with zero rows, which changes neither
-    :math:`\\langle Qx, Ky\\rangle` nor :math:`|Qx - Ky|^2`.
+    :math:`\\langle Qx, Ky\\rangle` nor :math:`|Qx - Ky|^2`. Leading (batch) dimensions of the
+    matrices, if any, are broadcast against each other and kept in front of the head dimension.
     """
-    k_max = max(Q.shape[0] for Q, _, _ in heads)
+    k_max = max(Q.shape[-2] for Q, _, _ in heads)
 
     def pad(t: Tensor) -> Tensor:
-        return torch.cat([t, t.new_zeros(k_max - t.shape[0], t.shape[1])]) if t.shape[0] < k_max else t
+        missing = k_max - t.shape[-2]
+        return torch.cat([t, t.new_zeros(t.shape[:-2] + (missing, t.shape[-1]))], -2) if missing else t
 
-    Q = torch.stack([pad(Q) for Q, _, _ in heads]).to(dtype)
-    K = torch.stack([pad(K) for _, K, _ in heads]).to(dtype)
-    V = torch.stack([V for _, _, V in heads]).to(dtype)
-    return Q, K, V
+    Qs, Ks, Vs = ([pad(h[i]) if i < 2 else h[i] for h in heads] for i in range(3))
+    try:
+        batch = tuple(np.broadcast_shapes(*(tuple(t.shape[:-2]) for t in Qs + Ks + Vs)))
+    except ValueError:
+        shapes = [tuple(t.shape) for t in Qs + Ks + Vs]
+        raise ValueError(f"the leading (batch) dimensions of the parameters must broadcast together, got shapes {shapes}") from None
+    stack = lambda ts: torch.stack([t.expand(batch + t.shape[-2:]) for t in ts], dim=-3).to(dtype)  # noqa: E731
+    return stack(Qs), stack(Ks), stack(Vs)
 
 
 def interaction(Q: Tensor, K: Tensor) -> Tensor:
