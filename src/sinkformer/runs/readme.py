@@ -4,8 +4,9 @@ A quick run of the whole suite (``sinkformer run``) writes ``runs/summary/<time>
 :func:`digest` keeps what the docs need (every paired comparison with its interval and verdict,
 the findings in words, the run times, the machine) in ``sinkformer/runs/measured/quick-run.json``,
 which is committed (and shipped: ``sinkformer experiments`` reads its times). :func:`render_docs`
-turns it into the results section of ``docs/experiments.md`` and the summary paragraph of the
-README, each between two markers, and copies committed benchmark tables into the pages that cite
+turns it into the headline and the results section of ``docs/experiments.md`` (the paper claims
+counted apart from the other kinds of comparison, before and after Holm's correction) and the summary
+paragraph of the README, each between two markers, and copies committed benchmark tables into the pages that cite
 them (``<!-- begin: include PATH -->`` ... ``<!-- end: include PATH -->``, PATH from the repository
 root). A test checks that every page holds exactly what :func:`render_docs` makes of those files::
 
@@ -24,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from .report import markdown_table
-from .verdicts import RULE, VERDICTS, Comparison, count_verdicts
+from .verdicts import CLAIM, EXTENSION, KINDS, NOISE, UNCLASSIFIED, VERDICTS, WORSE, Comparison, family_section, tally
 
-__all__ = ["digest", "render", "render_summary", "render_docs", "update", "load_quick_run", "DIGEST", "README",
-           "DOCS", "BEGIN", "END", "SUMMARY_BEGIN", "SUMMARY_END"]
+__all__ = ["digest", "render", "render_summary", "render_headline", "render_docs", "update", "load_quick_run", "DIGEST",
+           "README", "DOCS", "BEGIN", "END", "SUMMARY_BEGIN", "SUMMARY_END", "HEADLINE_BEGIN", "HEADLINE_END",
+           "QUICK_FORMS", "SEEDS_VARY"]
 
 DIGEST = Path(__file__).resolve().parent / "measured" / "quick-run.json"
 ROOT = Path(__file__).resolve().parents[3]  # the repository (the docs are not in the wheel)
@@ -39,6 +41,24 @@ BEGIN = f"<!-- begin: quick-run results, rendered by `python -m sinkformer.runs.
 END = "<!-- end: quick-run results -->"
 SUMMARY_BEGIN = f"<!-- begin: quick-run summary, rendered by `python -m sinkformer.runs.readme render` {_SOURCE} -->"
 SUMMARY_END = "<!-- end: quick-run summary -->"
+HEADLINE_BEGIN = f"<!-- begin: quick-run headline, rendered by `python -m sinkformer.runs.readme render` {_SOURCE} -->"
+HEADLINE_END = "<!-- end: quick-run headline -->"
+#: What the quick forms are: the first words of the README's results and of docs/experiments.md.
+QUICK_FORMS = (
+    "The quick forms (`sinkformer run`) train small models for minutes on data that ships with the package: they "
+    "test the direction of each of the papers' findings, with its uncertainty, not the papers' numbers."
+)
+#: Over what the intervals run.
+SEEDS_VARY = (
+    "Each interval runs over seeds: a seed draws the initial weights, the batch order, dropout and, where the "
+    "dataset allows, the training subset (every model of a seed the same); the test sets are fixed."
+)
+#: Said instead of :data:`SEEDS_VARY` by a digest older than the comparisons' kinds.
+STALE = ("This digest was written before comparisons declared their kind and before seeds drew the training "
+         "subset: regenerate it (`sinkformer run`, then `python -m sinkformer.runs.readme digest`).")
+_KIND_WORDS = {WORSE: "settings the papers themselves report as worse", NOISE: "gaps the papers report within noise",
+               EXTENSION: "comparisons with no paper claim (our extensions)",
+               UNCLASSIFIED: "comparisons recorded before comparisons declared their kind (regenerate the digest)"}
 INCLUDE = re.compile(r"<!-- begin: include (?P<path>[^ ]+) -->\n.*?<!-- end: include (?P=path) -->", re.S)
 
 
@@ -56,11 +76,14 @@ def digest(summary_dir: str | Path) -> dict[str, Any]:
             "started": summary["started"], "experiments": experiments}
 
 
+def _named(data: dict[str, Any]) -> list[tuple[str, dict]]:
+    return [(e["name"], c) for e in data["experiments"] for c in e["comparisons"]]
+
+
 def render(data: dict[str, Any]) -> str:
-    """The README's results section (markdown) from a :func:`digest`."""
+    """The results section of docs/experiments.md from a :func:`digest`: the run, every comparison by kind
+    (:func:`~sinkformer.runs.verdicts.family_section`) and the experiments' times."""
     facts = data["provenance"]
-    comparisons = [(e["name"], c) for e in data["experiments"] for c in e["comparisons"]]
-    counts = count_verdicts([c for _, c in comparisons])
     failed = [e["name"] for e in data["experiments"] if not e["ok"]]
     lines = [
         f"*The committed quick run: `sinkformer run` on {data['started'][:16].replace('T', ' ')}, "
@@ -69,47 +92,56 @@ def render(data: dict[str, Any]) -> str:
         f"sinkformer {facts['sinkformer']} at {facts['git_commit'][:12]}"
         + (f"; failed: {', '.join(failed)}" if failed else "") + ".*",
         "",
-        f"**{len(comparisons)} paired comparisons** of a Sinkformer (or a Sparse Sinkhorn model) with its Transformer: "
-        + ", ".join(f"**{n} {v}**" for v, n in counts.items()) + f". {RULE}",
+        family_section(_named(data), heading="###"),
+        "",
+        "### The experiments",
         "",
         markdown_table(
-            ["experiment", "metric", "difference", "the paper", "this run: mean [95 % interval]", "seeds", "verdict"],
-            [[name, c["metric"], f"{c['variant']} − {c['baseline']}", c["paper"], Comparison.from_dict(c).interval(),
-              c["seeds"], c["verdict"]] for name, c in comparisons],
-        ),
-        "",
-        markdown_table(
-            ["experiment", "paper", "verdicts (" + " / ".join(v.split(" ")[0] for v in VERDICTS) + ")", "time"],
-            [[e["name"], e["paper"], _counts(e["comparisons"]), f"{e['seconds']} s"] for e in data["experiments"]],
+            ["experiment", "paper", "paper claims (" + " / ".join(v.split(" ")[0] for v in VERDICTS) + ")",
+             "other comparisons", "time"],
+            [[e["name"], e["paper"], *_counts(e["comparisons"]), f"{e['seconds']} s"] for e in data["experiments"]],
         ),
     ]
     return "\n".join(lines)
 
 
-def render_summary(data: dict[str, Any]) -> str:
-    """The README's one-paragraph summary of the committed quick run."""
-    comparisons = [c for e in data["experiments"] for c in e["comparisons"]]
-    counts = count_verdicts(comparisons)
+def render_headline(data: dict[str, Any], link: str = "#what-the-quick-runs-found") -> str:
+    """What the quick forms are and what the committed run found, counted by kind: the first lines of
+    docs/experiments.md and of the README's results (``link``: where every comparison is)."""
+    counts = tally([c for _, c in _named(data)])
+    claims, held = counts["claims"], counts["claims_after_holm"]
     minutes, seconds = divmod(data["seconds"], 60)
-    seeds = sorted({c["seeds"] for c in comparisons})
-    seeds_text = f"{seeds[0]} seeds each" if len(seeds) == 1 else f"{seeds[0]}–{seeds[-1]} seeds each"
+    others = "; ".join(f"{counts['by_kind'][kind]} {_KIND_WORDS[kind]}" for kind in (*KINDS[1:], UNCLASSIFIED)
+                       if counts["by_kind"][kind])
+    seeds = counts["seeds"]
+    seeds_text = (f"{seeds[0]} seeds each" if len(seeds) == 1 else f"{seeds[0]}–{seeds[-1]} seeds each") if seeds else ""
     return (
-        f"The committed quick run ({data['started'][:10]}, {data['provenance']['cpu_count']} CPU cores, "
-        f"{data['jobs']} worker processes) ran all {len(data['experiments'])} experiments in {minutes} min "
-        f"{seconds} s. Of its **{len(comparisons)} paired comparisons** of a Sinkformer (or a Sparse Sinkhorn "
-        f"model) with its Transformer, {seeds_text}: "
-        + ", ".join(f"**{n} {v}**" for v, n in counts.items())
-        + ". The quick forms train small models for minutes on embedded data: they test the direction of "
-        "each finding with its uncertainty, not the papers' numbers. Every comparison, its interval and the "
-        "findings: [docs/experiments.md](docs/experiments.md#what-the-quick-runs-found)."
+        f"{QUICK_FORMS} The committed quick run ({data['started'][:10]}, {data['provenance']['cpu_count']} CPU cores, "
+        f"{data['jobs']} worker processes) ran all {len(data['experiments'])} experiments in {minutes} min {seconds} s. "
+        f"**{counts['by_kind'][CLAIM]} of its {counts['comparisons']} paired comparisons** ({seeds_text}) **test a "
+        f"claim of the papers at the papers' settings**: by the 95 % interval "
+        + ", ".join(f"**{n} {v}**" for v, n in claims.items())
+        + "; after Holm's correction for all " + f"{counts['comparisons']} comparisons, "
+        + ", ".join(f"{n} {v}" for v, n in held.items())
+        + f". Listed apart: {others or 'none'}. {STALE if counts['by_kind'][UNCLASSIFIED] else SEEDS_VARY} Every "
+        "comparison, its interval, p-values and the "
+        f"findings: [{'docs/experiments.md' if link.startswith('docs/') else 'below'}]({link})."
     )
 
 
-def _counts(comparisons: list[dict]) -> str:
+def render_summary(data: dict[str, Any]) -> str:
+    """The README's summary of the committed quick run (:func:`render_headline`, linking docs/experiments.md)."""
+    return render_headline(data, link="docs/experiments.md#what-the-quick-runs-found")
+
+
+def _counts(comparisons: list[dict]) -> list[str]:
+    """An experiment's paper claims by verdict, and its other comparisons by kind."""
     if not comparisons:
-        return "— (a measurement, no paired comparison)"
-    counts = count_verdicts(comparisons)
-    return " / ".join(str(counts[v]) for v in VERDICTS)
+        return ["— (a measurement, no paired comparison)", "—"]
+    counts = tally(comparisons)
+    claims = " / ".join(str(counts["claims"][v]) for v in VERDICTS) if counts["by_kind"][CLAIM] else "—"
+    others = ", ".join(f"{n} {kind}" for kind, n in counts["by_kind"].items() if n and kind != CLAIM)
+    return [claims, others or "—"]
 
 
 def load_quick_run() -> dict[str, int]:
@@ -144,7 +176,7 @@ def render_docs(data: dict[str, Any] | None = None) -> dict[Path, str]:
         if page == README:
             new = update(new, render_summary(data), SUMMARY_BEGIN, SUMMARY_END)
         if page == EXPERIMENTS_PAGE:
-            new = update(new, render(data))
+            new = update(update(new, render(data)), render_headline(data), HEADLINE_BEGIN, HEADLINE_END)
         pages[page] = new
     return pages
 

@@ -52,7 +52,8 @@ th{background:#f3f3f3}pre{background:#f6f6f6;padding:.6rem;overflow-x:auto}code{
 
 def render_html(markdown_text: str, base_dir: str | os.PathLike, title: str) -> str:
     """``markdown_text`` as one self-contained HTML page: PNGs referenced by a path relative to
-    ``base_dir`` are embedded as base64 data, so the page can be mailed or opened anywhere."""
+    ``base_dir`` are embedded as base64 data, so the page can be mailed or opened anywhere; a relative
+    link to a markdown page (``NAME/report.md``) points to its HTML page instead when that exists."""
     markdown = require("markdown", "HTML reports")  # imported lazily: listing experiments stays fast
 
     def embed(match: re.Match) -> str:
@@ -62,8 +63,14 @@ def render_html(markdown_text: str, base_dir: str | os.PathLike, title: str) -> 
         data = base64.b64encode(path.read_bytes()).decode("ascii")
         return f"{match.group(1)}data:image/png;base64,{data}{match.group(3)}"
 
+    def to_html(match: re.Match) -> str:
+        target, fragment = match.group(2), match.group(3) or ""
+        page = Path(base_dir) / html.unescape(target[: -len(".md")] + ".html")
+        return f"{match.group(1)}{target[: -len('.md')]}.html{fragment}\"" if page.is_file() else match.group(0)
+
     body = markdown.markdown(markdown_text, extensions=["tables", "fenced_code"])
     body = re.sub(r'(<img\b[^>]*?\bsrc=")([^"]+)(")', embed, body)
+    body = re.sub(r'(<a\b[^>]*?\bhref=")(?![a-z][a-z0-9+.-]*:|/|#)([^"#]+\.md)(#[^"]*)?"', to_html, body)
     return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
             f"<style>{_HTML_STYLE}</style></head>\n<body>\n{body}\n</body></html>\n")
 

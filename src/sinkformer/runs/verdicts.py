@@ -45,7 +45,8 @@ from .._optional import require
 
 __all__ = ["SAME", "OPPOSITE", "INCONCLUSIVE", "VERDICTS", "RULE", "TESTS", "CLAIM", "WORSE", "NOISE", "EXTENSION",
            "UNCLASSIFIED", "KINDS", "KIND_MEANING", "NOISE_FRACTION", "MIN_SEEDS", "Comparison", "paired",
-           "paper_kind", "count_verdicts", "holm", "sign_flip_p", "comparison_table", "family_section", "record"]
+           "paper_kind", "count_verdicts", "holm", "after_holm", "tally", "sign_flip_p", "comparison_table",
+           "family_section", "record"]
 
 SAME, OPPOSITE, INCONCLUSIVE = "same direction as the paper", "opposite", "inconclusive"
 VERDICTS = (SAME, OPPOSITE, INCONCLUSIVE)
@@ -300,8 +301,26 @@ def comparison_table(comparisons: Sequence[Comparison]) -> str:
                            "p (sign flip)", "seeds", "verdict"], rows)
 
 
-def _after_holm(c: Comparison, adjusted: float) -> str:
-    return c.verdict if math.isfinite(adjusted) and adjusted < 1 - CONFIDENCE else INCONCLUSIVE
+def after_holm(comparisons: Sequence[Comparison | dict]) -> list[str]:
+    """Each comparison's verdict after Holm's correction over all of ``comparisons``: its verdict when its
+    adjusted t-test p-value is below 0.05, else *inconclusive*."""
+    items = [_as_comparison(c) for c in comparisons]
+    return [c.verdict if math.isfinite(p) and p < 1 - CONFIDENCE else INCONCLUSIVE
+            for c, p in zip(items, holm([c.p_value for c in items]))]
+
+
+def tally(comparisons: Sequence[Comparison | dict]) -> dict:
+    """What a run's headline says: ``comparisons`` (their number), ``by_kind`` (``{kind: number}``, every kind
+    present), ``claims`` (``{verdict: number}`` of the paper claims, by the raw interval), ``claims_after_holm``
+    (the same after Holm's correction over all the comparisons) and ``seeds`` (the sorted seed counts)."""
+    items = [_as_comparison(c) for c in comparisons]
+    held = dict.fromkeys(VERDICTS, 0)
+    for c, verdict in zip(items, after_holm(items)):
+        if c.kind == CLAIM:
+            held[verdict] += 1
+    by_kind = {kind: sum(c.kind == kind for c in items) for kind in (*KINDS, UNCLASSIFIED)}
+    return {"comparisons": len(items), "by_kind": by_kind, "claims": count_verdicts(items, CLAIM),
+            "claims_after_holm": held, "seeds": sorted({c.seeds for c in items})}
 
 
 def _counts_text(counts: dict[str, int]) -> str:
@@ -316,28 +335,24 @@ def family_section(named: Sequence[tuple[str, Comparison | dict]], heading: str 
     from .report import markdown_table
 
     items = [(name, _as_comparison(c)) for name, c in named]
-    adjusted = holm([c.p_value for _, c in items])
-    after = {id(c): _after_holm(c, p) for (_, c), p in zip(items, adjusted)}
-    claims = [c for _, c in items if c.kind == CLAIM]
-    kept = dict.fromkeys(VERDICTS, 0)
-    for c in claims:
-        kept[after[id(c)]] += 1
-    seeds = sorted({c.seeds for _, c in items})
+    comparisons = [c for _, c in items]
+    counts, adjusted, after = tally(comparisons), holm([c.p_value for c in comparisons]), after_holm(comparisons)
+    seeds = counts["seeds"]
     seeds_text = (f"{seeds[0]} seeds each" if len(seeds) == 1 else f"{seeds[0]}–{seeds[-1]} seeds each") if seeds else ""
-    others = [f"{sum(c.kind == kind for _, c in items)} {kind} ({_counts_text(count_verdicts([c for _, c in items], kind))})"
-              for kind in (*KINDS[1:], UNCLASSIFIED) if any(c.kind == kind for _, c in items)]
+    others = [f"{counts['by_kind'][kind]} {kind} ({_counts_text(count_verdicts(comparisons, kind))})"
+              for kind in (*KINDS[1:], UNCLASSIFIED) if counts["by_kind"][kind]]
     lines = [
-        f"**{len(claims)} paper claims at the papers' settings** (of {len(items)} paired comparisons, {seeds_text}): "
-        f"by the raw 95 % interval **{_counts_text(count_verdicts(claims))}**; after Holm's correction over all "
-        f"{len(items)} comparisons, **{_counts_text(kept)}**."
+        f"**{counts['by_kind'][CLAIM]} paper claims at the papers' settings** (of {len(items)} paired comparisons, "
+        f"{seeds_text}): by the raw 95 % interval **{_counts_text(counts['claims'])}**; after Holm's correction over "
+        f"all {len(items)} comparisons, **{_counts_text(counts['claims_after_holm'])}**."
         + (f" Listed apart: {'; '.join(others)}." if others else ""),
         "",
         f"{RULE} {TESTS}",
     ]
     for kind in (*KINDS, UNCLASSIFIED):
         rows = [[name, c.metric, f"{c.variant} − {c.baseline}", c.paper, c.interval(), _p(c.p_value), _p(p),
-                 _p(c.p_sign_flip), c.seeds, c.verdict, after[id(c)]]
-                for (name, c), p in zip(items, adjusted) if c.kind == kind]
+                 _p(c.p_sign_flip), c.seeds, c.verdict, held]
+                for (name, c), p, held in zip(items, adjusted, after) if c.kind == kind]
         if rows:
             lines += ["", f"{heading} {kind[0].upper()}{kind[1:]}: {KIND_MEANING[kind]}", "", markdown_table(
                 ["experiment", "metric", "difference", "the paper", "this run: mean [95 % interval]", "p (t)",
