@@ -60,7 +60,7 @@ def test_suite_reports_every_experiment_and_survives_a_failure(tmp_path, failing
     assert len(comparisons) == 1 and comparisons[0]["seeds"] == 2
     counts = count_verdicts(comparisons)
     assert "1 paired comparisons" in report and all(f"**{n} {v}**" in report for v, n in counts.items())
-    assert Comparison.from_dict(comparisons[0]).interval() in report.split("## Every comparison")[1]
+    assert Comparison.from_dict(comparisons[0]).interval() in report.split("## Verdicts")[1]
     assert "## Reproducibility" in report and "BLAS" in report and '"git_commit"' in report
     assert json.loads((patch_dir / "provenance.json").read_text())["torch"] == torch.__version__
     html = (path.parent / "report.html").read_text()

@@ -129,8 +129,8 @@ def test_family_section_heads_with_the_paper_claims_and_corrects_for_all_compari
     assert comparison(weak).p_value < 0.05 < 4 * comparison(weak).p_value
     text = family_section(named)
     assert text.startswith("**2 paper claims at the papers' settings** (of 4 paired comparisons, 6 seeds each)")
-    assert f"by the raw 95 % interval **2 {SAME}, 0 {OPPOSITE}, 0 {INCONCLUSIVE}**" in text
-    assert f"after Holm's correction over all 4 comparisons, **1 {SAME}, 0 {OPPOSITE}, 1 {INCONCLUSIVE}**" in text
+    assert f"by the raw 95 % interval **2 {SAME}**, **0 {OPPOSITE}**, **0 {INCONCLUSIVE}**" in text
+    assert f"after Holm's correction over all 4 comparisons, 1 {SAME}, 0 {OPPOSITE}, 1 {INCONCLUSIVE}." in text
     assert f"1 {EXTENSION} (1 {SAME}" in text and f"1 {NOISE} (0 {SAME}, 0 {OPPOSITE}, 1 {INCONCLUSIVE})" in text
     assert text.index("Paper claim:") < text.index("Within the paper's noise:") and "p (Holm)" in text
     claims = text.split("Paper claim:")[1].split("###")[0]

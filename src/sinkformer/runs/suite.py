@@ -57,7 +57,7 @@ from .._optional import require
 from .._options import did_you_mean
 from .registry import on_log, registry, run_experiment
 from .report import atomic_write, markdown_table, new_run_dir, render_html
-from .verdicts import RULE, VERDICTS, Comparison, count_verdicts
+from .verdicts import VERDICTS, count_verdicts, family_section
 
 __all__ = ["SuiteEntry", "ExperimentTimeout", "run_suite", "summary_markdown", "expected_wall_minutes"]
 
@@ -436,7 +436,6 @@ def summary_markdown(entries: list[SuiteEntry], summary_dir: Path, started: _dt.
     """The summary report: verdicts counted by kind, overview, every paired comparison with its
     interval next to the paper's number, provenance, failures, then each experiment's report."""
     comparisons = [(e.name, c) for e in entries for c in e.results.get("comparisons", [])]
-    counts = count_verdicts([c for _, c in comparisons])
     overview = markdown_table(
         ["experiment", "paper", "verdicts (same / opposite / inconclusive)", "time", "expected", "status"],
         [[f"[{e.name}]({_rel(e.out_dir / 'report.md', summary_dir)})" if e.ok else e.name, e.paper,
@@ -453,18 +452,11 @@ def summary_markdown(entries: list[SuiteEntry], summary_dir: Path, started: _dt.
         f"{facts['sinkformer']} at {facts['git_commit']}. Quick configurations on embedded data: small models, few "
         f"epochs — they test the direction of each finding, not the papers' numbers "
         f"(`sinkformer run NAME --full --data PATH` runs a paper's configuration).*",
-        "## Verdicts",
-        f"{len(comparisons)} paired comparisons of a Sinkformer (or Sparse Sinkhorn variant) with its Transformer: "
-        + ", ".join(f"**{n} {v}**" for v, n in counts.items()) + f". {RULE}",
+        "## Verdicts (every comparison, by what it tests)",
+        family_section(comparisons, heading="###"),  # the paper claims first, before and after Holm's correction
         "## Overview",
         overview,
     ]
-    if comparisons:
-        rows = [[name, c["metric"], f"{c['variant']} − {c['baseline']}", c["paper"],
-                 Comparison.from_dict(c).interval(), c["seeds"], c["verdict"]] for name, c in comparisons]
-        parts += ["## Every comparison: the paper and this run", markdown_table(
-            ["experiment", "metric", "difference", "the paper", "this run: mean [95 % interval]", "seeds", "verdict"],
-            rows)]
     found = [e for e in entries if "finding" in e.results]
     if found:
         parts += ["## Paper vs these runs, in words", markdown_table(

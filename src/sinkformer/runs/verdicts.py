@@ -335,6 +335,8 @@ def family_section(named: Sequence[tuple[str, Comparison | dict]], heading: str 
     from .report import markdown_table
 
     items = [(name, _as_comparison(c)) for name, c in named]
+    if not items:
+        return "No paired comparison in this run (measurements only, no verdict)."
     comparisons = [c for _, c in items]
     counts, adjusted, after = tally(comparisons), holm([c.p_value for c in comparisons]), after_holm(comparisons)
     seeds = counts["seeds"]
@@ -343,8 +345,9 @@ def family_section(named: Sequence[tuple[str, Comparison | dict]], heading: str 
               for kind in (*KINDS[1:], UNCLASSIFIED) if counts["by_kind"][kind]]
     lines = [
         f"**{counts['by_kind'][CLAIM]} paper claims at the papers' settings** (of {len(items)} paired comparisons, "
-        f"{seeds_text}): by the raw 95 % interval **{_counts_text(counts['claims'])}**; after Holm's correction over "
-        f"all {len(items)} comparisons, **{_counts_text(counts['claims_after_holm'])}**."
+        f"{seeds_text}): by the raw 95 % interval " + ", ".join(f"**{n} {v}**" for v, n in counts["claims"].items())
+        + "; after Holm's correction over "
+        f"all {len(items)} comparisons, {_counts_text(counts['claims_after_holm'])}."
         + (f" Listed apart: {'; '.join(others)}." if others else ""),
         "",
         f"{RULE} {TESTS}",
