@@ -25,9 +25,9 @@ from torch import Tensor
 from .._validation import check_tensor
 from ._linalg import f64, sym_sqrt
 from ._streaming import log_weights
-from .velocity import velocity
+from .velocity import on_sphere, velocity
 
-__all__ = ["f0", "t0_field", "f_inf", "f_inf_gaussian", "jacobian_asymmetry"]
+__all__ = ["f0", "t0_field", "f_inf", "f_inf_gaussian", "jacobian_asymmetry", "twisted_mobility", "twisted_dissipation"]
 
 
 def _log_w(x: Tensor, weights: Tensor | None) -> Tensor:
@@ -94,3 +94,48 @@ def jacobian_asymmetry(field: Callable[[Tensor], Tensor], x: Tensor) -> float:
     n, d = x.shape
     J = torch.autograd.functional.jacobian(field, x).reshape(n * d, n * d)
     return float((J - J.T).norm() / J.norm())
+
+
+def twisted_mobility(A: Tensor, V: Tensor) -> Tensor:
+    """:math:`B = VA^{-1}` of the twisted-Wasserstein structure (``docs/theory.md`` §16.5), checked symmetric positive definite.
+
+    The SoftMax flow with :math:`A = K^\\top Q` symmetric and :math:`V = BA` is the gradient ascent of
+    :math:`F_0` for the metric :math:`\\lVert v\\rVert^2_\\mu=\\int Z_\\mu\\langle v, B^{-1}v\\rangle d\\mu`; raises
+    ``ValueError`` when :math:`A` is not symmetric invertible or :math:`B` not symmetric positive definite.
+    """
+    A, V = f64(A), f64(V)
+    scale = float(A.abs().max()) or 1.0
+    if float((A - A.T).abs().max()) > 1e-10 * scale:
+        raise ValueError("the twisted-Wasserstein structure needs a symmetric A = K^T Q; got a non-symmetric A")
+    try:
+        B = torch.linalg.solve(A.T, V.T).T  # V A^{-1}
+    except RuntimeError as err:
+        raise ValueError(f"the twisted-Wasserstein structure needs an invertible A = K^T Q ({err})") from None
+    if float((B - B.T).abs().max()) > 1e-8 * (float(B.abs().max()) or 1.0) or float(torch.linalg.eigvalsh(B).min()) <= 0:
+        raise ValueError("the twisted-Wasserstein structure needs V = B A with B symmetric positive definite; "
+                         f"V A^-1 = {B.tolist()} is not")
+    return (B + B.T) / 2
+
+
+def twisted_dissipation(x: Tensor, A: Tensor, V: Tensor, weights: Tensor | None = None, *,
+                        geometry: str = "euclidean") -> Tensor:
+    """:math:`\\lVert\\Gamma_\\mu\\rVert^2_{\\mu}=\\sum_iw_i\\,Z_\\mu(x_i)\\,\\langle\\Gamma_\\mu(x_i),B^{-1}\\Gamma_\\mu(x_i)\\rangle` ``(...)``.
+
+    The rate :math:`\\frac{d}{dt}F_0(\\mu_t)` that the twisted-Wasserstein structure predicts along the SoftMax flow
+    (``docs/theory.md`` §16.5): :math:`Z_\\mu(x)=\\sum_jw_je^{\\langle Ax,x_j\\rangle}`, :math:`\\Gamma` the SoftMax field of
+    ``(Q, K, V) = (A, I, V)``, :math:`B=VA^{-1}` (:func:`twisted_mobility`). With ``geometry="sphere"`` the tokens are
+    normalised, :math:`\\Gamma` is the tangent field, and :math:`B` must be a multiple of the identity.
+    """
+    check_tensor(x, "x", min_dim=2, floating=True)
+    B = twisted_mobility(A, V).to(x.dtype)
+    d = x.shape[-1]
+    if geometry == "sphere":
+        if float((B - B[0, 0] * torch.eye(d, dtype=x.dtype)).abs().max()) > 1e-10 * float(B.abs().max()):
+            raise ValueError("on the sphere the twisted structure needs V = b A with b > 0 (B a multiple of I)")
+        x = on_sphere(x)
+    field = velocity(x, (A.to(x.dtype), torch.eye(d, dtype=x.dtype), V.to(x.dtype)), "softmax", weights=weights,
+                     geometry=geometry)
+    lw = _log_w(x, weights)
+    Z = torch.logsumexp(_scores(x, A) + lw.unsqueeze(-2), dim=-1).exp()
+    quad = (field * torch.linalg.solve(B, field.unsqueeze(-1)).squeeze(-1)).sum(-1)
+    return (lw.exp() * Z * quad).sum(-1)
