@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .provenance import require_clean_source
 from .report import markdown_table
 from .verdicts import CLAIM, EXTENSION, KINDS, NOISE, UNCLASSIFIED, VERDICTS, WORSE, Comparison, family_section, tally
 
@@ -73,7 +74,7 @@ def digest(summary_dir: str | Path) -> dict[str, Any]:
             "comparisons": results.get("comparisons", []), "finding": results.get("finding"),
         })
     return {"provenance": summary["provenance"], "seconds": round(summary["seconds"]), "jobs": summary["jobs"],
-            "started": summary["started"], "experiments": experiments}
+            "started": summary["started"], "calibration": summary.get("calibration"), "experiments": experiments}
 
 
 def _named(data: dict[str, Any]) -> list[tuple[str, dict]]:
@@ -190,8 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("check", help="exit 1 when a page is not what render gives")
     args = parser.parse_args(argv)
     if args.command == "digest":
+        made = digest(args.summary_dir)
+        try:  # the committed digest must name the one clean commit that made it
+            require_clean_source(made["provenance"], f"the digest of {args.summary_dir}")
+        except ValueError as err:
+            parser.error(str(err))
         DIGEST.parent.mkdir(parents=True, exist_ok=True)
-        DIGEST.write_text(json.dumps(digest(args.summary_dir), indent=1, ensure_ascii=False) + "\n")
+        DIGEST.write_text(json.dumps(made, indent=1, ensure_ascii=False) + "\n")
         print(f"wrote {DIGEST}")
         return 0
     stale = {page: text for page, text in render_docs().items() if page.read_text() != text}

@@ -39,7 +39,8 @@ from .report import atomic_write, new_run_dir, render_html
 
 yaml = require("yaml", "run configurations")
 
-__all__ = ["Experiment", "Run", "register", "registry", "get", "parse_overrides", "run_experiment", "on_log"]
+__all__ = ["Experiment", "Run", "register", "registry", "get", "parse_overrides", "run_experiment", "on_log",
+           "on_progress", "progress_beat"]
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,28 @@ def on_log(listener: Callable[["Run", dict[str, Any]], None]) -> Iterator[None]:
         _LOG_LISTENERS.remove(listener)
 
 
+#: Called as ``listener()`` at every sign of progress (see :func:`on_progress`).
+_PROGRESS_LISTENERS: list[Callable[[], None]] = []
+
+
+@contextmanager
+def on_progress(listener: Callable[[], None]) -> Iterator[None]:
+    """Call ``listener()`` at every sign of progress in the block: each row a :class:`Run` logs and each
+    optimisation step of :func:`~sinkformer.runs.training.fit` (the suite's stall detector listens). A
+    listener must be cheap and must not raise."""
+    _PROGRESS_LISTENERS.append(listener)
+    try:
+        yield
+    finally:
+        _PROGRESS_LISTENERS.remove(listener)
+
+
+def progress_beat() -> None:
+    """Tell the :func:`on_progress` listeners that the running experiment moved on (a step, a row)."""
+    for listener in list(_PROGRESS_LISTENERS):
+        listener()
+
+
 @dataclass
 class Run:
     """The context an experiment runs in: configuration, output folder, logging helpers."""
@@ -203,6 +226,7 @@ class Run:
             writer.writeheader()
             writer.writerows(self._rows)
         tmp.replace(self.out_dir / "metrics.csv")
+        progress_beat()
         for listener in list(_LOG_LISTENERS):
             listener(self, row)
 

@@ -11,9 +11,16 @@ in its quick configuration on embedded data (one after the other, with its progr
   (figures linked by relative path);
 * ``report.html`` — the same page with the figures embedded, to open in a browser.
 
-An experiment that fails is recorded with its error and the suite goes on with the next one; so
-is one that runs past its time limit (``limit_factor`` × its expected quick run time, at least
-``min_limit`` seconds), which keeps the suite's total bounded.
+An experiment that fails is recorded with its error and the suite goes on with the next one. Being
+slow is not a failure: an experiment is stopped only when it *stalls* — no logged row and no
+training step for ``stall_minutes`` (:data:`STALL_MINUTES`) — or, opt-in, when it runs longer than
+``time_limit`` minutes (``sinkformer run --time-limit MIN``); both are reported as failed, with why.
+
+The announced time is calibrated on the machine it runs on: a short measurement at the start
+(:func:`calibration`, a fraction of a second of training steps of a small Sinkformer layer) is
+compared with the same measurement of the committed quick run (``sinkformer/runs/measured/quick-run.json``),
+and the committed times are scaled by the ratio. Ctrl-C stops the suite with one line saying which
+run folders were kept; no summary is written then.
 
 With ``jobs > 1`` the experiments run in that many worker processes at once (longest expected first;
 each worker keeps the parent's torch thread count, so quick runs use one thread per core), and the
@@ -35,6 +42,7 @@ from __future__ import annotations
 import datetime as _dt
 import heapq
 import json
+import logging
 import multiprocessing
 import os
 import queue as _queue
@@ -55,16 +63,21 @@ from ..plotting import pyplot
 from .provenance import WHAT_CHANGES_RESULTS, provenance
 from .._optional import require
 from .._options import did_you_mean
-from .registry import on_log, registry, run_experiment
+from .registry import on_log, on_progress, registry, run_experiment
 from .report import atomic_write, markdown_table, new_run_dir, render_html
 from .verdicts import VERDICTS, count_verdicts, family_section
 
-__all__ = ["SuiteEntry", "ExperimentTimeout", "run_suite", "summary_markdown", "expected_wall_minutes"]
+__all__ = ["SuiteEntry", "ExperimentStopped", "ExperimentStalled", "ExperimentTimeout", "run_suite", "summary_markdown",
+           "expected_wall_minutes", "committed_seconds", "calibration", "STALL_MINUTES"]
+
+logger = logging.getLogger(__name__)
 
 #: Plain (log file) output: at most one progress line per running experiment this often, in seconds ...
 PROGRESS_INTERVAL = 30.0
 #: ... and a "still running" line after this long without a logged row.
 HEARTBEAT_INTERVAL = 120.0
+#: An experiment with no sign of progress (no logged row, no training step) for this many minutes has stalled.
+STALL_MINUTES = 20.0
 
 
 @dataclass
@@ -90,8 +103,8 @@ def run_suite(
     names: list[str] | None = None,
     seeds: int | None = None,
     overrides: dict[str, dict[str, Any]] | None = None,
-    limit_factor: float | None = 3.0,
-    min_limit: float = 120.0,
+    time_limit: float | None = None,
+    stall_minutes: float | None = STALL_MINUTES,
     jobs: int = 1,
     echo=print,
     plain: bool | None = None,
@@ -102,15 +115,19 @@ def run_suite(
         runs_dir: where run folders go (``runs_dir/NAME/<timestamp>/``, ``runs_dir/summary/<timestamp>/``).
         seeds: number of seeds for every experiment (default: each experiment's own).
         overrides: per experiment name, configuration overrides (as ``run_experiment(overrides=)``).
-        limit_factor, min_limit: an experiment is stopped (and reported as failed) after
-            ``max(min_limit, limit_factor * 60 * quick_minutes)`` seconds; ``None``: no limit.
+        time_limit: minutes after which an experiment is stopped and reported as failed (``None``, the
+            default: no limit — a slow experiment is never a failure).
+        stall_minutes: an experiment with no sign of progress (no logged row, no training step) for
+            this many minutes is stopped and reported as stalled (``None``: never).
         jobs: experiments run at once, each in its own process (1: one after the other, in this
             process; experiments registered at run time, as in tests, exist only here).
         echo: where progress lines go.
         plain: timestamped progress lines instead of a redrawn progress bar (for a log file); default:
             when stdout is not a terminal.
 
-    Returns the path of the summary ``report.md``.
+    Returns the path of the summary ``report.md``. Ctrl-C (``KeyboardInterrupt``) stops the running
+    experiments and is raised again with a message saying which run folders were kept (no summary
+    is written).
     """
     experiments = registry()
     names = list(experiments) if names is None else names
@@ -120,34 +137,112 @@ def run_suite(
         raise ValueError(f"unknown experiment(s) {', '.join(unknown)}; {hints}valid names: {', '.join(experiments)}")
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
+    for option, value in (("time_limit", time_limit), ("stall_minutes", stall_minutes)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{option} must be a positive number of minutes (or None for no limit), got {value}")
     if plain is None:
         plain = not _isatty(sys.stdout)
     started, clock = _dt.datetime.now(), time.perf_counter()
-    summary_dir = new_run_dir(Path(runs_dir) / "summary")
-    minutes = [experiments[n].quick_minutes for n in names]
-    wall = expected_wall_minutes(minutes, jobs)
-    echo(f"sinkformer run: {len(names)} experiments, quick form on embedded data (expected about {wall:.1f} min"
-         + (f" with {jobs} processes; {sum(minutes):.1f} min of work)" if jobs > 1 else ")"))
-
-    def limit_of(name: str) -> float | None:
-        return None if limit_factor is None else max(min_limit, limit_factor * 60 * experiments[name].quick_minutes)
+    measured = calibration()
+    echo(_announcement(names, jobs, measured))
+    commit = provenance("sinkformer run")["git_commit"]
+    if commit.endswith("-dirty"):
+        logger.warning("the source tree has uncommitted changes (%s): this run can be read, but not committed as the "
+                       "quick-run digest (commit first, then run again)", commit)
 
     def task(name: str) -> tuple:
-        return name, seeds, (overrides or {}).get(name), runs_dir, limit_of(name)
+        return name, seeds, (overrides or {}).get(name), runs_dir, stall_minutes, time_limit
 
-    if jobs == 1:
-        entries = _run_sequential(names, task, clock, echo, plain)
-    else:
-        entries = _run_parallel(names, task, jobs, clock, echo, plain)
+    done: dict[str, SuiteEntry] = {}
+    try:
+        if jobs == 1:
+            _run_sequential(names, task, clock, echo, plain, done)
+        else:
+            _run_parallel(names, task, jobs, clock, echo, plain, done)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(_what_was_kept(names, done, Path(runs_dir), started, time.perf_counter() - clock)) from None
+    entries = [done[n] for n in names]
     seconds = time.perf_counter() - clock
+    summary_dir = new_run_dir(Path(runs_dir) / "summary")  # made at the end: an interrupted suite leaves none
     markdown = summary_markdown(entries, summary_dir, started, seconds, jobs=jobs)
-    atomic_write(summary_dir / "summary.json", json.dumps(_summary_json(entries, started, seconds, jobs), indent=1))
+    atomic_write(summary_dir / "summary.json",
+                 json.dumps(_summary_json(entries, started, seconds, jobs, measured), indent=1))
     atomic_write(summary_dir / "report.html", render_html(markdown, summary_dir, "sinkformer: summary of the experiments"))
     path = atomic_write(summary_dir / "report.md", markdown)
     failed = [e.name for e in entries if not e.ok]
     echo(f"\n{len(entries) - len(failed)} of {len(entries)} experiments done in {_minutes(time.perf_counter() - clock)}"
          + (f"; failed: {', '.join(failed)}" if failed else ""))
     return path
+
+
+def committed_seconds(names: Iterable[str]) -> dict[str, float]:
+    """Each experiment's time in the committed quick run (``quick-run.json``), or its registered
+    ``quick_minutes`` when that run does not have it."""
+    from .readme import load_quick_run
+
+    experiments, measured = registry(), load_quick_run()
+    return {n: float(measured.get(n, 60 * experiments[n].quick_minutes)) for n in names}
+
+
+def calibration(budget: float = 0.4) -> dict[str, Any]:
+    """This machine's speed now, for scaling the committed times: ``{"step_ms", "threads"}``, the mean
+    wall time of a training step (forward, backward, Adam) of a small Sinkformer encoder layer (width
+    32, 4 heads, 3 Sinkhorn iterations, 16 sequences of 32 tokens), over about ``budget`` seconds
+    after one warm-up step, with torch's current thread count. A mean, not a minimum: other processes
+    competing for the cores slow it as they slow the experiments. The global random state is left
+    as it was."""
+    import torch
+
+    from ..nn import TransformerEncoderLayer
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        layer = TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True,
+                                        normalization="sinkhorn", n_iters=3)
+        optimizer = torch.optim.Adam(layer.parameters(), lr=1e-3)
+        x = torch.randn(16, 32, 32)
+
+        def step() -> None:
+            optimizer.zero_grad()
+            layer(x).square().mean().backward()
+            optimizer.step()
+
+        step()
+        steps, start = 0, time.perf_counter()
+        while steps < 3 or time.perf_counter() - start < budget:
+            step()
+            steps += 1
+        seconds = time.perf_counter() - start
+    return {"step_ms": round(1000 * seconds / steps, 3), "threads": torch.get_num_threads()}
+
+
+def _committed_calibration() -> dict[str, Any] | None:
+    """The calibration of the committed quick run (``None`` when it has none)."""
+    from .readme import DIGEST
+
+    try:
+        return json.loads(DIGEST.read_text()).get("calibration")
+    except (OSError, ValueError):
+        return None
+
+
+def _announcement(names: list[str], jobs: int, measured: dict[str, Any]) -> str:
+    """The first line: how many experiments, and the expected wall time here (committed times scaled
+    by this machine's calibration against the committed run's)."""
+    seconds = committed_seconds(names)
+    reference = _committed_calibration()
+    if reference and reference.get("step_ms") and reference.get("threads") == measured["threads"]:
+        factor = measured["step_ms"] / reference["step_ms"]
+        scaled = (f"the committed times x {factor:.2g}: a calibration step took {measured['step_ms']:.3g} ms here, "
+                  f"{reference['step_ms']:.3g} ms for the committed run")
+    else:
+        factor, scaled = 1.0, "the committed times, not calibrated: the committed run has no calibration with " \
+                              f"{measured['threads']} thread(s)"
+    minutes = [factor * seconds[n] / 60 for n in names]
+    wall = expected_wall_minutes(minutes, jobs)
+    work = f" with {jobs} processes, {sum(minutes):.1f} min of work" if jobs > 1 else ""
+    return (f"sinkformer run: {len(names)} experiments, quick form on embedded data (expected about {wall:.1f} min"
+            f"{work}; {scaled})")
 
 
 def expected_wall_minutes(minutes: Iterable[float], jobs: int) -> float:
@@ -165,16 +260,19 @@ def expected_wall_minutes(minutes: Iterable[float], jobs: int) -> float:
     return max(loads)
 
 
-def _run_one(name: str, seeds: int | None, overrides: dict | None, runs_dir, limit: float | None,
-             progress=None) -> SuiteEntry:
-    """Run one experiment under its time limit; a failure becomes an entry with the error.
+def _run_one(name: str, seeds: int | None, overrides: dict | None, runs_dir, stall_minutes: float | None,
+             time_limit: float | None, progress=None) -> SuiteEntry:
+    """Run one experiment, watched by the stall detector (and the opt-in time limit); a failure becomes
+    an entry with the error.
 
     ``progress``: where ``(name, rows, epochs)`` go (``progress.put``) as the experiment logs rows."""
     exp = registry()[name]
     start = time.perf_counter()
     counter = _RowCounter(name, progress)
+    watchdog = _Watchdog(None if stall_minutes is None else 60 * stall_minutes,
+                         None if time_limit is None else 60 * time_limit)
     try:
-        with _time_limit(limit), on_log(counter):
+        with watchdog, on_progress(watchdog.beat), on_log(counter):
             ctx = run_experiment(name, seeds=seeds, overrides=overrides, runs_dir=runs_dir)
     except Exception as err:  # one failing experiment must not stop the others
         return SuiteEntry(name, exp.paper, exp.quick_minutes, time.perf_counter() - start,
@@ -217,9 +315,9 @@ class _RowCounter:
             return
         self.sent, self.sent_at = (self.rows, self.epochs), time.perf_counter()
         try:
-            with _alarm_deferred():  # the time limit's exception must not land inside the queue's protocol
+            with _alarm_deferred():  # the watchdog's exception must not land inside the queue's protocol
                 self.sink.put((self.name, self.rows, self.epochs))
-        except ExperimentTimeout:
+        except ExperimentStopped:
             raise
         except Exception:
             self.sink = None
@@ -227,7 +325,7 @@ class _RowCounter:
 
 @contextmanager
 def _alarm_deferred() -> Iterator[None]:
-    """Hold SIGALRM (the time limit) for the block; a pending one is delivered after it."""
+    """Hold SIGALRM (the watchdog's) for the block; a pending one is delivered after it."""
     if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -325,45 +423,54 @@ def _isatty(stream) -> bool:
         return False
 
 
-def _run_sequential(names: list[str], task, clock: float, echo, plain: bool) -> list[SuiteEntry]:
-    """Run ``names`` one after the other in this process. On a terminal each training run shows its
-    own bar; ``plain``: timestamped start, progress and end lines."""
+def _run_sequential(names: list[str], task, clock: float, echo, plain: bool, done: dict[str, SuiteEntry]) -> None:
+    """Run ``names`` one after the other in this process, each entry into ``done`` as it ends. On a
+    terminal each training run shows its own bar; ``plain``: timestamped start, progress and end lines."""
     experiments = registry()
     progress = _Progress(len(names), echo, plain)
-    entries = []
     for i, name in enumerate(names, 1):
         exp = experiments[name]
         about = f"{exp.paper}: {exp.description} (expected {exp.quick_minutes:g} min)"
         if plain:
             progress.start(name, f"started {name} ({i}/{len(names)}) — {about}")
-            entries.append(_run_one(*task(name), progress))
-            progress.finish(entries[-1], clock)
+            done[name] = _run_one(*task(name), progress)
+            progress.finish(done[name], clock)
         else:
             echo(f"\n[{i}/{len(names)}] {name} — {about}")
-            entries.append(_run_one(*task(name)))
-            echo(f"[{i}/{len(names)}] {_outcome(entries[-1])}")
+            done[name] = _run_one(*task(name))
+            echo(f"[{i}/{len(names)}] {_outcome(done[name])}")
             echo(f"    elapsed {_minutes(time.perf_counter() - clock)} of the suite")
-    return entries
 
 
 def _init_worker(threads: int) -> None:
+    """A worker process: the parent's torch thread count; Ctrl-C is the parent's to handle (it stops
+    the workers), so the worker's own copy of the signal is ignored (no traceback from every worker)."""
     import torch
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
 
 
-def _run_parallel(names: list[str], task, jobs: int, clock: float, echo, plain: bool) -> list[SuiteEntry]:
-    """Run ``names`` on ``jobs`` spawned processes, longest expected first; entries in ``names`` order.
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """End ``pool``'s worker processes now (their experiments are abandoned) and shut it down."""
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        if process.is_alive():
+            process.terminate()
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _run_parallel(names: list[str], task, jobs: int, clock: float, echo, plain: bool,
+                  done: dict[str, SuiteEntry]) -> None:
+    """Run ``names`` on ``jobs`` spawned processes, longest expected first, each entry into ``done`` as it ends.
 
     The workers send their experiments' row counts on a manager queue, read here every second. On a
     terminal one bar shows them (lines go above it, ``tqdm.write``, when ``echo`` is ``print``, else to
-    ``echo``); ``plain``: timestamped lines to ``echo``, no bar."""
+    ``echo``); ``plain``: timestamped lines to ``echo``, no bar. Ctrl-C here ends the workers."""
     import torch
     tqdm = require("tqdm", "the suite's progress bar").tqdm
 
-    experiments = registry()
-    pending = sorted(names, key=lambda n: -experiments[n].quick_minutes)
-    done: dict[str, SuiteEntry] = {}
+    expected = committed_seconds(names)
+    pending = sorted(names, key=lambda n: -expected[n])
     context = multiprocessing.get_context("spawn")  # no fork of a process that has started torch's threads
     bar = None if plain else tqdm(total=len(names), desc="experiments", unit="exp", dynamic_ncols=True)
     progress = _Progress(len(names), bar.write if bar is not None and echo is print else echo, plain)
@@ -371,37 +478,68 @@ def _run_parallel(names: list[str], task, jobs: int, clock: float, echo, plain: 
         with context.Manager() as manager, _environment(TQDM_DISABLE="1"), ProcessPoolExecutor(
             jobs, mp_context=context, initializer=_init_worker, initargs=(torch.get_num_threads(),)
         ) as pool:
-            events = manager.Queue()
-            running = {}
-            while pending or running:
-                while pending and len(running) < jobs:
-                    name = pending.pop(0)
-                    running[pool.submit(_run_one, *task(name), events)] = name, time.perf_counter()
-                    exp = experiments[name]
-                    progress.start(name, f"started {name} — {exp.paper} (expected {exp.quick_minutes:g} min)")
-                finished, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
-                _drain(events, progress)
-                for future in finished:
-                    name, start = running.pop(future)
-                    try:
-                        entry = future.result()
-                    except Exception as err:  # the task never ran to an entry: worker killed, unpicklable task, ...
-                        exp = experiments[name]
-                        entry = SuiteEntry(name, exp.paper, exp.quick_minutes, time.perf_counter() - start,
-                                           error=f"the worker process could not run it: {type(err).__name__}: {err}")
-                    done[name] = entry
-                    progress.finish(entry, clock)
-                    if bar is not None:
-                        bar.set_postfix_str(progress.postfix() if running else "", refresh=False)
-                        bar.update(1)
-                progress.tick()
-                if bar is not None:
-                    bar.set_postfix_str(progress.postfix() if running else "", refresh=False)
-                    bar.refresh()
+            try:
+                _schedule(pool, pending, task, jobs, manager.Queue(), progress, bar, clock, done)
+            except KeyboardInterrupt:
+                _stop_workers(pool)
+                raise
     finally:
         if bar is not None:
             bar.close()
-    return [done[n] for n in names]
+
+
+def _schedule(pool, pending: list[str], task, jobs: int, events, progress: "_Progress", bar, clock: float,
+              done: dict[str, SuiteEntry]) -> None:
+    """Keep ``jobs`` experiments of ``pending`` running on ``pool`` until all are in ``done``."""
+    experiments = registry()
+    running = {}
+    while pending or running:
+        while pending and len(running) < jobs:
+            name = pending.pop(0)
+            running[pool.submit(_run_one, *task(name), events)] = name, time.perf_counter()
+            exp = experiments[name]
+            progress.start(name, f"started {name} — {exp.paper} (expected {exp.quick_minutes:g} min)")
+        finished, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
+        _drain(events, progress)
+        for future in finished:
+            name, start = running.pop(future)
+            try:
+                entry = future.result()
+            except Exception as err:  # the task never ran to an entry: worker killed, unpicklable task, ...
+                exp = experiments[name]
+                entry = SuiteEntry(name, exp.paper, exp.quick_minutes, time.perf_counter() - start,
+                                   error=f"the worker process could not run it: {type(err).__name__}: {err}")
+            done[name] = entry
+            progress.finish(entry, clock)
+            if bar is not None:
+                bar.set_postfix_str(progress.postfix() if running else "", refresh=False)
+                bar.update(1)
+        progress.tick()
+        if bar is not None:
+            bar.set_postfix_str(progress.postfix() if running else "", refresh=False)
+            bar.refresh()
+
+
+def _what_was_kept(names: list[str], done: dict[str, SuiteEntry], runs_dir: Path, started: _dt.datetime,
+                   seconds: float) -> str:
+    """The one line an interrupted suite ends with: what it kept (finished experiments' folders, the
+    partial folders of those it interrupted), and that it wrote no summary."""
+    finished = [e.name for e in done.values() if e.ok and e.out_dir is not None]
+    partial = [str(folder) for name in names if name not in finished
+               for folder in _folders_since(runs_dir / name, started)]
+    kept = [f"the folders of {len(finished)} finished experiment(s) under {runs_dir}/ ({', '.join(finished)})"
+            if finished else "no finished experiment"]
+    if partial:
+        kept.append(f"partial folders of unfinished ones: {', '.join(partial)}")
+    return f"interrupted after {_minutes(seconds)}, no summary written; kept {'; '.join(kept)}"
+
+
+def _folders_since(parent: Path, started: _dt.datetime) -> list[Path]:
+    """The run folders in ``parent`` made since ``started`` (their names are timestamps)."""
+    if not parent.is_dir():
+        return []
+    stamp = started.strftime("%Y%m%d-%H%M%S")
+    return sorted(p for p in parent.iterdir() if p.is_dir() and p.name >= stamp)
 
 
 def _drain(events, progress: _Progress) -> None:
@@ -473,10 +611,13 @@ def summary_markdown(entries: list[SuiteEntry], summary_dir: Path, started: _dt.
     return "\n\n".join(parts) + "\n"
 
 
-def _summary_json(entries: list[SuiteEntry], started: _dt.datetime, seconds: float, jobs: int) -> dict:
-    """Everything the summary shows, as data (read by :mod:`sinkformer.runs.readme`)."""
+def _summary_json(entries: list[SuiteEntry], started: _dt.datetime, seconds: float, jobs: int,
+                  calibration: dict[str, Any] | None = None) -> dict:
+    """Everything the summary shows, as data (read by :mod:`sinkformer.runs.readme`); ``calibration``:
+    this machine's :func:`calibration` at the start, which later runs compare theirs with."""
     return {
         "started": started.isoformat(timespec="seconds"), "seconds": round(seconds, 1), "jobs": jobs,
+        "calibration": calibration,
         "provenance": provenance("sinkformer run"),
         "entries": [{"name": e.name, "paper": e.paper, "ok": e.ok, "seconds": round(e.seconds, 1),
                      "out_dir": str(e.out_dir) if e.out_dir else None, "error": e.error,
@@ -512,27 +653,68 @@ def _embedded_report(out_dir: Path, summary_dir: Path) -> str:
     return f"{body}\n\n*Run folder: `{out_dir}`*"
 
 
-class ExperimentTimeout(Exception):
-    """An experiment of the suite ran past its time limit."""
+class ExperimentStopped(Exception):
+    """An experiment of the suite was stopped by the suite: it stalled, or ran past the opt-in time limit."""
 
 
-@contextmanager
-def _time_limit(seconds: float | None) -> Iterator[None]:
-    """Raise :class:`ExperimentTimeout` in the block after ``seconds`` (Unix main thread; else no limit)."""
-    if seconds is None or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
-        yield
-        return
+class ExperimentStalled(ExperimentStopped):
+    """An experiment showed no progress (no logged row, no training step) for the stall time."""
 
-    def stop(signum, frame):
-        raise ExperimentTimeout(f"stopped after {seconds:g} s, the suite's time limit for this experiment")
 
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+class ExperimentTimeout(ExperimentStopped):
+    """An experiment ran past the time limit the user asked for (``--time-limit``)."""
+
+
+class _Watchdog:
+    """Stops the experiment running in its block when it stalls — no :meth:`beat` for ``stall`` seconds
+    (:class:`ExperimentStalled`) — or, when ``limit`` is given, after ``limit`` seconds in all
+    (:class:`ExperimentTimeout`); ``None`` turns either off.
+
+    A beat only stores the time. A SIGALRM timer, armed for the earliest moment either could be due,
+    checks and re-arms itself, and its handler raises in the main thread, where the experiment runs.
+    Elsewhere (not Unix, not the main thread) the watchdog stops nothing."""
+
+    def __init__(self, stall: float | None, limit: float | None, clock=time.monotonic) -> None:
+        self.stall, self.limit, self.clock = stall, limit, clock
+        self.start = self.last = clock()
+        self.active = False
+
+    def beat(self) -> None:
+        self.last = self.clock()
+
+    def _due_in(self) -> float | None:
+        now, due = self.clock(), []
+        if self.stall is not None:
+            due.append(self.last + self.stall)
+        if self.limit is not None:
+            due.append(self.start + self.limit)
+        return max(min(due) - now, 0.01) if due else None
+
+    def _check(self, signum=None, frame=None) -> None:
+        now = self.clock()
+        if self.limit is not None and now - self.start >= self.limit:
+            raise ExperimentTimeout(f"stopped after {_minutes(now - self.start)}: past the time limit of "
+                                    f"{_minutes(self.limit)} asked for (--time-limit)")
+        if self.stall is not None and now - self.last >= self.stall:
+            raise ExperimentStalled(f"stopped after {_minutes(now - self.start)}: no progress (no logged row, no "
+                                    f"training step) for {_minutes(now - self.last)}; it looks stuck")
+        signal.setitimer(signal.ITIMER_REAL, self._due_in())
+
+    def __enter__(self) -> "_Watchdog":
+        self.start = self.last = self.clock()
+        due = self._due_in()
+        self.active = (due is not None and hasattr(signal, "setitimer")
+                       and threading.current_thread() is threading.main_thread())
+        if self.active:
+            self._previous = signal.signal(signal.SIGALRM, self._check)
+            signal.setitimer(signal.ITIMER_REAL, due)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.active:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self._previous)
+            self.active = False
 
 
 def _rel(path: Path, start: Path) -> str:
@@ -540,7 +722,9 @@ def _rel(path: Path, start: Path) -> str:
 
 
 def _minutes(seconds: float) -> str:
-    return f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
+    """``"16 min 05 s"``: whole seconds, rounded once (never ``"16 min 60 s"``)."""
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest:02d} s"
 
 
 def _close_figures() -> None:

@@ -12,7 +12,7 @@ import torch
 from .._optional import require
 from ..data import DataBundle
 from ..training import Callback, TrainConfig, TrainResult, train
-from .registry import Run
+from .registry import Run, progress_beat
 
 __all__ = ["fit", "training_seconds", "on_device"]
 
@@ -32,12 +32,16 @@ def on_device(device: str):
 
 class _EpochBar(Callback):
     """One progress bar per training run, advanced per epoch, showing the latest test metrics; with
-    ``log``, each epoch's row is also logged as it ends (so the suite's progress moves per epoch)."""
+    ``log``, each epoch's row is also logged as it ends (so the suite's progress moves per epoch).
+    Every optimisation step is a :func:`~.registry.progress_beat`."""
 
     def __init__(self, label: str, epochs: int, log: Callable[[dict[str, Any]], None] | None = None) -> None:
         tqdm = require("tqdm.auto", "progress bars").tqdm
         self.bar = tqdm(total=epochs, desc=label, unit="epoch", leave=True, dynamic_ncols=True)
         self.log = log
+
+    def on_step_end(self, epoch: int, step: int, loss: float) -> None:
+        progress_beat()  # the suite's stall detector sees every step, not only every epoch
 
     def on_epoch_end(self, row: dict[str, Any]) -> None:
         shown = {k: v for k, v in row.items() if k in ("train_loss", "test_acc", "test_bleu")}
