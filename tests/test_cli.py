@@ -159,21 +159,37 @@ def test_train_data_given_twice_is_an_error(train_flags, capsys):
     assert train_flags == {}
 
 
-def test_train_overwrite_reaches_run_training(monkeypatch):
+def test_train_options_and_threads_reach_run_training(monkeypatch, capsys):
     from sinkformer.training import runner
 
     calls = []
     monkeypatch.setattr(runner, "resolve_config", lambda file, **flags: {})
     monkeypatch.setattr(runner, "check_config", lambda config: None)
 
-    def run_training(config, **options):
-        calls.append(options)
+    def run_training(config, callbacks=(), **options):
+        calls.append({**options, "callbacks": [type(c).__name__ for c in callbacks], "threads": torch.get_num_threads()})
         raise ValueError("stopped by the test")
 
     monkeypatch.setattr(runner, "run_training", run_training)
+    threads = torch.get_num_threads()
+    free = [(1, 1.0)]
+    monkeypatch.setattr("sinkformer.training.threads.free_cores", lambda: free[0])
     assert main(["train", "--out", "x", "--overwrite"]) == 2
-    assert main(["train", "--out", "x"]) == 2
-    assert calls == [{"out_dir": "x", "resume": False, "overwrite": True}, {"out_dir": "x", "resume": False}]
+    assert main(["train", "--out", "x", "--threads", "3"]) == 2
+    assert main(["train", "--out", "x", "--resume", "--allow-schedule-changes"]) == 2
+    # without --threads: the free cores, followed while training; with it: that many, fixed
+    assert calls == [{"out_dir": "x", "resume": False, "overwrite": True, "callbacks": ["FollowFreeCores"], "threads": 1},
+                     {"out_dir": "x", "resume": False, "callbacks": [], "threads": 3},
+                     {"out_dir": "x", "resume": True, "allow_schedule_changes": True, "callbacks": ["FollowFreeCores"],
+                      "threads": 1}]
+    assert torch.get_num_threads() == threads  # the caller's setting comes back
+    assert "1 torch thread(s): other processes keep 1.0 of this machine's cores busy" in capsys.readouterr().err
+    free[0] = None  # where the cores' use cannot be read, torch's own setting stays
+    assert main(["train", "--out", "x"]) == 2 and calls[-1]["threads"] == threads
+    assert main(["train", "--out", "x", "--allow-schedule-changes"]) == 2
+    assert "--allow-schedule-changes only applies with --resume" in capsys.readouterr().err
+    assert main(["train", "--out", "x", "--threads", "0"]) == 2
+    assert "--threads must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_run_data_is_a_path(capsys):
@@ -328,13 +344,46 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_plain_suite_one_process(tmp_path, monkeypatch, one_thread):
+@pytest.fixture
+def calibrated(monkeypatch):
+    """This machine measured twice as slow as the committed run."""
+    monkeypatch.setattr(suite, "calibration", lambda: {"step_ms": 5.0, "threads": 1})
+    monkeypatch.setattr(suite, "_committed_calibration", lambda: {"step_ms": 2.5, "threads": 1})
+    return "the committed times x 2: a calibration step took 5 ms here, 2.5 ms for the committed run"
+
+
+def test_the_announced_time_is_the_committed_times_scaled_by_the_calibration(monkeypatch, calibrated):
+    names = ["normalizations", "patch-size", "sort"]
+    committed = suite.committed_seconds(names)
+    from sinkformer.runs.readme import load_quick_run
+    assert all(committed[n] == load_quick_run().get(n, 60 * get(n).quick_minutes) for n in names)
+    minutes = [2 * committed[n] / 60 for n in names]
+    assert suite._announcement(names, 1, {"step_ms": 5.0, "threads": 1}) == (
+        f"sinkformer run: 3 experiments, quick form on embedded data (expected about {sum(minutes):.1f} min; "
+        f"{calibrated})")
+    wall = suite.expected_wall_minutes(minutes, 2)
+    assert suite._announcement(names, 2, {"step_ms": 5.0, "threads": 1}) == (
+        f"sinkformer run: 3 experiments, quick form on embedded data (expected about {wall:.1f} min with 2 "
+        f"processes, {sum(minutes):.1f} min of work; {calibrated})")
+    # a committed run measured with another thread count (or none) is no reference: the times as committed
+    assert suite._announcement(names, 1, {"step_ms": 5.0, "threads": 2}).endswith(
+        f"(expected about {sum(minutes) / 2:.1f} min; the committed times, not calibrated: the committed run has "
+        f"no calibration with 2 thread(s))")
+
+
+def test_the_calibration_is_a_mean_step_time_that_leaves_the_random_state_alone(one_thread):
+    state = torch.get_rng_state()
+    measured = suite.calibration(budget=0.05)
+    assert measured["threads"] == 1 and 0 < measured["step_ms"] < 1000
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_plain_suite_one_process(tmp_path, monkeypatch, one_thread, calibrated):
     monkeypatch.setattr(suite, "PROGRESS_INTERVAL", 0.0)
     lines = []
     suite.run_suite(tmp_path, names=["normalizations", "patch-size"], overrides={"patch-size": TINY_PATCH},
                     echo=lines.append, plain=True)
-    expected = sum(get(n).quick_minutes for n in ("normalizations", "patch-size"))
-    assert lines[0] == f"sinkformer run: 2 experiments, quick form on embedded data (expected about {expected:.1f} min)"
+    assert lines[0] == suite._announcement(["normalizations", "patch-size"], 1, suite.calibration())
     epochs = _epochs("patch-size", tmp_path)
     assert epochs == 4  # 2 seeds x Transformer, Sinkformer x 1 epoch
     body = lines[1:-1]
@@ -353,14 +402,12 @@ def test_plain_suite_one_process(tmp_path, monkeypatch, one_thread):
     assert lines[-1].startswith("\n2 of 2 experiments done in")
 
 
-def test_plain_suite_two_processes(tmp_path, monkeypatch, capsys, one_thread):
+def test_plain_suite_two_processes(tmp_path, monkeypatch, capsys, one_thread, calibrated):
     monkeypatch.setattr(suite, "PROGRESS_INTERVAL", 0.0)
     lines = []
     suite.run_suite(tmp_path, names=["normalizations", "patch-size"], overrides={"patch-size": TINY_PATCH},
                     echo=lines.append, jobs=2, plain=True)
-    minutes = [get(n).quick_minutes for n in ("normalizations", "patch-size")]
-    assert lines[0] == (f"sinkformer run: 2 experiments, quick form on embedded data (expected about "
-                        f"{max(minutes):.1f} min with 2 processes; {sum(minutes):.1f} min of work)")
+    assert lines[0] == suite._announcement(["normalizations", "patch-size"], 2, suite.calibration())
     texts = [re.sub(STAMP, "", line) for line in lines[1:-1]]
     assert all(re.match(STAMP, line) for line in lines[1:-1])
     assert {t.split(" — ")[0] for t in texts[:2]} == {"started normalizations", "started patch-size"}
@@ -387,7 +434,7 @@ class _Stdout:
 
 def test_plain_is_the_default_when_stdout_is_not_a_terminal(tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(suite, "_run_sequential", lambda names, task, clock, echo, plain: seen.append(plain) or [])
+    monkeypatch.setattr(suite, "_run_sequential", lambda names, task, clock, echo, plain, done: seen.append(plain))
     monkeypatch.setattr(suite, "summary_markdown", lambda *args, **kwargs: "# summary\n")
     monkeypatch.setattr(suite, "_summary_json", lambda *args: {})
     for tty in (False, True):

@@ -12,6 +12,7 @@ warning: ``--data NAME`` (when NAME is a registered dataset and no such file exi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
@@ -61,9 +62,42 @@ def _cmd_experiments(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
+def _threads(given: int | None, default: int | None = None) -> int | None:
+    """The torch thread count a command runs with: ``--threads`` when given, else ``default``, else one
+    per core that other processes leave free (:func:`~sinkformer.training.threads.free_cores`);
+    ``None``: keep torch's own (the cores' use cannot be read here)."""
+    if given is not None:
+        if given < 1:
+            raise ValueError(f"--threads must be >= 1, got {given}")
+        return given
+    if default is not None:
+        return default
+    from .training.threads import free_cores
+
+    free = free_cores()
+    if free is None:
+        return None
+    if os.environ.get("RANK", "0") == "0":
+        logging.getLogger("sinkformer").info(
+            "%d torch thread(s): other processes keep %.1f of this machine's cores busy (--threads N to choose)", *free)
+    return free[0]
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int | None):
+    """Run the block with ``threads`` torch threads (``None``: as set), then restore the setting."""
     import torch
 
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
     from .runs.registry import get, parse_overrides, run_experiment
     from .runs.suite import run_suite
 
@@ -77,31 +111,42 @@ def _cmd_run(args: argparse.Namespace) -> int:
             raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
         if args.device != "auto":
             raise ValueError("--device applies to a single experiment: sinkformer run NAME --full --device cuda")
+        if args.time_limit is not None and not args.time_limit > 0:
+            raise ValueError(f"--time-limit must be a positive number of minutes, got {args.time_limit:g}")
     else:
-        if args.jobs is not None:
-            raise ValueError("--jobs only applies to the suite (sinkformer run without NAME)")
+        for flag, value in (("--jobs", args.jobs), ("--time-limit", args.time_limit)):
+            if value is not None:
+                raise ValueError(f"{flag} only applies to the suite (sinkformer run without NAME)")
         overrides = parse_overrides(args.set or [], get(args.name).defaults)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads or (threads if args.full else 1))
-    try:
+    # quick runs: one thread (small models gain little from more, and lose most when the cores are shared)
+    with _torch_threads(_threads(args.threads, None if args.full else 1)):
         if args.name is None:
             jobs = args.jobs or min(2, os.cpu_count() or 1)
-            path = run_suite(args.runs_dir, seeds=args.seeds, jobs=jobs)
+            path = run_suite(args.runs_dir, seeds=args.seeds, jobs=jobs, time_limit=args.time_limit)
             print(f"summary report: {path.resolve()}\n                {path.with_suffix('.html').resolve()}")
             return 0
-        ctx = run_experiment(
-            args.name, full=args.full, data=args.data, seeds=args.seeds, overrides=overrides, runs_dir=args.runs_dir,
-            device=args.device,
-        )
-    finally:
-        torch.set_num_threads(threads)
+        try:
+            ctx = run_experiment(
+                args.name, full=args.full, data=args.data, seeds=args.seeds, overrides=overrides,
+                runs_dir=args.runs_dir, device=args.device,
+            )
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt(_kept_of_experiment(args)) from None
     print(f"report: {(ctx.out_dir / 'report.md').resolve()}")
     return 0
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
-    import os
+def _kept_of_experiment(args: argparse.Namespace) -> str:
+    """What an interrupted ``sinkformer run NAME`` kept: its newest run folder, without a report."""
+    parent = Path(args.runs_dir) / args.name
+    folders = sorted(p for p in parent.iterdir() if p.is_dir()) if parent.is_dir() else []
+    if not folders or (folders[-1] / "report.md").exists():
+        return "interrupted: nothing kept"
+    kept = ", ".join(sorted(p.name for p in folders[-1].iterdir())) or "nothing in it"
+    return f"interrupted: kept the unfinished run folder {folders[-1]} ({kept}; no report)"
 
+
+def _cmd_train(args: argparse.Namespace) -> int:
     from .training.runner import check_config, resolve_config, run_training
 
     dataset, data = _train_data(args)
@@ -121,7 +166,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except TypeError as err:  # an option of the wrong type is a user mistake too
         raise ValueError(str(err)) from None
     more = {"overwrite": True} if args.overwrite else {}
-    result = run_training(config, out_dir=args.out, resume=args.resume, **more)
+    if args.allow_schedule_changes:
+        if not args.resume:
+            raise ValueError("--allow-schedule-changes only applies with --resume")
+        more["allow_schedule_changes"] = True
+    callbacks = []
+    if args.threads is None:  # follow the other processes' load while training
+        from .training.threads import FollowFreeCores
+
+        callbacks.append(FollowFreeCores())
+    with _torch_threads(_threads(args.threads)):
+        result = run_training(config, out_dir=args.out, resume=args.resume, callbacks=callbacks, **more)
     if os.environ.get("RANK", "0") == "0":
         final = ", ".join(f"{k} {v:.4g}" for k, v in result.final.items() if k.startswith("test_"))
         print(f"done: {final}; metrics, checkpoints and weights in {result.out_dir}")
@@ -271,9 +326,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=int, default=None, metavar="N",
                      help="torch CPU threads (default: 1 for quick runs, whose small models gain little from "
                           "more threads and slow down sharply when other processes share the cores; for --full, "
-                          "torch's own setting)")
+                          "one per core that other processes leave free)")
     run.add_argument("--jobs", type=int, default=None, metavar="N",
                      help="without NAME: experiments run at once, one process each (default: min(2, CPU cores))")
+    run.add_argument("--time-limit", type=float, default=None, metavar="MIN",
+                     help="without NAME: stop an experiment that runs longer than MIN minutes and report it as "
+                          "failed (default: no limit; an experiment that shows no progress for "
+                          "20 minutes is stopped as stalled)")
     run.add_argument("--device", default="auto",
                      help="where the models train: auto (CUDA when present, else the CPU), cpu, cuda, cuda:1, ...")
     run.set_defaults(func=_cmd_run)
@@ -288,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  sinkformer train --model vit --dataset digits --normalization softmax\n"
                "  sinkformer train --config vit_cats_dogs --data ~/data/cats_dogs\n"
-               "  torchrun --nproc_per_node=2 -m sinkformer train --model vit --dataset digits",
+               "  torchrun --standalone --nproc_per_node=2 -m sinkformer train --model vit --dataset digits",
         formatter_class=_HelpFormatter,
         add_help=False,
     )
@@ -309,7 +368,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override one option, e.g. train.lr=1e-4 or model.dim=64 (a YAML value; repeatable)")
     train.add_argument("--out", default=None, metavar="DIR",
                        help="run folder (default: runs/train/<model>-<normalization>-<dataset>-<time>)")
-    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the newest checkpoint in --out, with the run's own options (other model, "
+                            "data or optimisation options are refused)")
+    train.add_argument("--allow-schedule-changes", action="store_true",
+                       help="with --resume: allow options that only change how the run goes on (more epochs, "
+                            "evaluation and checkpoint intervals, the device; recorded in resumes.jsonl)")
+    train.add_argument("--threads", type=int, default=None, metavar="N",
+                       help="torch CPU threads (default: one per core that other processes leave free, "
+                            "followed while training)")
     train.add_argument("--overwrite", action="store_true",
                        help="replace the run already in --out (deletes only the files a run writes)")
     train.set_defaults(func=_cmd_train)
@@ -322,8 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(text classifiers) or its translation (translation models). Images and point\n"
                     "clouds: use sinkformer.load_run and sinkformer.predict from Python.",
         epilog="examples:\n"
-               "  sinkformer predict runs/train/text_classifier-sinkhorn-sentiment-... \"a superb film\"\n"
-               "  sinkformer predict RUN_DIR \"premise ||| hypothesis\" --pair-separator \" ||| \"   (NLI)",
+               "  sinkformer train --model text_classifier --dataset sentiment --out runs/sentiment\n"
+               "  sinkformer predict runs/sentiment \"a superb film\" \"the cast was dull\"",
         formatter_class=_HelpFormatter,
     )
     predicting.add_argument("run_dir", metavar="RUN_DIR", help="a run folder of `sinkformer train`")
@@ -331,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     predicting.add_argument("--epoch", type=int, default=None, metavar="N",
                             help="use the checkpoint of epoch N (default: the final weights)")
     predicting.add_argument("--pair-separator", default=None, metavar="SEP",
-                            help="split each input into a (premise, hypothesis) pair at SEP (NLI runs)")
+                            help="split each input into a (premise, hypothesis) pair at SEP (NLI runs: "
+                                 "\"premise ||| hypothesis\" --pair-separator \" ||| \")")
     predicting.set_defaults(func=_cmd_predict)
     parser.commands = sub.choices  # name -> subparser, for the suggestions of main()
     return parser
@@ -357,11 +425,25 @@ EXTRA_OF = {"demo": "experiments", "experiments": "experiments", "run": "experim
             "predict": "train"}
 
 
+class _AboveBars(logging.StreamHandler):
+    """Writes log lines to stderr above any tqdm progress bar (``tqdm.write``), so a bar is not torn."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+        except ImportError:  # no bars without tqdm either
+            return super().emit(record)
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # as logging.StreamHandler does
+            self.handleError(record)
+
+
 def _show_library_logs() -> None:
     """The library logs quietly (``logging``, no handler); the command shows its INFO messages."""
     logger = logging.getLogger("sinkformer")
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _AboveBars(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
@@ -383,12 +465,19 @@ def _run(argv: list[str] | None) -> int:
     except (ValueError, FileNotFoundError, MissingExtra) as err:  # user mistakes: one clear line, no traceback
         print(f"sinkformer {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:  # Ctrl-C: one line, what was kept (the work says it), no traceback
+        if os.environ.get("RANK", "0") == "0":
+            print(f"\nsinkformer {args.command}: {err or 'interrupted'}", file=sys.stderr)
+        return 130
 
 
 def main(argv: list[str] | None = None) -> int:
     """The ``sinkformer`` command: parse ``argv`` (default: ``sys.argv[1:]``), run it; the exit code."""
     try:
         return _run(argv)
+    except KeyboardInterrupt:  # Ctrl-C before a command started (while importing, parsing)
+        print("\nsinkformer: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # the reader went away (``sinkformer train --help | head``): quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 1

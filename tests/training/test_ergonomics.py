@@ -121,7 +121,7 @@ def test_fp16_on_the_cpu_runs_with_a_grad_scaler_saved_in_checkpoints_and_restor
     state["scaler"]["scale"] = 8.0
     torch.save(state, path)
     torch.manual_seed(0)
-    train(_vit(data), data, {**options, "epochs": 2}, out_dir=tmp_path, resume=True)
+    train(_vit(data), data, {**options, "epochs": 2}, out_dir=tmp_path, resume=True, allow_schedule_changes=True)
     resumed = torch.load(latest_checkpoint(tmp_path / "checkpoints") / "state.pt", weights_only=True)
     assert resumed["epoch"] == 2 and resumed["scaler"]["scale"] == 8.0  # fresh scalers start at 65536
 
@@ -347,11 +347,13 @@ def test_resume_messages_are_logged_not_printed(digits, tmp_path, caplog, capsys
     data = _subset(digits, 32, 8)
     with caplog.at_level(logging.INFO, logger="sinkformer"):
         train(_vit(data), data, _quiet(epochs=1, batch_size=16, device="cpu"), out_dir=tmp_path, resume=True)
-        train(_vit(data), data, _quiet(epochs=2, batch_size=16, device="cpu"), out_dir=tmp_path, resume=True)
+        train(_vit(data), data, _quiet(epochs=2, batch_size=16, device="cpu"), out_dir=tmp_path, resume=True,
+              allow_schedule_changes=True)
     records = [(r.name, r.levelno, r.getMessage()) for r in caplog.records if r.name.startswith("sinkformer")]
     assert records[0] == ("sinkformer.training.loop", logging.INFO,
                           f"no checkpoint in {tmp_path / 'checkpoints'}: starting from scratch")
-    name, level, message = records[1]
+    assert records[1] == ("sinkformer.training.loop", logging.INFO, "resuming with train.epochs 1 -> 2")
+    name, level, message = records[2]
     assert (name, level) == ("sinkformer.training.loop", logging.INFO)
     assert message.startswith(f"resuming from {tmp_path / 'checkpoints' / 'epoch_0001'} (epoch 1/2, 1 -> 1 process")
     assert capsys.readouterr().out == ""

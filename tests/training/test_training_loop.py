@@ -14,7 +14,7 @@ from sinkformer.configs import find_config, names
 from sinkformer.data import load_dataset
 from sinkformer.models import build_model
 from sinkformer.training import Callback, train
-from sinkformer.training.runner import check_config, resolve_config
+from sinkformer.training.runner import DATASET_MODEL_DEFAULTS, check_config, resolve_config
 
 TINY_VIT = ["--set", "model.patch_size=4", "--set", "model.dim=16", "--set", "model.depth=1",
             "--set", "model.num_heads=2", "--set", "model.dim_feedforward=32"]
@@ -126,7 +126,7 @@ def test_ddp_on_two_processes_matches_one_process_on_the_global_batch(tmp_path):
     )
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     assert main(["train", *common, "--out", str(tmp_path / "single")]) == 0
-    assert "2 process(es)" in ddp.stdout
+    assert "2 process(es)" in ddp.stderr  # logged (stderr) by the main process
     two, one = (load_file(tmp_path / d / "model.safetensors") for d in ("ddp", "single"))
     for key in one:
         torch.testing.assert_close(two[key], one[key], atol=1e-5, rtol=1e-4, msg=key)
@@ -159,7 +159,9 @@ def test_config_files_yaml_and_toml(tmp_path):
     for file in ("a.yaml", "a.toml"):
         config = resolve_config(tmp_path / file, normalization="softmax", sets=["model.dim=32"])
         plan = check_config(config)
-        assert plan.model_options == {"dim": 32, "normalization": "softmax"} and plan.train.lr == 1e-4
+        # what the file and the flags do not set comes from the defaults for the dataset
+        assert plan.model_options == {**DATASET_MODEL_DEFAULTS["digits"], "dim": 32, "normalization": "softmax"}
+        assert set(plan.from_dataset) == set(DATASET_MODEL_DEFAULTS["digits"]) - {"dim"} and plan.train.lr == 1e-4
     (tmp_path / "bad.yaml").write_text("modle:\n  name: vit\n")
     with pytest.raises(ValueError, match="unknown section 'modle'; valid sections: model, data, train"):
         resolve_config(tmp_path / "bad.yaml")

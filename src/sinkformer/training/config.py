@@ -9,7 +9,8 @@ import torch
 
 from .._options import check_options
 
-__all__ = ["TrainConfig", "OPTIMIZERS", "SCHEDULES", "DECODERS", "PRECISIONS"]
+__all__ = ["TrainConfig", "OPTIMIZERS", "SCHEDULES", "DECODERS", "PRECISIONS", "SCHEDULE_OPTIONS", "FREE_OPTIONS",
+           "resume_changes"]
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULES = ("step", "inverse_sqrt")
@@ -146,3 +147,52 @@ def _valid_device(device: str) -> bool:
         return torch.device(device).type in ("cpu", "cuda", "mps")
     except (RuntimeError, TypeError):
         return False
+
+
+#: Options a resumed run may change with ``allow_schedule_changes=True`` (``--allow-schedule-changes``):
+#: they decide how long the run goes on, where, and how often it evaluates, checkpoints or records,
+#: not the updates of the epochs it already trained or what its metrics measure. (``data.path``: the
+#: same dataset moved; nothing can check that it is the same.)
+SCHEDULE_OPTIONS = frozenset({
+    "train.epochs", "train.eval_every", "train.bleu_every", "train.checkpoint_every", "train.record_attention",
+    "train.attention_batches", "train.num_workers", "train.eval_batch_size", "train.device", "data.path",
+})
+#: Options a resume may change freely: they change nothing that is computed.
+FREE_OPTIONS = frozenset({"train.progress"})
+
+
+def resume_changes(saved: dict[str, Any], given: dict[str, Any], *, allow_schedule_changes: bool = False,
+                   where: str = "the run", trained_epochs: int = 0) -> dict[str, list]:
+    """The options a resume changes, ``{"train.epochs": [10, 20], ...}``, checked: ``saved`` and ``given``
+    are flat ``{"section.key": value}`` options of the run and of the resume (keys missing on one side
+    read as ``None``).
+
+    Raises ``ValueError`` listing the differences when a resume would change a model, data or
+    optimisation option (anything outside :data:`SCHEDULE_OPTIONS` and :data:`FREE_OPTIONS`) — the run
+    would continue as another run and its record would misdescribe the epochs already trained — or
+    a schedule option without ``allow_schedule_changes``, or ``train.epochs`` below the
+    ``trained_epochs`` the run has done. Free options are not returned."""
+    changes = {key: [saved.get(key), given.get(key)] for key in sorted(set(saved) | set(given))
+               if saved.get(key) != given.get(key) and key not in FREE_OPTIONS}
+    fixed = {k: v for k, v in changes.items() if k not in SCHEDULE_OPTIONS}
+    schedule = {k: v for k, v in changes.items() if k in SCHEDULE_OPTIONS}
+
+    def listed(items: dict[str, list]) -> str:
+        return ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in items.items())
+
+    if fixed:
+        also = f" (and the schedule: {listed(schedule)})" if schedule else ""
+        raise ValueError(
+            f"cannot resume {where} with other model, data or optimisation options than it started with: "
+            f"{listed(fixed)}{also}. A resumed run continues with its own options (its config.yaml), so that its "
+            f"epochs form one run; drop these options, or start a new run (another --out, or --overwrite)")
+    if schedule and not allow_schedule_changes:
+        raise ValueError(
+            f"resuming {where} with {listed(schedule)} changes how the run goes on from here; pass "
+            f"--allow-schedule-changes (allow_schedule_changes=True) to continue so (the change is recorded), or "
+            f"resume without these options")
+    epochs = given.get("train.epochs")
+    if epochs is not None and epochs < trained_epochs:
+        raise ValueError(f"cannot resume {where} with train option epochs={epochs}: the run has already trained "
+                         f"{trained_epochs} epochs")
+    return schedule

@@ -20,11 +20,19 @@ paper compares between Transformer and Sinkformer), ``samples_per_second`` and
 ``resume=True`` continues from the newest checkpoint in ``out_dir`` and ends with the same
 metrics and weights as a run that was never interrupted.
 
+A resume continues with the options the run started with: a ``config`` whose optimisation
+options differ from the checkpoint's is refused (:func:`~sinkformer.training.config.resume_changes`);
+schedule options (more ``epochs``, ``eval_every``, ...) need ``allow_schedule_changes=True``.
+
 Mixed precision (``precision="bf16"`` / ``"fp16"``) and gradient accumulation (``accumulate``)
-are options of :class:`~sinkformer.training.TrainConfig`. Messages (resuming, starting from
-scratch) go to the :mod:`logging` logger ``"sinkformer.training.loop"`` (a child of
-``"sinkformer"``) at INFO: the library prints nothing unless the application configures
-logging, as ``sinkformer train`` does.
+are options of :class:`~sinkformer.training.TrainConfig`.
+
+Output: :func:`train` writes nothing to stdout. Its messages (resuming, starting from scratch)
+and one line per epoch go to the :mod:`logging` logger ``"sinkformer.training.loop"`` (a child of
+``"sinkformer"``) at INFO — the epoch lines at DEBUG when ``progress=False`` — so they show only
+when the application configures logging, as ``sinkformer train`` does. With ``progress=True``
+(the default) a tqdm bar on stderr shows the batches of the running epoch and disappears when it
+ends.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from .._optional import require
 from ..data.base import DataBundle
 from .batches import epoch_batches, shard
 from .checkpoint import capture_rng, latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint, save_weights
-from .config import TrainConfig
+from .config import TrainConfig, resume_changes
 from .diagnostics import AttentionRecorder
 from .distributed import Distributed, all_gather_objects, all_reduce_sum, barrier, setup_distributed
 from .metrics import write_metrics
@@ -97,6 +105,7 @@ def train(
     resume: bool = False,
     callbacks: tuple[Callback, ...] | list[Callback] = (),
     task: Classification | None = None,
+    allow_schedule_changes: bool = False,
 ) -> TrainResult:
     """Train ``model`` on ``data`` (evaluating on ``data.test``) and return the history.
 
@@ -110,6 +119,9 @@ def train(
         callbacks: :class:`Callback` objects.
         task: what to optimise and measure (default: chosen by ``data.kind``, see
             :mod:`sinkformer.training.tasks`); pass your own for a new kind of data.
+        allow_schedule_changes: let a resume change the schedule options of
+            :data:`~sinkformer.training.config.SCHEDULE_OPTIONS` (e.g. more ``epochs``); any other
+            option that differs from the checkpoint's is refused with ``ValueError``.
 
     Runs on all processes of a ``torchrun`` launch (see :mod:`sinkformer.training.distributed`).
     """
@@ -130,6 +142,7 @@ def train(
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model, optimizer)
         start_epoch, step, history = state["epoch"], state["global_step"], state["history"]
+        _check_resumed_config(config, state, checkpoint, allow_schedule_changes)
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         if len(state["rng"]) == ctx.world_size:
@@ -158,8 +171,7 @@ def train(
             row["attn_colsum_cv"] = _save_attention(recorder, out_dir, epoch, ctx)
         history.append(row)
         if ctx.is_main:
-            if config.progress:
-                tqdm.write(_format_row(row, config.epochs))
+            logger.log(logging.INFO if config.progress else logging.DEBUG, "%s", _format_row(row, config.epochs))
             if out_dir is not None:
                 write_metrics(out_dir, history)
             for callback in callbacks:
@@ -179,6 +191,20 @@ def train(
         for callback in callbacks:
             callback.on_train_end(result)
     return result
+
+
+def _check_resumed_config(config: TrainConfig, state: dict[str, Any], checkpoint: Path,
+                          allow_schedule_changes: bool) -> None:
+    """Refuse a resume whose train options differ from the checkpoint's, or whose ``epochs`` are fewer
+    than those already trained (see :func:`resume_changes`); log the schedule changes it makes."""
+    if "config" not in state:  # a checkpoint written before the options were saved in it
+        return
+    saved = {f"train.{k}": v for k, v in state["config"].items()}
+    given = {f"train.{k}": v for k, v in config.to_dict().items()}
+    changes = resume_changes(saved, given, allow_schedule_changes=allow_schedule_changes,
+                             where=f"from {checkpoint}", trained_epochs=state["epoch"])
+    if changes:
+        logger.info("resuming with %s", ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
 
 
 def evaluate(
