@@ -6,6 +6,7 @@ block cannot lean on an earlier one or on files of the repository.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -57,3 +58,96 @@ def test_relative_links_of_the_readme_and_docs_point_to_files():
             if not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not broken, broken
+
+
+# --- every example of docs/training.md and of the commands' --help runs as written ---------------------------------
+
+SHELL_BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
+PYTHON_BLOCK = re.compile(r"(<!-- runnable -->\n)?```python\n(.*?)```", re.S)
+INLINE_COMMAND = re.compile(r"`((?:sinkformer|torchrun) [^`]*--[^`]*)`")
+#: Examples that need what a test machine does not have: a real dataset under ~/data (the test's HOME is empty, so
+#: each must fail with one error line naming the missing path, before writing anything), or many minutes.
+NEEDS_DATA = re.compile(r"--data ~/")
+SLOW = re.compile(r"^(torchrun |sinkformer run( |$))")
+
+
+def _shell_lines(text: str) -> list[str]:
+    """The commands of a shell block or an epilog: continuation lines joined, comments dropped."""
+    commands, current = [], ""
+    for line in text.splitlines():
+        line = line.strip()
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        line = re.sub(r"\s+#.*$", "", current + line).strip()  # a trailing comment (an example's explanation)
+        current = ""
+        if line.startswith(("sinkformer ", "torchrun ")):
+            commands.append(line)
+    return commands
+
+
+def _epilog_commands(epilog: str) -> list[str]:
+    """The example commands of a help epilog (``examples:`` lines: the command, then two or more spaces and what it does)."""
+    return [re.split(r"\s{2,}", line.strip())[0] for line in epilog.splitlines()
+            if line.strip().startswith(("sinkformer ", "torchrun "))]
+
+
+def _examples() -> list[tuple[str, str, str]]:
+    """``(source, kind, example)`` in the order of each source: shell commands and, for docs/training.md, the
+    Python blocks not marked runnable (those run on their own, above), which may use what the commands made."""
+    from sinkformer.cli import build_parser
+
+    found = []
+    text = (ROOT / "docs" / "training.md").read_text()
+    spans = [(m.start(), "shell", c) for m in SHELL_BLOCK.finditer(text) for c in _shell_lines(m.group(1))]
+    spans += [(m.start(), "shell", m.group(1)) for m in INLINE_COMMAND.finditer(text)]
+    spans += [(m.start(), "python", m.group(2)) for m in PYTHON_BLOCK.finditer(text) if not m.group(1)]
+    found += [("docs/training.md", kind, example) for _, kind, example in sorted(spans, key=lambda s: s[0])]
+    for name, command in build_parser().commands.items():
+        found += [(f"sinkformer {name} --help", "shell", c) for c in _epilog_commands(command.epilog or "")]
+    return found
+
+
+ALL_EXAMPLES = _examples()
+_seen: set[str] = set()  # an example given twice runs once, where it first appears (after what it may need)
+EXAMPLES = [e for e in ALL_EXAMPLES if not (e[2] in _seen or _seen.add(e[2]))]
+
+
+def _marks(kind: str, example: str):
+    return [pytest.mark.slow] if kind == "shell" and SLOW.match(example) and not NEEDS_DATA.search(example) else []
+
+
+@pytest.fixture(scope="module")
+def example_folders(tmp_path_factory):
+    """One working folder per source (its examples run in order there) and an empty HOME."""
+    home = tmp_path_factory.mktemp("home")
+    return home, {}
+
+
+def test_the_examples_are_found():
+    sources = {source for source, _, _ in ALL_EXAMPLES}
+    assert {"docs/training.md", "sinkformer train --help", "sinkformer run --help",
+            "sinkformer predict --help"} <= sources
+    shell = [e for _, kind, e in EXAMPLES if kind == "shell"]
+    assert "sinkformer train --model vit --dataset digits --normalization softmax" in shell  # the first one
+    assert any(NEEDS_DATA.search(e) for e in shell) and sum(not SLOW.match(e) for e in shell) >= 8
+
+
+@pytest.mark.parametrize("source, kind, example", [pytest.param(*e, marks=_marks(e[1], e[2])) for e in EXAMPLES],
+                         ids=[f"{s}: {e.splitlines()[0][:60]}" for s, _, e in EXAMPLES])
+def test_every_example_runs_as_written(source, kind, example, example_folders):
+    home, folders = example_folders
+    folder = folders.setdefault(source, home.parent / re.sub(r"\W+", "_", source))
+    folder.mkdir(exist_ok=True)
+    env = {**os.environ, "HOME": str(home), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    argv = [sys.executable, "-c", example] if kind == "python" else ["bash", "-c", example]
+    before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+    done = subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=1200)
+    if kind == "shell" and NEEDS_DATA.search(example):
+        # no dataset here: one error line naming the missing folder, no traceback, and nothing left behind
+        errors = [line for line in done.stderr.splitlines() if ": error: " in line]
+        assert done.returncode == 2 and len(errors) == 1 and str(home / "data") in errors[0], done.stderr[-3000:]
+        assert "Traceback" not in done.stderr
+        assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before
+        return
+    assert done.returncode == 0, f"{source}: {example}\n{done.stderr[-3000:]}"
