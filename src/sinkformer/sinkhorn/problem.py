@@ -167,6 +167,8 @@ def marginals(
     total; both missing: rows 1, columns ``n_valid/m_valid``. Invalid rows/columns get 0.
     """
     batch, n, m = tuple(shape[:-2]), shape[-2], shape[-1]
+    if row_valid is None and col_valid is None and a is None and b is None:  # no mask: no reduction needed
+        return like.new_ones(batch + (n,)), like.new_full(batch + (m,), n / max(m, 1))
     rows = like.new_ones(batch + (n,)) if row_valid is None else row_valid.to(like.dtype).expand(batch + (n,))
     cols = like.new_ones(batch + (m,)) if col_valid is None else col_valid.to(like.dtype).expand(batch + (m,))
     n_valid = rows.sum(-1, keepdim=True)
@@ -354,13 +356,13 @@ class CacheBlocks:
     def rows_of(self, t: Tensor) -> list[Tensor]:
         """Views ``t[slices, rows]`` of every block, ``t`` of shape ``(c, n, ...)``."""
         if self.rows is None:
-            return list(t.split(self.step, 0))
+            return [t] if self.step >= self.c else list(t.split(self.step, 0))
         return [b for s in range(self.c) for b in t[s:s + 1].split(self.rows, 1)]
 
     def slices_of(self, t: Tensor) -> list[Tensor]:
         """Views ``t[slices]`` of every block, ``t`` of shape ``(c, ...)`` (one view per block)."""
         if self.rows is None:
-            return list(t.split(self.step, 0))
+            return [t] if self.step >= self.c else list(t.split(self.step, 0))
         per_slice = -(-self.n // self.rows)
         return [view for s in range(self.c) for view in [t[s:s + 1]] * per_slice]
 

@@ -1,0 +1,645 @@
+r"""Sinkhorn in the scaling domain on a group's tile, visited in cache blocks: the passes that the
+tiled engine (:mod:`.tiled`, the tile stored) and the streamed engine (:mod:`.streamed`, every block
+recomputed from ``q`` and ``k`` when a pass visits it, memory linear in ``n``) share.
+
+**The tile.** For a group of ``c`` (batch·head) slices, :class:`Tile` covers the ``(c, n, m)`` scores
+:math:`S = \mathrm{scale}\,QK^\top + \mathrm{bias}` with cache blocks (:class:`~.problem.CacheBlocks`:
+rows of one slice, or whole slices). The first pass (:meth:`Tile.shift`) computes the double shift
+of :func:`~.problem.double_shift` (every row and column of :math:`x = S - m_i - c_j` has maximum 0);
+every later pass visits :math:`\tilde K = e^{x}` block by block (:meth:`Tile.visit`), from the
+stored tile or recomputed by the same operations (so with the same values, bit for bit).
+
+**Forward** (:func:`scaling_forward`). From :math:`\tilde v^{(0)} = e^{c}`, each normalisation is
+one matrix-vector product: :math:`u \leftarrow a \oslash \tilde K\tilde v`,
+:math:`\tilde v \leftarrow b \oslash \tilde K^\top u`. One pass per row normalisation computes ``u``
+block by block (final for the block's rows) and, on the same blocks, the column sums of the
+following column normalisation; the last one writes :math:`u\odot\tilde K(\tilde v\odot V)`.
+``n_iters`` normalisations take :math:`1 + \lceil n\_iters/2\rceil` passes (one more when even).
+Scalings whose product reaches :math:`e^{60}` (score ranges of ~1e4) are not trusted: the engine
+then runs that group in the log domain (its own fallback).
+
+**Backward** (:func:`scaling_backward`), the exact gradient of the ``n_iters`` map by reverse mode
+through the vector recursion, every iteration a rank-one term:
+
+.. math::
+
+    \frac{\partial\ell}{\partial S} = \tilde K \odot\big(\mathrm{diag}(u)\,dP\,\mathrm{diag}(\tilde v) + XY^\top\big),
+    \qquad dP = dO\,V^\top .
+
+Pass 1 accumulates :math:`D = \tilde K^\top(u\odot dO)` (so :math:`dV = \tilde v\odot D`) and the
+column product of the last row step; each further pass runs a column step and the following row
+step; the last one runs the recursion's last two steps and forms ``dS`` block by block (one product
+``[u ⊙ dO, X] [ṽ ⊙ V, Y]^T`` of inner size ``e + n_iters``), contracted at once into
+:math:`dQ = \mathrm{scale}\,dS\,K` and :math:`dK = \mathrm{scale}\,dS^\top Q`. ``5`` iterations take
+3 passes. ``backward="implicit"`` (stored tiles) replaces the recursion by the dual solve of
+:func:`~.problem.implicit_duals` (rank 2).
+
+:func:`run_forward` and :func:`run_backward` run the groups of a call on the CPU's cores
+(:func:`~.cpu_parallel.map_groups`) and collect what the custom ops return and save.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .cpu_parallel import map_groups
+from .problem import (
+    CacheBlocks,
+    Masks,
+    Tolerance,
+    _finite_or_zero,
+    cache_blocks,
+    column_error,
+    converged_tol,
+    implicit_duals,
+    marginals,
+    valid_rows_cols,
+    warn_if_unconverged,
+    warn_unbalanced,
+)
+
+__all__ = ["Options", "Tile", "GroupState", "run_forward", "run_backward", "scaling_forward", "scaling_backward",
+           "dropout_mask", "implicit_duals_of"]
+
+#: Largest log(max u) + log(max v) the scaling domain is trusted with (lost entries < e^{60-87}).
+LOG_SCALING_LIMIT = 60.0
+
+
+@dataclass(frozen=True)
+class Options:
+    """The non-tensor arguments of an engine's ops. ``group``: slices per group; ``block``: scores per
+    cache block (:func:`~.problem.cache_blocks`), or ``rows``: query rows per block (the streamed
+    engine); ``stored``: whether the tile is kept (tiled) or recomputed on every visit (streamed).
+    Forward and backward use the same groups and blocks, hence the same tile values."""
+
+    scale: float
+    n_iters: int | None
+    tol: float | None
+    max_iters: int
+    backward: str
+    dropout_p: float
+    domain: str
+    group: int
+    block: int | None = None
+    rows: int | None = None
+    stored: bool = True
+    engine: str = "tiled"
+
+    def history_length(self) -> tuple[int, int] | None:
+        """Saved (u or f, v or g) iterates per slice; ``None`` when data-dependent (``tol``)."""
+        if self.backward == "implicit":
+            return 1, 1
+        if self.tol is not None:
+            return None
+        return (self.n_iters + 1) // 2, self.n_iters // 2 + 1
+
+    def blocks(self, c: int, n: int, m: int) -> CacheBlocks:
+        if self.rows is not None:
+            return CacheBlocks(c, n, 1, None) if self.rows >= n else CacheBlocks(c, n, 1, self.rows)
+        return cache_blocks(c, n, m, self.block)
+
+    def starts_in_scaling(self, device: torch.device) -> bool:
+        """Whether a group starts in the scaling domain (``domain="auto"``: on the CPU; GPUs use the
+        log domain, which has no data-dependent branch)."""
+        return self.domain == "scaling" or (self.domain == "auto" and device.type == "cpu")
+
+
+@dataclass
+class GroupState:
+    """What the forward of one group returns: shifts ``(c, n)``, ``(c, m)``; iterates ``(c, n, Lu)``,
+    ``(c, m, Lv)`` (scalings, or potentials when ``log_domain``); normalisations run ``(c,)``; the
+    :class:`~.problem.Tolerance` (``tol`` mode) and the implicit backward's column error, if any."""
+
+    row_shift: Tensor
+    col_shift: Tensor
+    us: Tensor
+    vs: Tensor
+    counts: Tensor
+    log_domain: bool
+    stop: Tolerance | None = None
+    col_error: Tensor | None = None
+
+
+# ------------------------------------------------------------------------------------------------
+# running the groups of a call
+
+#: ``log_forward(q, k, v, masks, start, end, options, seed, out, row_shift, col_shift) -> GroupState``:
+#: an engine's log domain for one group (``row_shift``/``col_shift``: those of the scaling attempt, or None)
+LogForward = Callable[..., GroupState]
+#: ``log_backward(grad_out, q, k, v, out, masks, start, end, options, seed, row_shift, col_shift, fs, gs,
+#: counts, grads)``: writes the gradients of one group computed in the log domain into ``grads``
+LogBackward = Callable[..., None]
+
+
+def run_forward(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, batch: list[int],
+                seed: Tensor | None, options: Options, log_forward: LogForward) -> tuple[Tensor, ...]:
+    """The forward of every group; returns ``out (B, n, e)``, the shifts ``(B, n)``, ``(B, m)``, the
+    iterates ``(B, n, Lu)``, ``(B, m, Lv)``, the normalisations run ``(B,)`` and the domain of each
+    slice ``(B,)`` (True: log)."""
+    B, n, m = q.shape[0], q.shape[1], k.shape[1]
+    masks = Masks(keep, bias, tuple(batch))
+    out = q.new_empty(B, n, v.shape[-1])
+    if B == 0:
+        lu, lv = options.history_length() or (0, 0)
+        return (out, q.new_zeros(0, n), q.new_zeros(0, m), q.new_zeros(0, n, lu), q.new_zeros(0, m, lv),
+                torch.zeros(0, dtype=torch.int64, device=q.device), torch.zeros(0, dtype=torch.bool, device=q.device))
+    scaling = options.starts_in_scaling(q.device)
+
+    def run(start: int, scratch: dict) -> GroupState:
+        end = min(B, start + options.group)
+        sl = slice(start, end)
+        if scaling:
+            memory = scratch.get("memory")
+            if memory is None:
+                memory = scratch["memory"] = Tile.memory(q, k, options)
+            tile = Tile(q[sl], k[sl], masks, start, options, memory)
+            state = scaling_forward(tile, v[sl], masks.keep_of(start, end), seed, out[sl], options)
+            if state is not None:
+                return state
+            return log_forward(q[sl], k[sl], v[sl], masks, start, end, options, seed, out[sl], tile.row_shift,
+                               tile.col_shift)
+        return log_forward(q[sl], k[sl], v[sl], masks, start, end, options, seed, out[sl], None, None)
+
+    states = map_groups(list(range(0, B, options.group)), run, q.device, B * n * m)
+    implicit = options.backward == "implicit"
+    warn_if_unconverged([s.stop for s in states if s.stop is not None], implicit=implicit)
+    col_errors = [s.col_error for s in states if s.col_error is not None]
+    if implicit and options.tol is None and col_errors:
+        warn_unbalanced(torch.cat(col_errors), options.n_iters, converged_tol(q.dtype), options.engine)
+    logs = [torch.full((s.counts.shape[0],), s.log_domain, dtype=torch.bool, device=q.device) for s in states]
+    return (out, _cat([s.row_shift for s in states]), _cat([s.col_shift for s in states]),
+            _pad_cat([s.us for s in states]), _pad_cat([s.vs for s in states]), _cat([s.counts for s in states]),
+            _cat(logs))
+
+
+def run_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, keep: Tensor | None,
+                 bias: Tensor | None, batch: list[int], seed: Tensor | None, row_shift: Tensor, col_shift: Tensor,
+                 us: Tensor, vs: Tensor, counts: Tensor, log_domain: Tensor, options: Options,
+                 log_backward: LogBackward) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv)`` of :func:`run_forward`'s call from what it saved, group by group in
+    the domain the forward used."""
+    B, n, m = q.shape[0], q.shape[1], k.shape[1]
+    masks = Masks(keep, bias, tuple(batch))
+    grad_out = grad_out.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    logs = log_domain.tolist()
+
+    def run(start: int, scratch: dict) -> None:
+        sl = slice(start, min(B, start + options.group))
+        grads = (dq[sl], dk[sl], dv[sl])
+        if logs[start]:
+            log_backward(grad_out[sl], q[sl], k[sl], v[sl], out[sl], masks, sl.start, sl.stop, options, seed,
+                         row_shift[sl], col_shift[sl], us[sl], vs[sl], counts[sl], grads)
+            return
+        memory = scratch.get("memory")
+        if memory is None:
+            memory = scratch["memory"] = Tile.memory(q, k, options)
+        tile = Tile(q[sl], k[sl], masks, start, options, memory, shifts=(row_shift[sl], col_shift[sl]))
+        scaling_backward(tile, masks.keep_of(sl.start, sl.stop), seed, us[sl], vs[sl], counts[sl], grad_out[sl],
+                         v[sl], out[sl], options, grads)
+
+    map_groups(list(range(0, B, options.group)), run, q.device, B * n * m)
+    return dq, dk, dv
+
+
+def _cat(parts: list[Tensor]) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _pad_cat(parts: list[Tensor]) -> Tensor:
+    """Concatenate ``(c, n, L_i)`` iterate stacks along slices, repeating each one's last iterate
+    up to the longest ``L`` (a matrix that stopped early keeps its values: frozen)."""
+    longest = max(p.shape[-1] for p in parts)
+    return _cat([p if p.shape[-1] == longest else torch.cat(
+        [p, p[..., -1:].expand(p.shape[:-1] + (longest - p.shape[-1],))], -1) for p in parts])
+
+
+def dropout_mask(shape: tuple[int, int, int], like: Tensor, p: float, seed: Tensor | None,
+                 start: int) -> Tensor | None:
+    """The scaled Bernoulli keep-mask ``(c, n, m)`` of the group starting at ``start`` (or None)."""
+    if not p:
+        return None
+    generator = torch.Generator(device=like.device).manual_seed(int(seed.item()) + start)
+    return like.new_empty(shape).bernoulli_(1.0 - p, generator=generator).div_(1.0 - p)
+
+
+# ------------------------------------------------------------------------------------------------
+# the tile
+
+
+class Tile:
+    """The ``(c, n, m)`` scores of one group, visited in cache blocks; kept (``options.stored``) or
+    recomputed on every visit into one block of scratch memory.
+
+    :meth:`shift` (pass 1) computes the double shift; :meth:`visit` yields :math:`\\tilde K =
+    e^{S - m_i - c_j}` block by block. A stored tile holds the row-shifted scores after pass 1 and
+    :math:`\\tilde K` after the first visit; a recomputed block goes through the same operations
+    (scores, minus the row shift, minus the column shift, exponential), so every visit sees the same
+    values. ``shifts``: the saved shifts (the backward), instead of pass 1."""
+
+    def __init__(self, q: Tensor, k: Tensor, masks: Masks, start: int, options: Options, memory: Tensor,
+                 shifts: tuple[Tensor, Tensor] | None = None):
+        self.q, self.k, self.masks, self.start, self.scale = q, k, masks, start, options.scale
+        c, n, m = q.shape[0], q.shape[1], k.shape[1]
+        self.shape = (c, n, m)
+        self.blocks = options.blocks(c, n, m)
+        self.stored = options.stored
+        self._memory = memory
+        self.K = memory[:c * n * m].view(c, n, m) if self.stored else None
+        self._qb = self.blocks.rows_of(q)
+        self._kTb = self.blocks.slices_of(k.transpose(1, 2))
+        self.count = len(self._qb)
+        self.Kb = self.blocks.rows_of(self.K) if self.stored else None
+        self.masked = masks.keep is not None or masks.bias is not None
+        self._index = self.blocks.index if self.masked else None
+        self._ready = False  # a stored tile holds K̃
+        self.row_shift = self.col_shift = None
+        if shifts is not None:
+            self._set_shifts(*shifts)
+
+    @staticmethod
+    def memory(q: Tensor, k: Tensor, options: Options) -> Tensor:
+        """Storage for the tiles of every group of one call (stored: one tile; recomputed: one block),
+        allocated and paged in once per worker, not once per group."""
+        c, n, m = min(options.group, q.shape[0]), q.shape[1], k.shape[1]
+        if options.stored:
+            return q.new_empty(c * n * m)
+        blocks = options.blocks(c, n, m)
+        per_block = (blocks.step * n if blocks.rows is None else min(blocks.rows, n)) * m
+        return q.new_empty(per_block)
+
+    def _block(self, i: int) -> Tensor:
+        if self.stored:
+            return self.Kb[i]
+        rows = self._qb[i]
+        return self._memory[:rows.shape[0] * rows.shape[1] * self.shape[2]].view(rows.shape[0], rows.shape[1],
+                                                                                 self.shape[2])
+
+    def scores(self, i: int) -> Tensor:
+        """``scale q k^T + bias`` (-inf where masked) written into block ``i``'s storage."""
+        x = self._block(i).baddbmm_(self._qb[i], self._kTb[i], beta=0.0, alpha=self.scale)
+        if self._index is not None:  # masks: sliced to the block
+            s, r = self._index[i]
+            start = self.start
+            bias = self.masks.bias_of(start + s.start, start + s.stop, r.start, r.stop)
+            if bias is not None:
+                x.add_(bias)
+            keep = self.masks.keep_of(start + s.start, start + s.stop, r.start, r.stop)
+            if keep is not None:
+                x.masked_fill_(~keep, float("-inf"))
+        return x
+
+    def shift(self) -> None:
+        """Pass 1: the row maxima :math:`m_i` of the scores and the column maxima :math:`c_j` of
+        :math:`S - m_i` (0 for rows/columns without a valid entry); a stored tile keeps :math:`S - m_i`."""
+        c, n, m = self.shape
+        if n * m == 0:
+            self._set_shifts(self.q.new_zeros(c, n), self.q.new_zeros(c, m))
+            return
+        row_shift = self.q.new_empty(c, n, 1)
+        col_top = self.q.new_full((c, 1, m), float("-inf"))
+        tops = self.blocks.slices_of(col_top)
+        for i, shift in enumerate(self.blocks.rows_of(row_shift)):
+            x = self.scores(i)
+            torch.amax(x, -1, keepdim=True, out=shift)
+            if self.masked:  # a row without a valid entry: shift 0
+                shift.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            x.sub_(shift)
+            torch.maximum(tops[i], x.amax(-2, keepdim=True), out=tops[i])
+        col_shift = col_top.squeeze(1)
+        self._set_shifts(row_shift.squeeze(-1), _finite_or_zero(col_shift) if self.masked else col_shift)
+        self._shifted = True
+
+    def _set_shifts(self, row_shift: Tensor, col_shift: Tensor) -> None:
+        self.row_shift, self.col_shift = row_shift, col_shift
+        self._rowb = self.blocks.rows_of(row_shift.unsqueeze(-1))
+        self._colb = self.blocks.slices_of(col_shift.unsqueeze(1))
+        self._shifted = False
+
+    def visit(self):
+        """Yield ``(i, K̃ of block i)`` for every block (a recomputed block's storage is reused by the next)."""
+        for i in range(self.count):
+            if self._ready:
+                yield i, self.Kb[i]
+            else:
+                x = self.Kb[i] if self._shifted and self.stored else self.scores(i).sub_(self._rowb[i])
+                yield i, x.sub_(self._colb[i]).exp_()
+        self._ready = self.stored
+
+    def sweep(self, vt: Tensor, a: Tensor, empty: Tensor, col_init: Tensor | None = None,
+              frozen: tuple | None = None, output: tuple | None = None) -> tuple[Tensor, Tensor | None]:
+        """One pass: :math:`u = a \\oslash (\\tilde K \\tilde v + [a = 0])` (rows without mass get 0)
+        and, given ``col_init (c, m)``, the column sums ``col_init + K̃^T u``.
+
+        ``frozen = (active (c,), u_old)``: matrices no longer active keep ``u_old``. ``output = (V,
+        drop, out)``: this is the last normalisation; writes ``out = u ⊙ (K̃ ⊙ drop)(ṽ ⊙ V)``.
+        Returns ``u (c, n)`` and the column sums ``(c, m)`` (or ``None``)."""
+        blocks = self.blocks
+        c, n, m = self.shape
+        u = a.new_empty(c, n, 1)
+        ub, ab, eb = blocks.rows_of(u), blocks.rows_of(a.unsqueeze(-1)), blocks.rows_of(empty.unsqueeze(-1))
+        vb = blocks.slices_of(vt.unsqueeze(-1))
+        col = None if col_init is None else col_init.unsqueeze(1).clone()
+        colb = None if col is None else blocks.slices_of(col)
+        if frozen is not None:
+            activeb, oldb = blocks.slices_of(frozen[0].view(c, 1, 1)), blocks.rows_of(frozen[1].unsqueeze(-1))
+        if output is not None:
+            V, drop, out = output
+            vVb, outb = blocks.slices_of(vt.unsqueeze(-1) * V), blocks.rows_of(out)
+            dropb = blocks.rows_of(drop) if drop is not None else None
+        for i, Kb in self.visit():
+            add_rows_times(eb[i], Kb, vb[i], out=ub[i])
+            torch.div(ab[i], ub[i], out=ub[i])
+            if frozen is not None:
+                torch.where(activeb[i], ub[i], oldb[i], out=ub[i])
+            if colb is not None:
+                colb[i].baddbmm_(ub[i].transpose(1, 2), Kb)
+            if output is not None:
+                torch.bmm(Kb if dropb is None else Kb.mul_(dropb[i]), vVb[i], out=outb[i]).mul_(ub[i])
+        return u.squeeze(-1), (None if col is None else col.squeeze(1))
+
+    def output(self, u: Tensor, vt: Tensor, V: Tensor, drop: Tensor | None, out: Tensor) -> None:
+        """``out = u ⊙ (K̃ ⊙ drop)(ṽ ⊙ V)`` block by block (the plan after the last normalisation)."""
+        blocks = self.blocks
+        vVb, ub, outb = blocks.slices_of(vt.unsqueeze(-1) * V), blocks.rows_of(u.unsqueeze(-1)), blocks.rows_of(out)
+        dropb = blocks.rows_of(drop) if drop is not None else None
+        for i, Kb in self.visit():
+            torch.bmm(Kb if dropb is None else Kb * dropb[i], vVb[i], out=outb[i]).mul_(ub[i])
+
+
+def add_rows_times(add: Tensor, K: Tensor, x: Tensor, out: Tensor) -> Tensor:
+    """``out = add + K x`` for ``K (c, r, m)``, ``x (c, m, 1)``, ``add``/``out`` ``(c, r, 1)``, computed as
+    the row-vector product ``add^T + x^T K^T``: MKL's batched matrix-vector product ``K x`` runs several
+    times slower when ``c > 1`` (4 slices of 256 x 256: 277 us against 62 us)."""
+    torch.baddbmm(add.transpose(1, 2), x.transpose(1, 2), K.transpose(1, 2), out=out.transpose(1, 2))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# forward
+
+
+def scaling_forward(tile: Tile, v: Tensor, keep: Tensor | None, seed: Tensor | None, out: Tensor,
+                    options: Options) -> GroupState | None:
+    """The forward of one group in the scaling domain (writes ``out``), or ``None`` when its scalings
+    are not to be trusted (then ``out`` is garbage and the engine's log domain takes the group)."""
+    tile.shift()
+    a, b = marginals(*valid_rows_cols(keep, tile.shape), tile.shape, v)
+    drop = dropout_mask(tile.shape, v, options.dropout_p, seed, tile.start)
+    us, vs, counts, stop, col_error = _iterate(tile, a, b, v, drop, out, options)
+    us, vs = torch.stack(us, -1), torch.stack(vs, -1)
+    if not _trustworthy(us, vs):
+        return None
+    if options.backward == "implicit":
+        us, vs = us[..., -1:], vs[..., -1:]
+    return GroupState(tile.row_shift, tile.col_shift, us, vs, counts, False, stop, col_error)
+
+
+def _iterate(tile: Tile, a: Tensor, b: Tensor, v: Tensor, drop: Tensor | None, out: Tensor, options: Options):
+    """The scaling recursion from :math:`\\tilde v^{(0)} = e^{c}`: one pass per row normalisation,
+    with the column sums of the following column normalisation; the last pass writes ``out``.
+    Returns ``us = [u1, u3, ..]``, ``vs = [v0, v2, ..]``, the ``(c,)`` normalisations run, the
+    :class:`~.problem.Tolerance` (``None`` for a fixed count) and, for the implicit backward after a
+    fixed count, the column error of the final plan."""
+    us, vs = [], [tile.col_shift.exp()]
+    c = a.shape[0]
+    implicit = options.backward == "implicit"
+    empty_a, empty_b = (a == 0).to(a.dtype), (b == 0).to(b.dtype)  # rows/columns without mass: u = v = 0
+    if options.tol is None:
+        n_iters, col_error = options.n_iters, None
+        for t in range(1, n_iters + 1, 2):
+            last = t == n_iters
+            u, col = tile.sweep(vs[-1], a, empty_a, None if last and not implicit else empty_b,
+                                output=(v, drop, out) if last else None)
+            us.append(u)
+            if not last:
+                vs.append(b / col)
+            elif implicit:
+                col_error = column_error(vs[-1] * col, b)
+        if n_iters % 2 == 0:  # ends on a column normalisation: one more pass for the output
+            if implicit:
+                col_error = column_error(vs[-1] * col, b)
+            tile.output(us[-1], vs[-1], v, drop, out)
+        return us, vs, torch.full((c,), n_iters, dtype=torch.int64, device=a.device), None, col_error
+    stop = Tolerance(options.tol, options.max_iters, (c,), a.device, options.engine)
+    done = 0
+    while True:
+        frozen = (stop.active, us[-1]) if us else None
+        u, col = tile.sweep(vs[-1], a, empty_a, empty_b, frozen=frozen)
+        us.append(u)
+        done += 1
+        if stop.check(column_error(vs[-1] * col, b), done):
+            tile.output(us[-1], vs[-1], v, drop, out)
+            return us, vs, stop.counts, stop, None
+        vs.append(torch.where(stop.active.unsqueeze(-1), b / col, vs[-1]))
+        done += 1
+
+
+def _trustworthy(us: Tensor, vs: Tensor) -> bool:
+    """Scalings finite and moderate: entries lost to underflow in K̃ weigh < e^{60-87}."""
+    if us.numel() == 0 or vs.numel() == 0:
+        return True
+    u_max, v_max = float(us.amax()), float(vs.amax())
+    if not (math.isfinite(u_max) and math.isfinite(v_max)):
+        return False
+    if u_max <= 0 or v_max <= 0:
+        return True
+    return math.log(u_max) + math.log(v_max) < LOG_SCALING_LIMIT
+
+
+# ------------------------------------------------------------------------------------------------
+# backward
+
+
+def scaling_backward(tile: Tile, keep: Tensor | None, seed: Tensor | None, us: Tensor, vs: Tensor, counts: Tensor,
+                     dO: Tensor, V: Tensor, out: Tensor, options: Options, grads: tuple[Tensor, Tensor, Tensor]) -> None:
+    """Gradients of one group in the scaling domain, written into ``grads = (dq, dk, dv)`` (views);
+    the passes of the module docstring."""
+    c, n, m = tile.shape
+    e = V.shape[-1]
+    a, b = marginals(*valid_rows_cols(keep, tile.shape), tile.shape, V)
+    drop = dropout_mask(tile.shape, V, options.dropout_p, seed, tile.start)
+    u, vt = us[..., -1], vs[..., -1]
+    rev = None if options.backward == "implicit" else _Reverse(a, b, us, vs, counts)
+    L = 2 if rev is None else rev.L
+    left = dO.new_empty(c, n, e + L)  # [u ⊙ dO, X]: X column j is the step t = L - j
+    torch.mul(u.unsqueeze(-1), dO, out=left[..., :e])
+    X, Y = left[..., e:], dO.new_empty(c, m, L)
+    du = torch.linalg.vecdot(dO, out).div_(u + (a == 0).to(a.dtype))  # sum_j K_ij v_j dP_ij (0 where u = 0)
+    first = rev.row_coef(L, du) if rev is not None and L % 2 else None  # the last step is a row step
+    D, first_col = _first_pass(tile, left[..., :e], drop, first if L > 1 else None)
+    dvt = torch.linalg.vecdot(V, D)  # sum_i u_i K_ij dP_ij
+    grads[2].copy_(D.mul_(vt.unsqueeze(-1)))
+    if rev is None:  # dS = P * (dP - alpha ⊕ beta)
+        alpha, beta = implicit_duals_of(tile.K, u, vt, du * u, dvt * vt)
+        X[..., 0], X[..., 1], Y[..., 0], Y[..., 1] = -u * alpha, -u, vt, vt * beta
+        _gradient_pass(tile, left, vt, V, Y, drop, grads)
+        return
+    rev.row_ys(Y)
+    t = L
+    if first is not None:
+        du = rev.row_step(L, first, du, X)
+        if first_col is not None:
+            dvt = dvt + first_col
+        t = L - 1
+    while t > 2:  # column step t and row step t - 1 in one pass
+        ds, dvt = rev.col_step(t, dvt, X, Y)
+        du, next_col = _row_step_pass(tile, rev, t - 1, du, ds, X)
+        dvt = dvt + next_col
+        t -= 2
+    last = (rev, du, rev.col_step(2, dvt, X, Y)[0]) if t == 2 else None  # steps 2 and 1 in the last pass
+    _gradient_pass(tile, left, vt, V, Y, drop, grads, last)
+
+
+def _first_pass(tile: Tile, uO: Tensor, drop: Tensor | None, first: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """Pass 1: :math:`D = (\\tilde K\\odot\\mathrm{drop})^\\top(u\\odot dO)` ``(c, m, e)`` and, given the
+    last row step's coefficient ``first (c, n)``, its column product :math:`\\tilde K^\\top first` ``(c, m)``."""
+    blocks = tile.blocks
+    c, n, m = tile.shape
+    D = uO.new_zeros(c, m, uO.shape[-1])
+    uOb, Db = blocks.rows_of(uO), blocks.slices_of(D)
+    dropb = blocks.rows_of(drop) if drop is not None else None
+    col = uO.new_zeros(c, 1, m) if first is not None else None
+    if col is not None:
+        firstb, colb = blocks.rows_of(first.unsqueeze(-1)), blocks.slices_of(col)
+    for i, Kb in tile.visit():
+        Db[i].baddbmm_((Kb if dropb is None else Kb * dropb[i]).transpose(1, 2), uOb[i])
+        if col is not None:
+            colb[i].baddbmm_(firstb[i].transpose(1, 2), Kb)
+    return D, (None if col is None else col.squeeze(1))
+
+
+def _row_step_pass(tile: Tile, rev: _Reverse, t: int, du: Tensor, ds: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
+    """Row step ``t`` of the reverse recursion after a column step (``ds``), block by block:
+    :math:`du \\mathrel{+}= \\tilde K ds`, :math:`dr = du \\odot` :meth:`_Reverse.row_factor`, recorded
+    in ``X``; returns ``du`` after the step and the column product :math:`\\tilde K^\\top dr` ``(c, m)``."""
+    blocks = tile.blocks
+    c, n, m = tile.shape
+    total, dr = torch.empty_like(du).unsqueeze(-1), torch.empty_like(du).unsqueeze(-1)
+    col = du.new_zeros(c, 1, m)
+    dub, dsb, factorb = (blocks.rows_of(du.unsqueeze(-1)), blocks.slices_of(ds.unsqueeze(-1)),
+                         blocks.rows_of(rev.row_factor(t).unsqueeze(-1)))
+    totalb, drb, colb = blocks.rows_of(total), blocks.rows_of(dr), blocks.slices_of(col)
+    for i, Kb in tile.visit():
+        add_rows_times(dub[i], Kb, dsb[i], out=totalb[i])
+        torch.mul(totalb[i], factorb[i], out=drb[i])
+        colb[i].baddbmm_(drb[i].transpose(1, 2), Kb)
+    return rev.row_step(t, dr.squeeze(-1), total.squeeze(-1), X), col.squeeze(1)
+
+
+def _gradient_pass(tile: Tile, left: Tensor, vt: Tensor, V: Tensor, Y: Tensor, drop: Tensor | None, grads,
+                   last_steps=None) -> None:
+    """The last pass: :math:`dS = \\tilde K\\odot(\\mathrm{diag}(u)\\,dP\\,\\mathrm{diag}(\\tilde v)
+    + XY^\\top)` block by block, contracted into ``dq`` (rows of the block) and ``dk`` (summed).
+
+    ``left = [u ⊙ dO, X] (c, n, e + L)``. ``last_steps = (reverse, du, ds2)``: the column step 2 ran
+    (``ds2``); :math:`du + \\tilde K ds_2` and the row step 1 (the last column of ``X``, the
+    block's rows of ``left``) run here, block by block, before the block's ``dS``."""
+    dq, dk, _ = grads
+    blocks, scale = tile.blocks, tile.scale
+    e, L = V.shape[-1], Y.shape[-1]
+    dk.zero_()
+    vV = vt.unsqueeze(-1) * V
+    dqb, dkb, qb, kb = blocks.rows_of(dq), blocks.slices_of(dk), blocks.rows_of(tile.q), blocks.slices_of(tile.k)
+    leftb = blocks.rows_of(left)
+    if drop is None:
+        rightb = blocks.slices_of(torch.cat([vV, Y], -1).transpose(1, 2))  # (c, e + L, m)
+    else:
+        dropb, vVb, Yb = blocks.rows_of(drop), blocks.slices_of(vV.transpose(1, 2)), blocks.slices_of(Y.transpose(1, 2))
+    if last_steps is not None:
+        rev, du, ds = last_steps
+        total = torch.empty_like(du).unsqueeze(-1)
+        dub, dsb, totalb = blocks.rows_of(du.unsqueeze(-1)), blocks.slices_of(ds.unsqueeze(-1)), blocks.rows_of(total)
+        factorb = blocks.rows_of(rev.row_factor(1).unsqueeze(-1))
+        lastb = blocks.rows_of(left[..., e + L - 1:])  # X[..., L - 1]: the row step 1
+    for i, Kb in tile.visit():
+        if last_steps is not None:
+            add_rows_times(dub[i], Kb, dsb[i], out=totalb[i])
+            torch.mul(totalb[i], factorb[i], out=lastb[i])
+        if drop is None:
+            dP = torch.bmm(leftb[i], rightb[i])
+        else:
+            dP = torch.bmm(leftb[i][..., :e], vVb[i]).mul_(dropb[i])
+            dP.baddbmm_(leftb[i][..., e:], Yb[i])
+        dS = dP.mul_(Kb)
+        dqb[i].baddbmm_(dS, kb[i], beta=0.0, alpha=scale)
+        dkb[i].baddbmm_(dS.transpose(1, 2), qb[i], alpha=scale)
+
+
+class _Reverse:
+    """Reverse mode through the scaling recursion, one step at a time (``t = L, .., 1``).
+
+    ``us (c, n, Lu)``, ``vs (c, m, Lv)``: the iterates (``L = Lu + Lv - 1`` normalisations); steps
+    ``t > counts`` of a matrix were frozen (identity: the gradient passes through). A row step
+    :math:`u_t = a \\oslash \\tilde K v_{t-1}` turns the gradient ``du`` into the row coefficient
+    :math:`dr = -du\\, u_t^2 / a` (then :math:`d\\tilde v \\mathrel{+}= \\tilde K^\\top dr`), a column
+    step the column coefficient :math:`ds = -d\\tilde v\\, \\tilde v_t^2 / b` (then :math:`du
+    \\mathrel{+}= \\tilde K ds`); each adds the rank-one term :math:`dr\\,v_{t-1}^\\top` or
+    :math:`u_{t-1}\\,ds^\\top` to :math:`\\partial\\ell/\\partial\\tilde K`, stored as column ``L - t``
+    of ``X (c, n, L)``, ``Y (c, m, L)``."""
+
+    def __init__(self, a: Tensor, b: Tensor, us: Tensor, vs: Tensor, counts: Tensor):
+        self.us, self.vs, self.counts = us, vs, counts
+        self.L = us.shape[-1] + vs.shape[-1] - 1
+        self.frozen = bool((counts < self.L).any())  # tol mode: some matrices stopped early
+        # the factors of every step at once: -u_t^2 / a and -v_t^2 / b (0 where a or b is 0)
+        self.row_factors = us.square().mul_(_neg_inverse(a).unsqueeze(-1))
+        self.col_factors = vs.square().mul_(_neg_inverse(b).unsqueeze(-1))
+
+    def _active(self, t: int) -> Tensor:
+        return (self.counts >= t).unsqueeze(-1)
+
+    def row_factor(self, t: int) -> Tensor:
+        """:math:`-u_t^2/a` where step ``t`` ran, else 0 ``(c, n)``: ``dr = du ⊙ row_factor``."""
+        factor = self.row_factors[..., (t - 1) // 2]
+        return torch.where(self._active(t), factor, 0.0) if self.frozen else factor
+
+    def row_coef(self, t: int, du: Tensor) -> Tensor:
+        return du * self.row_factor(t)
+
+    def row_ys(self, Y: Tensor) -> None:
+        """The ``Y`` columns of every row step: :math:`v_{t-1}`, known before the reverse pass."""
+        for t in range(1, self.L + 1, 2):
+            Y[..., self.L - t] = self.vs[..., (t - 1) // 2]
+
+    def row_step(self, t: int, dr: Tensor, du: Tensor, X: Tensor) -> Tensor:
+        """Record the row step's coefficient ``dr`` in ``X``; returns ``du`` after it (0 where it ran)."""
+        X[..., self.L - t] = dr
+        return torch.where(self._active(t), 0.0, du) if self.frozen else torch.zeros_like(du)
+
+    def col_step(self, t: int, dvt: Tensor, X: Tensor, Y: Tensor) -> tuple[Tensor, Tensor]:
+        """Column coefficient ``ds`` of step ``t`` (its term recorded) and ``dvt`` after it."""
+        factor = self.col_factors[..., t // 2]
+        if self.frozen:
+            factor = torch.where(self._active(t), factor, 0.0)
+        ds = torch.mul(dvt, factor, out=Y[..., self.L - t])
+        X[..., self.L - t] = self.us[..., t // 2 - 1]
+        after = torch.where(self._active(t), 0.0, dvt) if self.frozen else torch.zeros_like(dvt)
+        return ds, after
+
+
+def _neg_inverse(x: Tensor) -> Tensor:
+    """``-1/x`` with 0 where ``x == 0`` (masked rows/columns carry no mass)."""
+    return torch.where(x > 0, -1 / x, 0.0)
+
+
+def implicit_duals_of(K, u, vt, r, c, max_iters=1000):
+    """:func:`~.problem.implicit_duals` for ``P = diag(u) K diag(vt)`` (products on a stored tile)."""
+    tol = 1e-10 if K.dtype == torch.float64 else 1e-6
+    return implicit_duals(lambda y: u * _mv(K, vt * y), lambda x: vt * _mtv(K, u * x), r, c, tol=tol,
+                          max_iters=max_iters)
+
+
+def _mv(K: Tensor, x: Tensor) -> Tensor:
+    """``K x`` as the row-vector product ``x^T K^T`` (see :func:`add_rows_times`)."""
+    return torch.bmm(x.unsqueeze(1), K.transpose(1, 2)).squeeze(1)
+
+
+def _mtv(K: Tensor, x: Tensor) -> Tensor:
+    """``K^T x`` as a row-vector product (much faster than a transposed batched GEMV)."""
+    return torch.bmm(x.unsqueeze(1), K).squeeze(1)
