@@ -119,6 +119,53 @@ def test_the_time_limit_is_opt_in(tmp_path, fake_experiments):
         suite.run_suite(tmp_path, names=["slowpoke"], time_limit=0)
 
 
+def _ctrl_c(ctx):
+    ctx.log(step=0)
+    raise KeyboardInterrupt
+
+
+def test_ctrl_c_ends_the_suite_with_what_it_kept_and_no_summary(tmp_path, monkeypatch):
+    registry()
+    monkeypatch.setitem(registry_module._REGISTRY, "ctrl-c", Experiment("ctrl-c", "Ctrl-C", "no paper", 0.01, None,
+                                                                          {}, {}, _ctrl_c))
+    with pytest.raises(KeyboardInterrupt) as stop:
+        suite.run_suite(tmp_path, names=["normalizations", "ctrl-c", "patch-size"], echo=lambda line: None)
+    (finished,) = (tmp_path / "normalizations").iterdir()
+    (partial,) = (tmp_path / "ctrl-c").iterdir()
+    assert re.fullmatch(rf"interrupted after 0 min \d\d s, no summary written; kept the folders of 1 finished "
+                        rf"experiment\(s\) under {tmp_path}/ \(normalizations\); partial folders of unfinished ones: "
+                        rf"{partial}", str(stop.value))
+    assert (finished / "report.md").is_file() and (partial / "metrics.csv").is_file()
+    assert not (tmp_path / "summary").exists() and not (tmp_path / "patch-size").exists()
+    # the command: one line, exit code 130, no traceback
+    runs = tmp_path / "single"
+    assert main(["run", "ctrl-c", "--runs-dir", str(runs)]) == 130
+
+
+def test_ctrl_c_in_a_single_experiment_is_one_line(tmp_path, monkeypatch, capsys):
+    registry()
+    monkeypatch.setitem(registry_module._REGISTRY, "ctrl-c", Experiment("ctrl-c", "Ctrl-C", "no paper", 0.01, None,
+                                                                          {}, {}, _ctrl_c))
+    assert main(["run", "ctrl-c", "--runs-dir", str(tmp_path)]) == 130
+    (partial,) = (tmp_path / "ctrl-c").iterdir()
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip() == (
+        f"sinkformer run: interrupted: kept the unfinished run folder {partial} (config.yaml, metrics.csv, "
+        f"provenance.json; no report)")
+
+
+def test_durations_are_rounded_once():
+    assert [suite._minutes(s) for s in (0, 59.4, 59.6, 1019.7, 3600)] == [
+        "0 min 00 s", "0 min 59 s", "1 min 00 s", "17 min 00 s", "60 min 00 s"]  # never "16 min 60 s"
+
+
+def test_the_run_help_states_the_stall_time(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    assert f"no progress for {suite.STALL_MINUTES:g} minutes is stopped as stalled" in " ".join(
+        capsys.readouterr().out.split())
+
+
 def test_the_watchdog_beats_re_arm_it():
     clock = [0.0]
     dog = suite._Watchdog(stall=10, limit=None, clock=lambda: clock[0])

@@ -443,20 +443,34 @@ def _run_sequential(names: list[str], task, clock: float, echo, plain: bool, don
 
 
 def _init_worker(threads: int) -> None:
-    """A worker process: the parent's torch thread count; Ctrl-C is the parent's to handle (it stops
-    the workers), so the worker's own copy of the signal is ignored (no traceback from every worker)."""
+    """A worker process: the parent's torch thread count. Ctrl-C is the parent's to handle, so the
+    worker's own copy of the signal is ignored (no traceback from every worker); the parent stops a
+    worker with SIGTERM, which ends its experiment with ``SystemExit`` (so that the worker exits the
+    normal way, its resources released)."""
     import torch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_worker)
     torch.set_num_threads(threads)
 
 
-def _stop_workers(pool: ProcessPoolExecutor) -> None:
-    """End ``pool``'s worker processes now (their experiments are abandoned) and shut it down."""
-    for process in list((getattr(pool, "_processes", None) or {}).values()):
+def _exit_worker(signum, frame) -> None:
+    raise SystemExit("stopped by the suite")
+
+
+def _stop_workers(pool: ProcessPoolExecutor, patience: float = 30.0) -> None:
+    """Stop ``pool``: no new experiment starts, the running ones end (SIGTERM; killed when one has not
+    ended after ``patience`` seconds), the workers exit."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
         if process.is_alive():
             process.terminate()
-    pool.shutdown(wait=True, cancel_futures=True)
+    for process in processes:
+        process.join(patience)
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def _run_parallel(names: list[str], task, jobs: int, clock: float, echo, plain: bool,
