@@ -1,5 +1,6 @@
 """Run folders (``--out``): refused when they hold a run, replaced only file by file, unusable paths
-named, incomplete checkpoint files recognised, leftovers of killed writes removed."""
+named, incomplete checkpoint files recognised, leftovers of killed writes removed; a resume continues
+its own run; provenance recorded; a run stopped before its first checkpoint leaves nothing."""
 
 import json
 import os
@@ -20,6 +21,7 @@ from sinkformer.training.checkpoint import (
     load_weights,
     save_checkpoint,
 )
+from sinkformer.training import Callback
 from sinkformer.training.runner import RunFolderError, prepare_run_folder, resolve_config, run_training
 
 TINY = ["model.patch_size=4", "model.dim=16", "model.depth=1", "model.num_heads=2", "model.dim_feedforward=32",
@@ -185,3 +187,162 @@ def test_a_fresh_run_removes_leftover_temporary_checkpoints(tmp_path):
     (out / "checkpoints" / ".tmp-epoch_0001-42").mkdir(parents=True)
     prepare_run_folder(out, resume=True)  # resume=True: a folder with checkpoints/ holds a run
     assert list((out / "checkpoints").iterdir()) == []
+
+
+# --- a resume continues the run it resumes -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def one_epoch_run(tmp_path_factory):
+    """A finished 1-epoch run to resume (copied by each test that writes into it)."""
+    out = tmp_path_factory.mktemp("resume") / "run"
+    run_training(_config(1), out_dir=out)
+    return out
+
+
+def _copy(run, tmp_path):
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("flags, listed", [
+    ({"normalization": "softmax", "sets": ["train.lr=0.5"]},
+     ["model.normalization 'sinkhorn' -> 'softmax'", "train.lr 0.001 -> 0.5"]),  # the issue's case
+    ({"n_iters": 3}, ["model.n_iters 5 -> 3"]),
+    ({"sets": ["model.dim=32"]}, ["model.dim 16 -> 32"]),
+    ({"sets": ["train.batch_size=32"]}, ["train.batch_size 64 -> 32"]),
+    ({"sets": ["train.seed=1"]}, ["train.seed 0 -> 1"]),
+    ({"sets": ["train.precision=bf16"]}, ["train.precision 'fp32' -> 'bf16'"]),
+    ({"sets": ["train.accumulate=2"]}, ["train.accumulate 1 -> 2"]),
+    ({"sets": ["train.milestones=[1]"]}, ["train.milestones [] -> [1]"]),
+    ({"sets": ["train.max_eval_batches=2"]}, ["train.max_eval_batches 1 -> 2"]),  # what the metrics measure
+    ({"sets": ["data.test_fraction=0.3"]}, ["data.test_fraction 0.2 -> 0.3"]),
+    ({"sets": ["model.patch_size=2", "train.epochs=3"]}, ["model.patch_size 4 -> 2 (and the schedule: train.epochs 1 -> 3)"]),
+])
+def test_a_resume_with_other_options_is_refused_listing_them(one_epoch_run, tmp_path, flags, listed):
+    """Before: resuming a Sinkformer run with --normalization softmax --set train.lr=0.5 continued it as a
+    Transformer and rewrote config.yaml, which then misdescribed the epochs already trained."""
+    out = _copy(one_epoch_run, tmp_path)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    sets = flags.pop("sets", [])
+    config = resolve_config(out / "config.yaml", sets=sets, **flags)
+    with pytest.raises(RunFolderError) as err:
+        run_training(config, out_dir=out, resume=True, allow_schedule_changes=True)
+    message = str(err.value)
+    assert message.startswith(f"--out {out}: cannot resume the run in {out} with other model, data or optimisation")
+    assert all(item in message for item in listed) and "start a new run" in message
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing written
+
+
+def test_the_command_line_refuses_the_issues_resume(one_epoch_run, tmp_path, capsys):
+    out = _copy(one_epoch_run, tmp_path)
+    assert main(["train", "--resume", "--out", str(out), "--normalization", "softmax", "--set", "train.lr=0.5",
+                 "--threads", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"sinkformer train: error: --out {out}: cannot resume the run in {out} with other model")
+    assert "model.normalization 'sinkhorn' -> 'softmax', train.lr 0.001 -> 0.5" in err
+
+
+def test_schedule_changes_need_the_flag_and_are_recorded(one_epoch_run, tmp_path):
+    out = _copy(one_epoch_run, tmp_path)
+    with pytest.raises(RunFolderError, match=r"resuming the run in .* with train.epochs 1 -> 2 changes how the run "
+                                             r"goes on from here; pass --allow-schedule-changes"):
+        run_training(_config(2), out_dir=out, resume=True)
+    assert not (out / "resumes.jsonl").exists()
+    # progress changes nothing computed: free; the schedule with the flag: recorded, config.yaml says the new schedule
+    result = run_training(_config(2, "train.progress=true", "train.checkpoint_every=2"), out_dir=out, resume=True,
+                          allow_schedule_changes=True)
+    assert [row["epoch"] for row in result.history] == [1, 2]
+    (line,) = [json.loads(x) for x in (out / "resumes.jsonl").read_text().splitlines()]
+    assert line["from"] == "epoch_0001" and line["changes"] == {"train.epochs": [1, 2], "train.checkpoint_every": [1, 2]}
+    assert line["provenance"]["sinkformer"] and "git_commit" in line["provenance"]
+    assert "epochs: 2" in (out / "config.yaml").read_text()
+    # fewer epochs than trained: refused
+    with pytest.raises(RunFolderError, match="with train option epochs=1: the run has already trained 2 epochs"):
+        run_training(_config(1), out_dir=out, resume=True, allow_schedule_changes=True)
+
+
+def test_train_refuses_a_resume_with_other_train_options(one_epoch_run, tmp_path):
+    from sinkformer.data import load_dataset
+    from sinkformer.models import build_model
+    from sinkformer.training import TrainConfig, train
+    from sinkformer.training.runner import check_config
+
+    out = _copy(one_epoch_run, tmp_path)
+    plan = check_config(_config(1))
+    data = load_dataset("digits")
+    model = build_model("vit", data.info, **plan.model_options)
+    changed = TrainConfig.from_dict({**plan.train.to_dict(), "lr": 0.5})
+    with pytest.raises(ValueError, match=r"cannot resume from .*epoch_0001 with other model, data or optimisation "
+                                         r"options than it started with: train.lr 0.001 -> 0.5"):
+        train(model, data, changed, out_dir=out, resume=True)
+
+
+# --- what a run folder records, and what a stopped run leaves -----------------------------------------------------
+
+def test_train_run_folders_record_provenance(one_epoch_run):
+    from sinkformer.runs.provenance import library_commit
+
+    facts = json.loads((one_epoch_run / "provenance.json").read_text())
+    assert facts["sinkformer"] == __import__("sinkformer").__version__ and facts["torch"] == torch.__version__
+    assert facts["git_commit"] == library_commit()
+
+
+def test_a_failed_start_leaves_nothing_behind(tmp_path):
+    """Before: `sinkformer train --model vit --dataset digits` failed on patch_size=16 and left an empty run folder."""
+    out = tmp_path / "new" / "run"
+    with pytest.raises(ValueError) as err:
+        run_training(_config(1, "model.patch_size=3"), out_dir=out)
+    assert str(err.value) == ("model 'vit' cannot be built for dataset 'digits' (n_classes=10, image_size=8, "
+                              "channels=1): patch_size must divide image_size=8, got patch_size=3; set it with "
+                              "--set model.patch_size=VALUE")
+    assert not (tmp_path / "new").exists()  # the folders the run made are gone
+    # a folder that was there keeps what is not the run's
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        run_training(resolve_config(model="vit", data="mnist", data_path=str(tmp_path / "no-mnist"),
+                                    sets=["train.progress=false"]), out_dir=tmp_path / "mine")
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+
+
+class _StopAt(Callback):
+    """Ctrl-C at the end of epoch ``epoch`` (before its checkpoint is written)."""
+
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def on_epoch_end(self, row):
+        if row["epoch"] == self.epoch:
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_keeps_a_resumable_run_and_nothing_else(tmp_path):
+    with pytest.raises(KeyboardInterrupt) as stop:
+        run_training(_config(3), out_dir=tmp_path / "a", callbacks=[_StopAt(2)])
+    assert str(stop.value) == (f"interrupted: kept the run in {tmp_path / 'a'} (its checkpoint of epoch 1); continue "
+                               f"it with: sinkformer train --resume --out {tmp_path / 'a'}")
+    assert run_training(_config(3), out_dir=tmp_path / "a", resume=True).history[-1]["epoch"] == 3
+    with pytest.raises(KeyboardInterrupt, match="interrupted: nothing kept: the run stopped before its first "
+                                                "checkpoint"):
+        run_training(_config(3), out_dir=tmp_path / "b", callbacks=[_StopAt(1)])
+    assert not (tmp_path / "b").exists()
+
+
+def test_ctrl_c_in_the_command_is_one_line(tmp_path, monkeypatch, capsys):
+    from sinkformer.training import loop
+
+    epoch = loop._train_epoch
+
+    def interrupted(*args):
+        if args[7] == 1:  # the second epoch
+            raise KeyboardInterrupt
+        return epoch(*args)
+
+    monkeypatch.setattr(loop, "_train_epoch", interrupted)
+    out = tmp_path / "run"
+    assert main(["train", "--model", "vit", "--dataset", "digits", *sum((["--set", s] for s in TINY), []),
+                 "--set", "train.epochs=3", "--out", str(out), "--threads", "1"]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (f"sinkformer train: interrupted: kept the run in {out} (its checkpoint of "
+                                            f"epoch 1); continue it with: sinkformer train --resume --out {out}")
