@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..sinkhorn.flash import unavailable as flash_unavailable
 from ..sinkhorn.problem import STREAM_ABOVE
 
@@ -55,6 +57,11 @@ class Call:
     chunk_size: int | None = None
     causal: bool = False
     device: str = "cpu"
+    #: what the flash kernels compile for: the dtype of q, its last dimension as the kernels see it
+    #: (L2 cost: one more) and the value dimension; ``None`` where unknown (not checked then)
+    dtype: torch.dtype | None = None
+    head_dim: int | None = None
+    value_dim: int | None = None
 
     @property
     def softmax(self) -> bool:
@@ -107,7 +114,7 @@ def unsupported(engine: str, call: Call) -> str | None:
         return (f"backward='implicit' is served by engines 'tiled' and 'flash' only, not {engine!r}; "
                 "use backward='unrolled'")
     if engine == "flash":
-        return flash_unavailable(call.device)
+        return flash_unavailable(call.device, call.dtype, call.head_dim, call.value_dim)
     return None
 
 
@@ -161,11 +168,15 @@ def _auto(call: Call) -> Choice:
         if why is not None:
             raise ValueError(f"chunk_size={call.chunk_size} asks for engine 'streamed', which cannot serve this call: {why}")
         return Choice("streamed", f"chunk_size={call.chunk_size} asks for row blocks (memory linear in the length)")
-    if call.device == "cuda" and unsupported("flash", call) is None:
-        return Choice("flash", "fused Triton kernels on CUDA: never an n_q x n_k matrix, O(n) saved per slice")
+    not_flash = ""
+    if call.device == "cuda":
+        why = unsupported("flash", call)
+        if why is None:
+            return Choice("flash", "fused Triton kernels on CUDA: never an n_q x n_k matrix, O(n) saved per slice")
+        not_flash = f" (not 'flash': {why})"
     if scores > STREAM_ABOVE and call.dropout_p == 0 and call.backward == "unrolled":
-        return Choice("streamed", f"one slice has n_q*n_k = {scores} > 2^24 scores: never an n_q x n_k tile")
-    return Choice("tiled", "Sinkhorn on cached tiles, O(n) saved per slice")
+        return Choice("streamed", f"one slice has n_q*n_k = {scores} > 2^24 scores: never an n_q x n_k tile{not_flash}")
+    return Choice("tiled", f"Sinkhorn on cached tiles, O(n) saved per slice{not_flash}")
 
 
 def _dense_fallback(call: Call, why: str) -> Choice:

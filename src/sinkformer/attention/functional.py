@@ -312,6 +312,7 @@ def _prepare(
         normalization, n_iters, tol, n_q, n_k, return_weights=return_weights,
         measure_weights=wk is not None or wq is not None, bias_requires_grad=bias is not None and bias.requires_grad,
         dropout_p=dropout_p, backward=backward, chunk_size=chunk_size, causal=is_causal, device=q.device.type,
+        dtype=out_dtype, head_dim=d + (cost == "l2" and normalization in ("softmax", "sinkhorn")), value_dim=v.shape[-1],
     )
     choice = choose(call, backend)
     # the flash kernels take half-precision operands on CUDA (tensor cores, float32 accumulation): no copies

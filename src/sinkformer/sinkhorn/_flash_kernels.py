@@ -1,25 +1,35 @@
 r"""Triton kernels of the flash engine (:mod:`.flash`); imported only when that engine runs.
 
-Both kernels work in one *orientation*: rows ``R (B, n_r, d)`` against columns ``C (B, n_c, d)``,
-scores :math:`s_{ij} = \mathrm{scale}\, r_i\cdot c_j + \mathrm{bias}_{ij}` (``-inf`` where ``keep``
-is 0). The column sweeps of Sinkhorn are the same kernels in the transposed orientation (rows =
+Every kernel works in one *orientation*: rows ``R (B, n_r, d)`` against columns ``C (B, n_c, d)``,
+scores in base 2, :math:`s_{ij} = \log_2 e\,(\mathrm{scale}\; r_i\cdot c_j + \mathrm{bias}_{ij})`
+(``-inf`` where ``keep`` is 0), and potentials in base 2 too, so that every exponential is one
+``exp2``. The column sweeps of Sinkhorn are the same kernels in the transposed orientation (rows =
 keys, columns = queries, the mask strides swapped), so no kernel needs atomics.
 
 * :func:`sweep` — one program per block of rows, streaming over column blocks; by ``MODE``:
 
-  - ``LSE`` (0): :math:`f_i = \log a_i - \mathrm{LSE}_j(s_{ij} + g_j)` (0 on rows with ``a_i = 0``);
-  - ``LSE_OUT`` (1): the same, and :math:`o_i = \sum_j e^{s_{ij} + f_i + g_j} v_j` by FlashAttention's
+  - ``LSE`` (0): :math:`f_i = \log_2 a_i - \mathrm{LSE2}_j(s_{ij} + g_j)` (0 on rows with ``a_i = 0``);
+  - ``LSE_OUT`` (1): the same, and :math:`o_i = \sum_j 2^{s_{ij} + f_i + g_j} v_j` by FlashAttention's
     online rescaling (the column potential is a key bias);
-  - ``FIXED_OUT`` (2): :math:`o_i = \sum_j e^{s_{ij} + f_i + g_j} v_j` with both potentials given;
-  - ``MATVEC`` (3): :math:`y_i = \sum_j e^{s_{ij} + f_i + g_j} w_j`.
+  - ``FIXED_OUT`` (2): :math:`o_i = \sum_j 2^{s_{ij} + f_i + g_j} v_j` with both potentials given;
+  - ``MATVEC`` (3): :math:`z_i = (\mathrm{dual}_i - \sum_j 2^{s_{ij} + f_i + g_j} w_j)\,\mathrm{inv}_i`
+    (one step of the backward's reverse recursion; ``inv = -1`` gives the plain product);
+  - ``DV`` (4): ``FIXED_OUT`` with ``v = dO`` (so :math:`dV = P^\top dO` in the key orientation) and
+    :math:`z_i = (x_i\cdot o_i - \sum_j P_{ij} w_j)\,\mathrm{inv}_i` from the accumulator still in
+    registers (``x = v``): the dV pass fused with the first reverse step.
 
 * :func:`dscore` — :math:`\mathrm{out}_i = \mathrm{scale}\sum_j \partial S_{ij}\, c_j` with
-  :math:`\partial S_{ij} = e^{s_{ij}+F_i+G_j}\,(x_i\cdot y_j) - \sum_t e^{s_{ij}+\alpha_{ti}+\beta_{tj}}
-  (\gamma_{ti} + \delta_{tj})`: the gradient w.r.t. the scores of the ``n_iters`` map, contracted
-  with the columns (``dq`` in the query orientation, ``dk`` in the key orientation).
+  :math:`\partial S_{ij} = P_{ij}\,\big(x_i\cdot y_j - \sum_t X_{ti} Y_{tj}\big)`: the gradient of the
+  ``n_iters`` map w.r.t. the scores with its correction terms folded into the ``dP`` product
+  (``FOLDED``: one exponential per score), or, for slices whose terms do not fit the float range,
+  :math:`\sum_t 2^{s_{ij} + F_i + G_j + A_{ti} + B_{tj}}\,U_{ti} W_{tj}` term by term. A per-slice flag
+  chooses: both variants are launched and each returns at once on the other's slices.
+* :func:`rowdot` — :math:`z_i = (x_i\cdot y_i)\,\mathrm{inv}_i`, the start of the reverse recursion.
 
-Accumulation is in the potentials' dtype (float32, or float64 for float64 inputs); half-precision
-``R, C, V`` enter the matrix products in their own dtype (tensor cores), everything else is float32.
+Interior column blocks are loaded and scored without bounds masks (the last, partial block with
+them). Accumulation is in the potentials' dtype (float32, or float64 for float64 inputs); half
+precision ``R, C, V`` enter the matrix products in their own dtype (tensor cores). Offsets inside a
+slice are 64-bit (a mask's ``rows * row_stride`` passes 2^31 at n·m ≥ 2^31).
 """
 
 from __future__ import annotations
@@ -33,140 +43,261 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 #: the sweep's modes, as the launcher passes them; the kernels read the constexpr copies below
-LSE, LSE_OUT, FIXED_OUT, MATVEC = 0, 1, 2, 3
-_LSE, _LSE_OUT, _FIXED_OUT, _MATVEC = tl.constexpr(LSE), tl.constexpr(LSE_OUT), tl.constexpr(FIXED_OUT), tl.constexpr(MATVEC)
+LSE, LSE_OUT, FIXED_OUT, MATVEC, DV = 0, 1, 2, 3, 4
+_LSE, _LSE_OUT, _FIXED_OUT, _MATVEC, _DV = (tl.constexpr(m) for m in (LSE, LSE_OUT, FIXED_OUT, MATVEC, DV))
+LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)
 
 
 @triton.jit
-def _score_tile(r, C, KEEP, BIAS, rows, cols, n_r, n_c, d, scale, s_cn, s_cd, s_kr, s_kc, s_br, s_bc,
-                HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                ACC: tl.constexpr):
-    """``(BLOCK_R, BLOCK_C)`` scores (dtype ``ACC``) of the row tile ``r`` against the columns ``cols``;
-    ``-inf`` where masked or out of range. ``C``, ``KEEP``, ``BIAS`` point at this slice."""
+def _load_tile(ptr, idx, n, s_n, s_d, BLOCK_D: tl.constexpr, D: tl.constexpr, IDX_MASK: tl.constexpr):
+    """Rows ``idx`` of an ``(n, D)`` matrix as a ``(len(idx), BLOCK_D)`` tile, zeros outside; bounds
+    masks only where needed (``IDX_MASK``: ``idx`` may pass ``n``; ``D < BLOCK_D``: padded width)."""
     dims = tl.arange(0, BLOCK_D)
-    c = tl.load(C + cols[:, None] * s_cn + dims[None, :] * s_cd, mask=(cols[:, None] < n_c) & (dims[None, :] < d),
-                other=0.0)
-    s = tl.dot(r, tl.trans(c), input_precision=PRECISION, out_dtype=ACC) * scale
-    inside = (rows[:, None] < n_r) & (cols[None, :] < n_c)
-    if HAS_BIAS:
-        s += tl.load(BIAS + rows[:, None] * s_br + cols[None, :] * s_bc, mask=inside, other=0.0).to(s.dtype)
-    if HAS_KEEP:
-        inside = inside & (tl.load(KEEP + rows[:, None] * s_kr + cols[None, :] * s_kc, mask=inside, other=0) != 0)
-    return tl.where(inside, s, float("-inf"))
+    ptrs = ptr + idx.to(tl.int64)[:, None] * s_n + dims[None, :] * s_d
+    if IDX_MASK:
+        if D == BLOCK_D:
+            x = tl.load(ptrs, mask=idx[:, None] < n, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(idx[:, None] < n) & (dims[None, :] < D), other=0.0)
+    else:
+        if D == BLOCK_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=dims[None, :] < D, other=0.0)
+    return x
+
+
+@triton.jit
+def _load_vec(ptr, idx, n, MASK: tl.constexpr, other):
+    if MASK:
+        x = tl.load(ptr + idx, mask=idx < n, other=other)
+    else:
+        x = tl.load(ptr + idx)
+    return x
+
+
+@triton.jit
+def _scores(r, C, KEEP, BIAS, rows, cols, n_r, n_c, scale2, s_cn, s_cd, s_kr, s_kc, s_br, s_bc,
+            HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr, BLOCK_D: tl.constexpr,
+            D: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """``(s, c)``: base-2 scores ``(BLOCK_R, BLOCK_C)`` (dtype ``ACC``) of the row tile ``r`` against
+    the columns ``cols`` (``-inf`` where masked or out of range), and the column tile ``c``."""
+    c = _load_tile(C, cols, n_c, s_cn, s_cd, BLOCK_D, D, COL_MASK)
+    s = tl.dot(r, tl.trans(c), input_precision=PRECISION, out_dtype=ACC) * scale2
+    if HAS_KEEP or HAS_BIAS:
+        inside = (rows[:, None] < n_r) & (cols[None, :] < n_c)
+        off_r, off_c = rows.to(tl.int64)[:, None], cols.to(tl.int64)[None, :]
+        if HAS_BIAS:
+            s += tl.load(BIAS + off_r * s_br + off_c * s_bc, mask=inside, other=0.0).to(ACC) * _LOG2E
+        if HAS_KEEP:
+            inside = inside & (tl.load(KEEP + off_r * s_kr + off_c * s_kc, mask=inside, other=0) != 0)
+        s = tl.where(inside, s, float("-inf"))
+    elif COL_MASK:
+        s = tl.where(cols[None, :] < n_c, s, float("-inf"))
+    return s, c
+
+
+@triton.jit
+def _sweep_block(r, C, V, POT_C, W, KEEP, BIAS, m_i, l_i, acc, y, pot_r, rows, start, n_r, n_c, scale2,
+                 s_cn, s_cd, s_vn, s_ve, s_kr, s_kc, s_br, s_bc,
+                 MODE: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_W: tl.constexpr,
+                 COL_MASK: tl.constexpr, BLOCK_C: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 E: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr):
+    """One column block of :func:`sweep`: the updated ``(m_i, l_i, acc, y)``."""
+    acc_t = POT_C.dtype.element_ty
+    cols = start + tl.arange(0, BLOCK_C)
+    s, c = _scores(r, C, KEEP, BIAS, rows, cols, n_r, n_c, scale2, s_cn, s_cd, s_kr, s_kc, s_br, s_bc,
+                   HAS_KEEP, HAS_BIAS, COL_MASK, BLOCK_D, D, PRECISION, acc_t)
+    s += _load_vec(POT_C, cols, n_c, COL_MASK, 0.0)[None, :]
+    if MODE <= _LSE_OUT:  # online log-sum-exp (a row of -inf keeps m = -inf and l = 0)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - base)
+        p = tl.exp2(s - base[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    else:
+        alpha = tl.full([1], 1.0, dtype=acc_t)
+        p = tl.exp2(s + pot_r[:, None])
+    if MODE == _MATVEC or HAS_W:
+        y += tl.sum(p * _load_vec(W, cols, n_c, COL_MASK, 0.0)[None, :], 1)
+    if MODE == _LSE_OUT or MODE == _FIXED_OUT or MODE == _DV:
+        v = _load_tile(V, cols, n_c, s_vn, s_ve, BLOCK_E, E, COL_MASK)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION, out_dtype=acc_t)
+    return m_i, l_i, acc, y
 
 
 @triton.jit
 def sweep(
-    R, C, V, OUT, POT_R, POT_C, LOG_A, W, POT_OUT, KEEP, BIAS,
-    n_r, n_c, d, e, scale,
-    s_rb, s_rn, s_rd, s_cb, s_cn, s_cd, s_vb, s_vn, s_ve, s_ob, s_on, s_oe,
-    s_pr, s_pc, s_kb, s_kr, s_kc, s_bb, s_br, s_bc,
-    MODE: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
+    R, C, V, OUT, POT_R, POT_C, LOG_A, W, DUAL, XROW, INV, POT_OUT, KEEP, BIAS,
+    n_r, n_c, scale2, log_a0, inv0,
+    s_rb, s_rn, s_rd, s_cb, s_cn, s_cd, s_vb, s_vn, s_ve, s_ob, s_on, s_oe, s_xb, s_xn, s_xe,
+    s_pr, s_pc, s_la, s_w, s_du, s_inv, s_po, s_kb, s_kr, s_kc, s_bb, s_br, s_bc,
+    MODE: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LOG_A: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_INV: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """One block of rows of one slice; see the module docstring for ``MODE``. Potentials, ``LOG_A``,
-    ``W`` and ``POT_OUT`` are ``(B, n)`` with batch strides ``s_pr`` (rows) / ``s_pc`` (columns)."""
+    """One block of rows of one slice; see the module docstring for ``MODE``. Vectors
+    (potentials, ``LOG_A``, ``W``, ``DUAL``, ``INV``, ``POT_OUT``) are ``(B, n)`` views with their own
+    batch strides ``s_pr .. s_po``; ``log_a0``/``inv0`` stand for ``LOG_A``/``INV`` when absent."""
     block, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
-    dims = tl.arange(0, BLOCK_D)
+    row_in = rows < n_r
     R += b * s_rb
     C += b * s_cb
+    V += b * s_vb
+    POT_C += b * s_pc
+    W += b * s_w
     KEEP += b * s_kb
     BIAS += b * s_bb
     acc_t = POT_C.dtype.element_ty
-    r = tl.load(R + rows[:, None] * s_rn + dims[None, :] * s_rd, mask=(rows[:, None] < n_r) & (dims[None, :] < d),
-                other=0.0)
+    r = _load_tile(R, rows, n_r, s_rn, s_rd, BLOCK_D, D, True)
     pot_r = tl.zeros([BLOCK_R], dtype=acc_t)
-    if MODE >= _FIXED_OUT:
-        pot_r = tl.load(POT_R + b * s_pr + rows, mask=rows < n_r, other=0.0)
+    if MODE >= _FIXED_OUT:  # (-inf past the last row: no overflow in rows that are never stored)
+        pot_r = tl.load(POT_R + b * s_pr + rows, mask=row_in, other=float("-inf"))
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=acc_t)
     l_i = tl.zeros([BLOCK_R], dtype=acc_t)
     y = tl.zeros([BLOCK_R], dtype=acc_t)
-    vals = tl.arange(0, BLOCK_E)
     acc = tl.zeros([BLOCK_R, BLOCK_E], dtype=acc_t)
-    for start in range(0, n_c, BLOCK_C):
-        cols = start + tl.arange(0, BLOCK_C)
-        s = _score_tile(r, C, KEEP, BIAS, rows, cols, n_r, n_c, d, scale, s_cn, s_cd, s_kr, s_kc, s_br, s_bc,
-                        HAS_KEEP, HAS_BIAS, BLOCK_D, PRECISION, acc_t)
-        s += tl.load(POT_C + b * s_pc + cols, mask=cols < n_c, other=0.0)[None, :]
-        if MODE <= _LSE_OUT:  # online log-sum-exp (a row of -inf keeps m = -inf and l = 0)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            base = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - base)
-            p = tl.exp(s - base[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
-        else:
-            alpha = tl.full([BLOCK_R], 1.0, dtype=acc_t)
-            p = tl.exp(s + pot_r[:, None])
-        if MODE == _MATVEC:
-            w = tl.load(W + b * s_pc + cols, mask=cols < n_c, other=0.0)
-            y += tl.sum(p * w[None, :], 1)
-        if MODE == _LSE_OUT or MODE == _FIXED_OUT:
-            v = tl.load(V + b * s_vb + cols[:, None] * s_vn + vals[None, :] * s_ve,
-                        mask=(cols[:, None] < n_c) & (vals[None, :] < e), other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION, out_dtype=acc_t)
+    interior = (n_c // BLOCK_C) * BLOCK_C
+    for start in range(0, interior, BLOCK_C):
+        m_i, l_i, acc, y = _sweep_block(r, C, V, POT_C, W, KEEP, BIAS, m_i, l_i, acc, y, pot_r, rows, start, n_r, n_c,
+                                        scale2, s_cn, s_cd, s_vn, s_ve, s_kr, s_kc, s_br, s_bc, MODE, HAS_KEEP,
+                                        HAS_BIAS, HAS_W, False, BLOCK_C, D, BLOCK_D, E, BLOCK_E, PRECISION)
+    if interior < n_c:
+        m_i, l_i, acc, y = _sweep_block(r, C, V, POT_C, W, KEEP, BIAS, m_i, l_i, acc, y, pot_r, rows, interior, n_r,
+                                        n_c, scale2, s_cn, s_cd, s_vn, s_ve, s_kr, s_kc, s_br, s_bc, MODE, HAS_KEEP,
+                                        HAS_BIAS, HAS_W, True, BLOCK_C, D, BLOCK_D, E, BLOCK_E, PRECISION)
     if MODE <= _LSE_OUT:
-        log_a = tl.load(LOG_A + b * s_pr + rows, mask=rows < n_r, other=float("-inf"))
+        if HAS_LOG_A:
+            log_a = tl.load(LOG_A + b * s_la + rows, mask=row_in, other=float("-inf"))
+        else:
+            log_a = tl.full([BLOCK_R], log_a0, dtype=acc_t)
         ok = (log_a > float("-inf")) & (l_i > 0)
-        f = tl.where(ok, log_a, 0.0) - tl.where(ok, m_i, 0.0) - tl.log(tl.where(ok, l_i, 1.0))
-        tl.store(POT_OUT + b * s_pr + rows, f, mask=rows < n_r)
-        if MODE == _LSE_OUT:  # P_ij = a_i e^{s_ij + g_j - m_i} / l_i
-            acc = acc * tl.where(ok, tl.exp(log_a) / tl.where(ok, l_i, 1.0), 0.0)[:, None]
-    if MODE == _MATVEC:
-        tl.store(POT_OUT + b * s_pr + rows, y, mask=rows < n_r)
-    if MODE == _LSE_OUT or MODE == _FIXED_OUT:
-        tl.store(OUT + b * s_ob + rows[:, None] * s_on + vals[None, :] * s_oe, acc.to(OUT.dtype.element_ty),
-                 mask=(rows[:, None] < n_r) & (vals[None, :] < e))
+        f = tl.where(ok, log_a, 0.0) - tl.where(ok, m_i, 0.0) - tl.log2(tl.where(ok, l_i, 1.0))
+        tl.store(POT_OUT + b * s_po + rows, f, mask=row_in)
+        if MODE == _LSE_OUT:  # P_ij = a_i 2^{s_ij + g_j - m_i} / l_i
+            acc = acc * tl.where(ok, tl.exp2(log_a) / tl.where(ok, l_i, 1.0), 0.0)[:, None]
+    if MODE == _MATVEC or MODE == _DV:
+        z = -y
+        if MODE == _DV:  # x_j . dV_j from the accumulator, before rounding
+            z += tl.sum(_load_tile(XROW + b * s_xb, rows, n_r, s_xn, s_xe, BLOCK_E, E, True).to(acc_t) * acc, 1)
+        if HAS_DUAL:
+            z += tl.load(DUAL + b * s_du + rows, mask=row_in, other=0.0)
+        if HAS_INV:
+            z *= tl.load(INV + b * s_inv + rows, mask=row_in, other=0.0)
+        else:
+            z *= inv0
+        tl.store(POT_OUT + b * s_po + rows, z, mask=row_in)
+    if MODE == _LSE_OUT or MODE == _FIXED_OUT or MODE == _DV:
+        vals = tl.arange(0, BLOCK_E)
+        out = OUT + b * s_ob + rows.to(tl.int64)[:, None] * s_on + vals[None, :] * s_oe
+        tl.store(out, acc.to(OUT.dtype.element_ty), mask=row_in[:, None] & (vals[None, :] < E))
+
+
+@triton.jit
+def _dscore_block(r, x, xa, pot_r, C, Y, YA, POT_C, A, BT, U, WT, KEEP, BIAS, acc, rows, start, n_r, n_c, n_terms,
+                  scale2, s_cn, s_cd, s_yn, s_ye, s_kr, s_kc, s_br, s_bc,
+                  FOLDED: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr,
+                  BLOCK_C: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, E: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, PRECISION: tl.constexpr,
+                  TERM_PRECISION: tl.constexpr):
+    """One column block of :func:`dscore`: ``acc + dS[rows, cols] @ C[cols]``."""
+    acc_t = POT_C.dtype.element_ty
+    cols = start + tl.arange(0, BLOCK_C)
+    s, c = _scores(r, C, KEEP, BIAS, rows, cols, n_r, n_c, scale2, s_cn, s_cd, s_kr, s_kc, s_br, s_bc,
+                   HAS_KEEP, HAS_BIAS, COL_MASK, BLOCK_D, D, PRECISION, acc_t)
+    s += pot_r[:, None] + _load_vec(POT_C, cols, n_c, COL_MASK, 0.0)[None, :]
+    p = tl.exp2(s)
+    y = _load_tile(Y, cols, n_c, s_yn, s_ye, BLOCK_E, E, COL_MASK)
+    dp = tl.dot(x, tl.trans(y), input_precision=PRECISION, out_dtype=acc_t)
+    if FOLDED:  # the correction terms as one more product: dS = P (dO V^T - X'^T Y')
+        terms = tl.arange(0, BLOCK_T)
+        ya = tl.load(YA + terms[None, :] * n_c + cols[:, None], mask=(terms[None, :] < n_terms) & (cols[:, None] < n_c),
+                     other=0.0)
+        dp -= tl.dot(xa, tl.trans(ya), input_precision=TERM_PRECISION, out_dtype=acc_t)
+        ds = p * dp
+    else:  # one exponential per term (slices whose terms do not fit the float range)
+        ds = p * dp
+        col_in = cols < n_c
+        for t in range(0, n_terms):
+            a = tl.load(A + t * n_r + rows, mask=rows < n_r, other=0.0)
+            u = tl.load(U + t * n_r + rows, mask=rows < n_r, other=0.0)
+            bt = tl.load(BT + t * n_c + cols, mask=col_in, other=0.0)
+            w = tl.load(WT + t * n_c + cols, mask=col_in, other=0.0)
+            ds -= tl.exp2(s + a[:, None] + bt[None, :]) * (u[:, None] * w[None, :])
+    return acc + tl.dot(ds.to(c.dtype), c, input_precision=PRECISION, out_dtype=acc_t)
 
 
 @triton.jit
 def dscore(
-    R, C, X, Y, OUT, POT_R, POT_C, ALPHA, BETA, GAMMA, DELTA, KEEP, BIAS,
-    n_r, n_c, d, e, n_terms, scale,
+    R, C, X, Y, OUT, POT_R, POT_C, OK, XA, YA, A, BT, U, WT, KEEP, BIAS,
+    n_r, n_c, n_terms, scale2, scale,
     s_rb, s_rn, s_rd, s_cb, s_cn, s_cd, s_xb, s_xn, s_xe, s_yb, s_yn, s_ye, s_ob, s_on, s_od,
     s_pr, s_pc, s_tr, s_tc, s_kb, s_kr, s_kc, s_bb, s_br, s_bc,
-    HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
+    FOLDED: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_T: tl.constexpr, PRECISION: tl.constexpr, TERM_PRECISION: tl.constexpr,
 ):
-    """``OUT[rows] = scale * dS[rows, :] @ C`` for one block of rows (module docstring).
+    """``OUT[rows] = scale * dS[rows, :] @ C`` for one block of rows (module docstring), on the
+    slices whose flag ``OK[b]`` equals ``FOLDED``.
 
-    ``POT_R/POT_C`` are the final potentials ``(B, n)``; the correction terms ``ALPHA, GAMMA``
-    ``(B, T, n_r)`` and ``BETA, DELTA`` ``(B, T, n_c)`` have batch strides ``s_tr``/``s_tc`` and
-    term strides ``n_r``/``n_c`` (contiguous)."""
+    ``POT_R/POT_C`` are the final potentials; the terms ``XA, A, U (B, T, n_r)`` and
+    ``YA, BT, WT (B, T, n_c)`` are contiguous per slice with batch strides ``s_tr``/``s_tc``."""
     block, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    if tl.load(OK + b) != FOLDED:
+        return
     rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
-    dims = tl.arange(0, BLOCK_D)
-    vals = tl.arange(0, BLOCK_E)
+    row_in = rows < n_r
     R += b * s_rb
     C += b * s_cb
+    Y += b * s_yb
+    POT_C += b * s_pc
     KEEP += b * s_kb
     BIAS += b * s_bb
+    YA += b * s_tc
+    A += b * s_tr
+    U += b * s_tr
+    BT += b * s_tc
+    WT += b * s_tc
     acc_t = POT_C.dtype.element_ty
-    row_in = rows < n_r
-    r = tl.load(R + rows[:, None] * s_rn + dims[None, :] * s_rd, mask=row_in[:, None] & (dims[None, :] < d), other=0.0)
-    x = tl.load(X + b * s_xb + rows[:, None] * s_xn + vals[None, :] * s_xe, mask=row_in[:, None] & (vals[None, :] < e),
-                other=0.0)
-    pot_r = tl.load(POT_R + b * s_pr + rows, mask=row_in, other=0.0)
+    r = _load_tile(R, rows, n_r, s_rn, s_rd, BLOCK_D, D, True)
+    x = _load_tile(X + b * s_xb, rows, n_r, s_xn, s_xe, BLOCK_E, E, True)
+    pot_r = tl.load(POT_R + b * s_pr + rows, mask=row_in, other=float("-inf"))  # (P = 0 past the last row)
+    terms = tl.arange(0, BLOCK_T)
+    xa = tl.zeros([BLOCK_R, BLOCK_T], dtype=acc_t)
+    if FOLDED:
+        xa = tl.load(XA + b * s_tr + terms[None, :] * n_r + rows[:, None],
+                     mask=(terms[None, :] < n_terms) & row_in[:, None], other=0.0)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_t)
-    for start in range(0, n_c, BLOCK_C):
-        cols = start + tl.arange(0, BLOCK_C)
-        col_in = cols < n_c
-        s = _score_tile(r, C, KEEP, BIAS, rows, cols, n_r, n_c, d, scale, s_cn, s_cd, s_kr, s_kc, s_br, s_bc,
-                        HAS_KEEP, HAS_BIAS, BLOCK_D, PRECISION, acc_t)
-        y = tl.load(Y + b * s_yb + cols[:, None] * s_yn + vals[None, :] * s_ye,
-                    mask=col_in[:, None] & (vals[None, :] < e), other=0.0)
-        dp = tl.dot(x, tl.trans(y), input_precision=PRECISION, out_dtype=acc_t)
-        p = tl.exp(s + pot_r[:, None] + tl.load(POT_C + b * s_pc + cols, mask=col_in, other=0.0)[None, :])
-        ds = p * dp
-        for t in range(0, n_terms):
-            alpha = tl.load(ALPHA + b * s_tr + t * n_r + rows, mask=row_in, other=0.0)
-            gamma = tl.load(GAMMA + b * s_tr + t * n_r + rows, mask=row_in, other=0.0)
-            beta = tl.load(BETA + b * s_tc + t * n_c + cols, mask=col_in, other=0.0)
-            delta = tl.load(DELTA + b * s_tc + t * n_c + cols, mask=col_in, other=0.0)
-            ds -= tl.exp(s + alpha[:, None] + beta[None, :]) * (gamma[:, None] + delta[None, :])
-        c = tl.load(C + cols[:, None] * s_cn + dims[None, :] * s_cd, mask=col_in[:, None] & (dims[None, :] < d),
-                    other=0.0)
-        acc += tl.dot(ds.to(c.dtype), c, input_precision=PRECISION, out_dtype=acc_t)
-    tl.store(OUT + b * s_ob + rows[:, None] * s_on + dims[None, :] * s_od, (acc * scale).to(OUT.dtype.element_ty),
-             mask=row_in[:, None] & (dims[None, :] < d))
+    interior = (n_c // BLOCK_C) * BLOCK_C
+    for start in range(0, interior, BLOCK_C):
+        acc = _dscore_block(r, x, xa, pot_r, C, Y, YA, POT_C, A, BT, U, WT, KEEP, BIAS, acc, rows, start, n_r, n_c,
+                            n_terms, scale2, s_cn, s_cd, s_yn, s_ye, s_kr, s_kc, s_br, s_bc, FOLDED, HAS_KEEP, HAS_BIAS,
+                            False, BLOCK_C, D, BLOCK_D, E, BLOCK_E, BLOCK_T, PRECISION, TERM_PRECISION)
+    if interior < n_c:
+        acc = _dscore_block(r, x, xa, pot_r, C, Y, YA, POT_C, A, BT, U, WT, KEEP, BIAS, acc, rows, interior, n_r, n_c,
+                            n_terms, scale2, s_cn, s_cd, s_yn, s_ye, s_kr, s_kc, s_br, s_bc, FOLDED, HAS_KEEP, HAS_BIAS,
+                            True, BLOCK_C, D, BLOCK_D, E, BLOCK_E, BLOCK_T, PRECISION, TERM_PRECISION)
+    dims = tl.arange(0, BLOCK_D)
+    out = OUT + b * s_ob + rows.to(tl.int64)[:, None] * s_on + dims[None, :] * s_od
+    tl.store(out, (acc * scale).to(OUT.dtype.element_ty), mask=row_in[:, None] & (dims[None, :] < D))
+
+
+@triton.jit
+def rowdot(X, Y, INV, OUT, n, inv0, s_xb, s_xn, s_xe, s_yb, s_yn, s_ye, s_inv, s_o,
+           HAS_INV: tl.constexpr, BLOCK_R: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr):
+    """``OUT[b, i] = (X[b, i] . Y[b, i]) * INV[b, i]`` (or ``* inv0``), in ``OUT``'s dtype."""
+    block, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    acc_t = OUT.dtype.element_ty
+    x = _load_tile(X + b * s_xb, rows, n, s_xn, s_xe, BLOCK_E, E, True).to(acc_t)
+    y = _load_tile(Y + b * s_yb, rows, n, s_yn, s_ye, BLOCK_E, E, True).to(acc_t)
+    z = tl.sum(x * y, 1)
+    if HAS_INV:
+        z *= tl.load(INV + b * s_inv + rows, mask=rows < n, other=0.0)
+    else:
+        z *= inv0
+    tl.store(OUT + b * s_o + rows, z, mask=rows < n)

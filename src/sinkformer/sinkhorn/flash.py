@@ -9,45 +9,60 @@ Sinkhorn in the log domain is a sequence of row-wise log-sum-exps of biased dot-
     g_j \leftarrow \log b_j - \mathrm{LSE}_i(s_{ij} + f_i),
 
 the normalisation of attention with a key bias, so each one tiles and streams like FlashAttention
-(:mod:`._flash_kernels`: a column update is the same kernel on the transposed problem, no atomics).
-The last row update is fused with the output :math:`o = Pv` (online rescaling); after an even count
-the output is one more sweep with both potentials known. Only the potentials of every iteration
-are saved, :math:`O((n+m)\,n\_iters)` per slice.
+(:mod:`._flash_kernels`: a column update is the same kernel on the transposed problem, no atomics;
+scores and potentials are kept in base 2, so every exponential is one ``exp2``). The last row update
+is fused with the output :math:`o = Pv` (online rescaling); after an even count the output is one
+more sweep with both potentials known. Only the potentials of every iteration are saved,
+:math:`O((n+m)\,n\_iters)` per slice.
 
 The backward is the **exact gradient of the** ``n_iters`` **map**, the recursion of the tiled
 engine's log domain (:func:`.tiled._log_backward`) without its tile: with
-:math:`P = e^{s + F\oplus G}` the final plan, :math:`dP = dO\,V^\top`,
+:math:`P = e^{s + F\oplus G}` the final plan and :math:`dP = dO\,V^\top`,
 
 .. math::
 
     \frac{\partial\ell}{\partial s_{ij}} = P_{ij}\,dP_{ij} - \sum_{t=1}^{n\_iters}
-    e^{s_{ij} + \alpha_{ti} + \beta_{tj}}\,(\gamma_{ti} + \delta_{tj}),
+    e^{s_{ij} + \alpha_{ti} + \beta_{tj}}\,U_{ti} W_{tj}
+    = P_{ij}\Big(dP_{ij} - \sum_t X_{ti} Y_{tj}\Big),
 
-one term per normalisation (:math:`\alpha, \beta` that iteration's potentials, :math:`\gamma` or
-:math:`\delta` its coefficient, the other 0). The coefficients come from a vector recursion that
-needs one matrix-vector sweep per normalisation (:data:`._flash_kernels.MATVEC`): its start
-:math:`\sum_j P_{ij}dP_{ij} = dO_i\cdot o_i` costs nothing and
-:math:`\sum_i P_{ij}dP_{ij} = v_j\cdot dV_j` comes with :math:`dV = P^\top dO`. Then
+one term per normalisation (:math:`\alpha, \beta` that iteration's potentials; :math:`U = \gamma_t`,
+:math:`W = 1` for a row step, :math:`U = 1`, :math:`W = \delta_t` for a column step), and with
+:math:`X_{ti} = e^{\alpha_{ti} - F_i - c_t} U_{ti}`, :math:`Y_{tj} = e^{\beta_{tj} - G_j + c_t} W_{tj}`
+the terms fold into the ``dP`` product: one exponential per score, as FlashAttention's backward
+(slices whose :math:`e^{\pm}` factors do not fit the float range keep one exponential per term; a
+per-slice flag on the device chooses, so no host synchronisation). The coefficients come from a
+vector recursion with one matrix-vector sweep per normalisation (:data:`._flash_kernels.MATVEC`);
+its start :math:`\sum_j P_{ij}dP_{ij} = dO_i\cdot o_i` costs nothing and
+:math:`\sum_i P_{ij}dP_{ij} = v_j\cdot dV_j` comes with :math:`dV = P^\top dO`, in the same pass as
+the first reverse step after an odd count (:data:`._flash_kernels.DV`). Then
 :math:`dq = \mathrm{scale}\;\partial S\,k` and :math:`dk = \mathrm{scale}\;\partial S^\top q` are one
 sweep each (:func:`._flash_kernels.dscore`). ``tol=`` runs the same sweeps with the stop rule of
 :class:`~.problem.Tolerance` (one host synchronisation per iteration). ``backward="implicit"``
-differentiates the balanced fixed point instead, as the tiled engine does: one term,
+differentiates the balanced fixed point instead, as the tiled engine does: two folded terms,
 :math:`\partial S = P\odot(dP - \alpha\oplus\beta)`, with the duals solved by conjugate gradients
 whose products with :math:`P` and :math:`P^\top` are matrix-vector sweeps.
 
-Cost: the forward runs ``n_iters`` log-sum-exp sweeps (the last fused with the output; one more
-after an even count); the backward one sweep for ``dV``, ``n_iters - 1`` matrix-vector sweeps and
-the ``dq`` and ``dk`` sweeps, which evaluate ``n_iters + 1`` exponentials per score.
+Cost (:func:`cost_model` counts it): the forward runs ``n_iters`` log-sum-exp sweeps (the last fused
+with the output; one more after an even count); the backward one ``dV`` sweep (fused with the
+first reverse step after an odd count), the remaining matrix-vector sweeps and the ``dq`` and ``dk``
+sweeps, each with one exponential per score.
 
-On CUDA tensors the kernels compile for the GPU; on CPU tensors they run only under Triton's
-interpreter (``TRITON_INTERPRET=1`` set before the first call), which is how they are tested
-without a GPU. ``triton`` is optional (``pip install 'sinkformer[gpu]'``) and imported on first use.
+Launches are tuned per head dimension and dtype (:data:`GPU_CONFIGS`: rows and columns per block,
+warps, pipeline stages); :func:`unavailable` refuses, by name and with the reason, every call the
+kernels cannot serve (device, Triton version, dtype, head dimension), and ``backend="auto"`` then
+picks the next engine. On CUDA tensors the kernels compile for the GPU; on CPU tensors they run
+only under Triton's interpreter (``TRITON_INTERPRET=1`` set before the first call), which is how
+they are tested without a GPU. ``triton`` is optional (``pip install 'sinkformer[gpu]'``) and
+imported on first use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import math
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -65,43 +80,145 @@ from .problem import (
     warn_unbalanced,
 )
 
-__all__ = ["flash_attention", "unavailable"]
+__all__ = ["flash_attention", "unavailable", "LaunchConfig", "GPU_CONFIGS", "launch_config",
+           "MIN_TRITON", "MAX_HEAD_DIM", "operand_dtype"]
 
 ENGINE = "flash"
-#: (rows, columns) per block of a kernel program on GPUs, by operand dtype: every kernel then needs
-#: < 100 KiB of shared memory on sm_90 (compiled for that target: float32 with 64 x 64 blocks
-#: needed 132 KiB, float64 263 KiB, over an H100's 227; float64 with 32 x 32, 105 KiB).
-GPU_BLOCKS = {torch.float16: (64, 64), torch.bfloat16: (64, 64), torch.float32: (64, 32), torch.float64: (32, 16)}
-#: ... and under Triton's interpreter (CPU tests): few programs, several blocks already at n = 40.
-INTERPRETER_BLOCKS = (32, 32)
+LOG2E = 1.4426950408889634
+
+#: Oldest Triton whose compiler these kernels were compiled with (``tests/sinkhorn/test_flash_compile.py``,
+#: on 3.6, the version of the project's GPU machines, and on the newest).
+MIN_TRITON = (3, 6)
+#: float64 matrix products fail to compile on Triton 3.6 for sm_90 ("Currently fp64 don't support
+#: largeK MMA", when a product's operand comes from registers next to a byte mask); compiled on 3.9.
+MIN_TRITON_FLOAT64 = (3, 9)
+#: Largest head (and value) dimension a block of the kernels holds.
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One kernel's launch: rows and columns per block, warps per program, software-pipeline stages."""
+
+    block_r: int
+    block_c: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+#: ``(operand dtype, padded head dim) -> {kernel: LaunchConfig}`` on GPUs (sm_90). The padded head
+#: dim is the power of two >= max(d, d_v, 16). Each entry compiles for sm_90 within an H100's
+#: 227 KiB of shared memory without register spills (``python -m benchmarks flash-compile`` reports
+#: it); its speed is unmeasured (no GPU run yet). ``sweep`` serves the forward, the matrix-vector
+#: and the dV sweeps, ``dscore`` the dq/dk sweeps; an absent entry is refused by :func:`unavailable`.
+GPU_CONFIGS: dict[tuple[torch.dtype, int], dict[str, LaunchConfig]] = {}
+for _dtype in (torch.float16, torch.bfloat16):
+    for _d in (16, 32, 64):
+        GPU_CONFIGS[_dtype, _d] = {"sweep": LaunchConfig(128, 64, 4, 3), "dscore": LaunchConfig(64, 64, 4, 2),
+                                   "rowdot": LaunchConfig(64, 0, 4, 1)}
+    GPU_CONFIGS[_dtype, 128] = {"sweep": LaunchConfig(64, 64, 4, 2), "dscore": LaunchConfig(64, 32, 4, 2),
+                                "rowdot": LaunchConfig(64, 0, 4, 1)}
+    GPU_CONFIGS[_dtype, 256] = {"sweep": LaunchConfig(64, 32, 8, 2), "dscore": LaunchConfig(32, 32, 4, 1),
+                                "rowdot": LaunchConfig(32, 0, 4, 1)}
+for _d in (16, 32, 64):
+    GPU_CONFIGS[torch.float32, _d] = {"sweep": LaunchConfig(64, 32, 4, 2), "dscore": LaunchConfig(64, 32, 4, 2),
+                                      "rowdot": LaunchConfig(64, 0, 4, 1)}
+    GPU_CONFIGS[torch.float64, _d] = {"sweep": LaunchConfig(32, 16, 4, 2), "dscore": LaunchConfig(32, 16, 4, 1),
+                                      "rowdot": LaunchConfig(32, 0, 4, 1)}
+GPU_CONFIGS[torch.float32, 128] = {"sweep": LaunchConfig(32, 32, 4, 2), "dscore": LaunchConfig(32, 32, 4, 1),
+                                   "rowdot": LaunchConfig(32, 0, 4, 1)}
+GPU_CONFIGS[torch.float32, 256] = {"sweep": LaunchConfig(32, 16, 8, 1), "dscore": LaunchConfig(16, 16, 4, 1),
+                                   "rowdot": LaunchConfig(16, 0, 4, 1)}
+GPU_CONFIGS[torch.float64, 128] = {"sweep": LaunchConfig(16, 16, 4, 1), "dscore": LaunchConfig(16, 16, 4, 1),
+                                   "rowdot": LaunchConfig(16, 0, 4, 1)}
+#: Under Triton's interpreter (CPU tests): few programs, several blocks already at n = 40.
+INTERPRETER_CONFIG = {"sweep": LaunchConfig(32, 32), "dscore": LaunchConfig(32, 32), "rowdot": LaunchConfig(32, 0)}
 #: the grid's second axis (slices) is limited to 65535 programs: larger batches run in chunks.
 _MAX_SLICES = 65535
+#: Largest exponent (base 2) of a folded factor ``X``, ``Y`` of the backward: beyond it a slice takes
+#: one exponential per term. ``P X Y`` is then exact for every term above 2^-LIMIT (the product of
+#: a factor pair is at most 2^(2 LIMIT), so P stays above the smallest normal number).
+FOLD_LIMIT = {torch.float32: 40.0, torch.float64: 400.0}
 
 
 def _interpreter_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def unavailable(device_type: str) -> str | None:
-    """Why the flash engine cannot run on ``device_type`` here (a sentence), or ``None``.
+def _pow2(x: int) -> int:
+    return max(16, 1 << max(0, x - 1).bit_length())
 
-    It needs the ``triton`` package, and either CUDA tensors or CPU tensors with Triton's
-    interpreter switched on (``TRITON_INTERPRET=1`` before the kernels are first imported)."""
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def operand_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The dtype ``q, k, v`` enter the kernels in: half precision as given on CUDA (tensor cores),
+    float64 as given, anything else float32 (what :func:`sinkformer.attention` passes)."""
+    if dtype in (torch.float16, torch.bfloat16) and device_type == "cuda":
+        return dtype
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _triton_version() -> tuple[int, int]:
+    import triton
+
+    major, minor = (int("".join(ch for ch in part if ch.isdigit()) or 0) for part in triton.__version__.split(".")[:2])
+    return major, minor
+
+
+def launch_config(dtype: torch.dtype, head_dim: int, value_dim: int, interpreted: bool) -> dict[str, LaunchConfig] | None:
+    """The launches of a call (:data:`GPU_CONFIGS`), ``None`` when no configuration fits."""
+    if interpreted:
+        return INTERPRETER_CONFIG
+    return GPU_CONFIGS.get((dtype, _pow2(max(head_dim, value_dim))))
+
+
+def unavailable(device_type: str, dtype: torch.dtype | None = None, head_dim: int | None = None,
+                value_dim: int | None = None) -> str | None:
+    """Why the flash engine cannot run a call here (a sentence naming what to change), or ``None``.
+
+    It needs the ``triton`` package (version >= :data:`MIN_TRITON`), and either CUDA tensors or CPU
+    tensors with Triton's interpreter switched on (``TRITON_INTERPRET=1`` before the kernels are first
+    imported); with ``dtype`` (the call's q dtype) and the head/value dims, also a compiled
+    configuration for them (:data:`GPU_CONFIGS`)."""
     if importlib.util.find_spec("triton") is None:
         return ("engine 'flash' needs triton, which the core of sinkformer does not install: "
                 "pip install 'sinkformer[gpu]' (Linux x86-64)")
-    if device_type == "cuda":
-        return None
+    interpreted = False
     if device_type == "cpu":
         import sys
 
         loaded = sys.modules.get(__name__.rsplit(".", 1)[0] + "._flash_kernels")
         interpreted = loaded.INTERPRETED if loaded is not None else _interpreter_requested()
-        if interpreted:
-            return None
-        return (f"engine 'flash' runs Triton kernels on CUDA tensors, got device {device_type!r} (CPU tensors run "
-                "only under Triton's interpreter: set TRITON_INTERPRET=1 before the first call)")
-    return f"engine 'flash' runs Triton kernels on CUDA tensors, got device {device_type!r}"
+        if not interpreted:
+            return (f"engine 'flash' runs Triton kernels on CUDA tensors, got device {device_type!r} (CPU tensors run "
+                    "only under Triton's interpreter: set TRITON_INTERPRET=1 before the first call)")
+    elif device_type != "cuda":
+        return f"engine 'flash' runs Triton kernels on CUDA tensors, got device {device_type!r}"
+    version = _triton_version()
+    if version < MIN_TRITON:
+        return (f"engine 'flash' needs triton >= {'.'.join(map(str, MIN_TRITON))} (the oldest its kernels are "
+                f"compiled with), found {'.'.join(map(str, version))}: pip install -U triton")
+    if dtype is None:
+        return None
+    kernel_dtype = operand_dtype(dtype, device_type)
+    if kernel_dtype == torch.float64 and not interpreted and version < MIN_TRITON_FLOAT64:
+        return (f"engine 'flash' cannot compile float64 on triton {'.'.join(map(str, version))} (its float64 matrix "
+                f"products need triton >= {'.'.join(map(str, MIN_TRITON_FLOAT64))}): use float32 inputs, another "
+                "backend, or pip install -U triton")
+    if head_dim is None:
+        return None
+    value_dim = head_dim if value_dim is None else value_dim
+    if max(head_dim, value_dim) > MAX_HEAD_DIM:
+        return (f"engine 'flash' holds head dims up to {MAX_HEAD_DIM} in a block, got head_dim={head_dim}, "
+                f"value_dim={value_dim}; use backend='tiled' or 'streamed'")
+    if launch_config(kernel_dtype, head_dim, value_dim, interpreted) is None:
+        return (f"engine 'flash' has no launch configuration that fits a GPU's shared memory for "
+                f"{str(kernel_dtype).removeprefix('torch.')} with head_dim={head_dim}, value_dim={value_dim}; "
+                "use float32 or half-precision inputs, or backend='tiled'")
+    return None
 
 
 def _kernels():
@@ -134,45 +251,64 @@ def flash_attention(
     ``backward``: ``"unrolled"`` (exact gradient of the ``n_iters`` map) or ``"implicit"`` (the
     balanced fixed point's, by conjugate gradients on matrix-vector sweeps).
     """
-    why = unavailable(q.device.type)
+    why = unavailable(q.device.type, q.dtype, q.shape[-1], v.shape[-1])
     if why is not None:
         raise ValueError(f"backend='flash' cannot serve this call: {why}")
     return torch.ops.sinkformer.flash_forward(q, k, v, keep, bias, list(batch), scale, n_iters, tol, max_iters,
                                               backward)[0]
 
 
+def _on_device(t: Tensor):
+    """Launch on ``t``'s GPU (Triton launches on the current device, which may be another one)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 # ------------------------------------------------------------------------------------------------
 # launching the kernels
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+@dataclass
+class _Marginal:
+    """A marginal as the kernels take it: ``log2`` and ``inv`` (1/mass, 0 without mass) are ``(B, n)``
+    tensors, or floats when the marginal is uniform (no mask); ``mass`` likewise."""
 
+    mass: Tensor | float
+    log2: Tensor | float
+    inv: Tensor | float
 
-def _pow2(x: int) -> int:
-    return max(16, 1 << max(0, x - 1).bit_length())
+    @staticmethod
+    def of(mass: Tensor) -> _Marginal:
+        mass = mass.contiguous()
+        log2 = torch.where(mass > 0, mass.clamp_min(torch.finfo(mass.dtype).tiny).log2(),
+                           torch.full_like(mass, float("-inf")))
+        return _Marginal(mass, log2, torch.where(mass > 0, 1 / mass, torch.zeros_like(mass)))
 
 
 class _Problem:
     """One call's operands as the kernels see them: slices, masks (strided, never expanded),
-    marginals and the launch configuration."""
+    marginals and the launch configuration (``interpreted``: the interpreter's, else the GPU's)."""
 
-    def __init__(self, q: Tensor, k: Tensor, keep: Tensor | None, bias: Tensor | None, batch: list[int],
-                 scale: float):
-        self.q, self.k, self.scale = q, k, scale
-        self.B, self.n, self.m, self.d = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
+    def __init__(self, q: Tensor, k: Tensor, e: int, keep: Tensor | None, bias: Tensor | None, batch: list[int],
+                 scale: float, interpreted: bool | None = None):
+        self.q, self.k, self.scale, self.scale2 = q, k, scale, scale * LOG2E
+        self.B, self.n, self.m, self.d, self.e = q.shape[0], q.shape[1], k.shape[1], q.shape[2], e
         self.acc = _acc_dtype(q.dtype)
         masks = Masks(keep, bias, tuple(batch))
         keep_s, bias_s = masks.keep_of(0, self.B), masks.bias_of(0, self.B)
         self.keep = None if keep_s is None else keep_s.view(torch.uint8)
         self.bias = None if bias_s is None else bias_s.to(self.acc)
-        shape = (self.B, self.n, self.m)
-        a, b = marginals(*valid_rows_cols(keep_s, shape), shape, q.new_empty((), dtype=self.acc))
-        self.a, self.b = a.contiguous(), b.contiguous()
-        self.log_a, self.log_b = _log_marginal(self.a), _log_marginal(self.b)
+        if keep_s is None:  # rows sum to 1, columns to n / m
+            self.rows = _Marginal(1.0, 0.0, 1.0)
+            self.cols = _Marginal(self.n / self.m, math.log2(self.n / self.m), self.m / self.n)
+        else:
+            shape = (self.B, self.n, self.m)
+            a, b = marginals(*valid_rows_cols(keep_s, shape), shape, q.new_empty((), dtype=self.acc))
+            self.rows, self.cols = _Marginal.of(a), _Marginal.of(b)
         self.dummy = torch.zeros(1, dtype=self.acc, device=q.device)
-        self.blocks = INTERPRETER_BLOCKS if q.device.type == "cpu" else GPU_BLOCKS[q.dtype]
+        interpreted = q.device.type == "cpu" if interpreted is None else interpreted
+        self.config = launch_config(q.dtype, self.d, e, interpreted)
         self.precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
+        self.term_precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
 
     def _mask(self, t: Tensor | None, transposed: bool) -> tuple:
         """``(pointer, batch stride, row stride, column stride)`` of a mask in one orientation."""
@@ -187,77 +323,104 @@ class _Problem:
             return self.k, self.q, self.m, self.n, self._mask(self.keep, True), self._mask(self.bias, True)
         return self.q, self.k, self.n, self.m, self._mask(self.keep, False), self._mask(self.bias, False)
 
-    def sweep(self, mode: int, transposed: bool, pot_c: Tensor, *, pot_r: Tensor | None = None,
-              log_a: Tensor | None = None, w: Tensor | None = None, v: Tensor | None = None) -> tuple:
-        """Run :func:`._flash_kernels.sweep`; returns ``(row vector, output or None)``."""
-        K = _kernels()
-        R, C, n_r, n_c, keep, bias = self._orient(transposed)
-        vec = torch.empty(self.B, n_r, dtype=self.acc, device=R.device)
-        e = v.shape[-1] if v is not None else 0
-        out = torch.empty(self.B, n_r, e, dtype=_out_dtype(v), device=R.device) if v is not None else None
-        vv, oo = (v, out) if v is not None else (self.dummy.view(1, 1, 1), self.dummy.view(1, 1, 1))
-        block_r, block_c = self.blocks
+    def _vec(self, t: Tensor | float | None) -> tuple[Tensor, int]:
+        """``(pointer, batch stride)`` of a ``(B, n)`` vector (a dummy for a float or ``None``)."""
+        return (t, t.stride(0)) if isinstance(t, Tensor) else (self.dummy, 0)
+
+    def _chunks(self):
+        """``(take, slices)`` per launch: ``take(t)`` is the part of a ``(B, ...)`` tensor it covers (the
+        tensor itself when one launch covers all: the grid's second axis holds at most 65535 slices)."""
+        if self.B <= _MAX_SLICES:
+            yield (lambda t: t), self.B
+            return
         for s in range(0, self.B, _MAX_SLICES):
             sl = slice(s, min(self.B, s + _MAX_SLICES))
-            grid = (triton_cdiv(n_r, block_r), sl.stop - sl.start)
-            args = [R[sl], C[sl], vv[sl] if v is not None else vv, oo[sl] if v is not None else oo,
-                    _row(pot_r, sl, self.dummy), pot_c[sl], _row(log_a, sl, self.dummy), _row(w, sl, self.dummy),
-                    vec[sl], _at(keep, sl), _at(bias, sl)]
-            K.sweep[grid](
-                *args, n_r, n_c, self.d, e, self.scale,
-                *R.stride(), *C.stride(), *_strides3(v), *_strides3(out), n_r, n_c,
-                keep[1], keep[2], keep[3], bias[1], bias[2], bias[3],
-                MODE=mode, HAS_KEEP=self.keep is not None, HAS_BIAS=self.bias is not None, BLOCK_R=block_r,
-                BLOCK_C=block_c, BLOCK_D=_pow2(self.d), BLOCK_E=_pow2(e), PRECISION=self.precision,
+            yield (lambda t, sl=sl: t[sl]), sl.stop - sl.start
+
+    def sweep(self, mode: int, transposed: bool, pot_c: Tensor, *, pot_r: Tensor | None = None,
+              log_a: Tensor | float = 0.0, w: Tensor | None = None, dual: Tensor | None = None,
+              xrow: Tensor | None = None, inv: Tensor | float = 1.0, v: Tensor | None = None,
+              vec: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Run :func:`._flash_kernels.sweep`; returns ``(row vector, output or None)``. ``vec`` is
+        where the row vector goes (a view into the potentials; a new tensor by default)."""
+        K = _kernels()
+        R, C, n_r, n_c, keep, bias = self._orient(transposed)
+        vec = torch.empty(self.B, n_r, dtype=self.acc, device=R.device) if vec is None else vec
+        e = v.shape[-1] if v is not None else 0
+        out = torch.empty(self.B, n_r, e, dtype=_out_dtype(v), device=R.device) if v is not None else None
+        cfg = self.config["sweep"]
+        dummy3 = self.dummy.view(1, 1, 1)
+        for take, slices in self._chunks():
+            vectors = [self._vec(take(x) if isinstance(x, Tensor) else x) for x in (pot_r, pot_c, log_a, w, dual, inv, vec)]
+            (pr, s_pr), (pc, s_pc), (la, s_la), (ww, s_w), (du, s_du), (iv, s_inv), (po, s_po) = vectors
+            vv, oo, xx = (dummy3 if x is None else take(x) for x in (v, out, xrow))
+            K.sweep[(_cdiv(n_r, cfg.block_r), slices)](
+                take(R), take(C), vv, oo, pr, pc, la, ww, du, xx, iv, po, _at(keep, take), _at(bias, take),
+                n_r, n_c, self.scale2, log_a if isinstance(log_a, float) else 0.0, inv if isinstance(inv, float) else 1.0,
+                *R.stride(), *C.stride(), *_strides3(v), *_strides3(out), *_strides3(xrow),
+                s_pr, s_pc, s_la, s_w, s_du, s_inv, s_po, keep[1], keep[2], keep[3], bias[1], bias[2], bias[3],
+                MODE=mode, HAS_KEEP=self.keep is not None, HAS_BIAS=self.bias is not None,
+                HAS_LOG_A=isinstance(log_a, Tensor), HAS_W=w is not None, HAS_DUAL=dual is not None,
+                HAS_INV=isinstance(inv, Tensor), BLOCK_R=cfg.block_r, BLOCK_C=cfg.block_c, D=self.d,
+                BLOCK_D=_pow2(self.d), E=e, BLOCK_E=_pow2(e), PRECISION=self.precision,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
         return vec, out
 
-    def dscore(self, transposed: bool, x: Tensor, y: Tensor, pot_r: Tensor, pot_c: Tensor, terms: tuple) -> Tensor:
-        """Run :func:`._flash_kernels.dscore`: ``scale * dS @ C`` (``dq``; ``dk`` when transposed)."""
+    def rowdot(self, x: Tensor, y: Tensor, inv: Tensor | float) -> Tensor:
+        """``(x_i . y_i) * inv_i`` per row of ``(B, n, e)`` tensors, as a ``(B, n)`` vector."""
+        K = _kernels()
+        n, e = x.shape[1], x.shape[2]
+        out = torch.empty(self.B, n, dtype=self.acc, device=x.device)
+        cfg = self.config["rowdot"]
+        for take, slices in self._chunks():
+            iv, s_inv = self._vec(take(inv) if isinstance(inv, Tensor) else inv)
+            K.rowdot[(_cdiv(n, cfg.block_r), slices)](
+                take(x), take(y), iv, take(out), n, inv if isinstance(inv, float) else 1.0, *x.stride(), *y.stride(), s_inv,
+                out.stride(0), HAS_INV=isinstance(inv, Tensor), BLOCK_R=cfg.block_r, E=e, BLOCK_E=_pow2(e),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return out
+
+    def dscore(self, transposed: bool, x: Tensor, y: Tensor, pot_r: Tensor, pot_c: Tensor, terms: _Terms) -> Tensor:
+        """Run :func:`._flash_kernels.dscore` (both variants, each on its slices): ``scale * dS @ C``
+        (``dq``; ``dk`` when transposed)."""
         K = _kernels()
         R, C, n_r, n_c, keep, bias = self._orient(transposed)
-        alpha, beta, gamma, delta = terms
+        terms = terms.transposed() if transposed else terms
         out = torch.empty(self.B, n_r, self.d, dtype=_out_dtype(R), device=R.device)
-        e = x.shape[-1]
-        block_r, block_c = self.blocks
-        for s in range(0, self.B, _MAX_SLICES):
-            sl = slice(s, min(self.B, s + _MAX_SLICES))
-            grid = (triton_cdiv(n_r, block_r), sl.stop - sl.start)
-            K.dscore[grid](
-                R[sl], C[sl], x[sl], y[sl], out[sl], pot_r[sl], pot_c[sl], alpha[sl], beta[sl], gamma[sl], delta[sl],
-                _at(keep, sl), _at(bias, sl), n_r, n_c, self.d, e, alpha.shape[1], self.scale,
-                *R.stride(), *C.stride(), *x.stride(), *y.stride(), *out.stride(), n_r, n_c,
-                alpha.shape[1] * n_r, alpha.shape[1] * n_c, keep[1], keep[2], keep[3], bias[1], bias[2], bias[3],
-                HAS_KEEP=self.keep is not None, HAS_BIAS=self.bias is not None, BLOCK_R=block_r, BLOCK_C=block_c,
-                BLOCK_D=_pow2(self.d), BLOCK_E=_pow2(e), PRECISION=self.precision,
-            )
+        e, T = x.shape[-1], terms.count
+        cfg = self.config["dscore"]
+        for take, slices in self._chunks():
+            for folded in (1, 0):
+                K.dscore[(_cdiv(n_r, cfg.block_r), slices)](
+                    *map(take, (R, C, x, y, out, pot_r, pot_c, terms.ok, terms.xa, terms.ya, terms.a, terms.b, terms.u,
+                                terms.w)), _at(keep, take), _at(bias, take),
+                    n_r, n_c, T, self.scale2, self.scale,
+                    *R.stride(), *C.stride(), *x.stride(), *y.stride(), *out.stride(), pot_r.stride(0),
+                    pot_c.stride(0), T * n_r, T * n_c, keep[1], keep[2], keep[3], bias[1], bias[2], bias[3],
+                    FOLDED=folded, HAS_KEEP=self.keep is not None, HAS_BIAS=self.bias is not None,
+                    BLOCK_R=cfg.block_r, BLOCK_C=cfg.block_c, D=self.d, BLOCK_D=_pow2(self.d), E=e,
+                    BLOCK_E=_pow2(e), BLOCK_T=_pow2(T), PRECISION=self.precision,
+                    TERM_PRECISION=self.term_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                )
         return out
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _row(t: Tensor | None, sl: slice, dummy: Tensor) -> Tensor:
-    return dummy if t is None else t[sl]
-
-
-def _at(mask: tuple, sl: slice) -> Tensor:
-    """The mask pointer for slices ``sl`` (a broadcast batch dimension stays as it is)."""
+def _at(mask: tuple, take) -> Tensor:
+    """The mask pointer for the slices ``take`` covers (a broadcast batch dimension stays as it is)."""
     t, sb = mask[0], mask[1]
-    return t if sb == 0 else t[sl]
+    return t if sb == 0 else take(t)
 
 
 def _strides3(t: Tensor | None) -> tuple[int, int, int]:
     return (0, 0, 0) if t is None else tuple(t.stride())
 
 
-def _log_marginal(a: Tensor) -> Tensor:
-    """``log a`` with ``-inf`` where ``a = 0`` (rows/columns without mass keep potential 0)."""
-    return torch.where(a > 0, a.clamp_min(torch.finfo(a.dtype).tiny).log(), torch.full_like(a, float("-inf")))
-
-
-def _half_operands(q: Tensor, k: Tensor, v: Tensor) -> bool:
+def _half_operands(q: Tensor) -> bool:
     return q.dtype in (torch.float16, torch.bfloat16)
 
 
@@ -275,21 +438,26 @@ def _forward_op(
     q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, batch: list[int], scale: float,
     n_iters: int | None, tol: float | None, max_iters: int, backward: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns ``out (B, n, e)``, the row potentials ``(B, n, Lf)`` (``f_1, f_3, ..``), the column
-    potentials ``(B, m, Lg)`` (``g_0 = 0, g_2, ..``) and the normalisations each slice ran ``(B,)``.
-    ``backward="implicit"`` keeps the last potentials only (``Lf = Lg = 1``)."""
-    problem = _Problem(q, k, keep, bias, batch, scale)
+    """Returns ``out (B, n, e)``, the row potentials ``(B, Lf, n)`` (``f_1, f_3, ..``), the column
+    potentials ``(B, Lg, m)`` (``g_0 = 0, g_2, ..``), both in base 2, and the normalisations each
+    slice ran ``(B,)``. ``backward="implicit"`` keeps the last potentials only (``Lf = Lg = 1``)."""
+    with _on_device(q):
+        return _forward(_Problem(q, k, v.shape[-1], keep, bias, batch, scale), v, n_iters, tol, max_iters, backward)
+
+
+def _forward(p: _Problem, v: Tensor, n_iters: int | None, tol: float | None, max_iters: int, backward: str):
     if tol is None:
-        fs, gs, out = _fixed_iterations(problem, v, n_iters)
-        counts = torch.full((problem.B,), n_iters, dtype=torch.int64, device=q.device)
+        fs, gs, out = _fixed_iterations(p, v, n_iters)
+        counts = torch.full((p.B,), n_iters, dtype=torch.int64, device=v.device)
     else:
-        fs, gs, out, counts = _tolerance_iterations(problem, v, tol, max_iters, implicit=backward == "implicit")
+        fs, gs, out, counts = _tolerance_iterations(p, v, tol, max_iters, implicit=backward == "implicit")
     if backward == "implicit":
-        fs, gs = fs[-1:], gs[-1:]
+        fs, gs = fs[:, -1:], gs[:, -1:]
         if tol is None:
-            col_sums = problem.sweep(_kernels().MATVEC, True, fs[0], pot_r=gs[0], w=torch.ones_like(problem.a))[0]
-            warn_unbalanced(column_error(col_sums, problem.b), n_iters, converged_tol(q.dtype), ENGINE)
-    return out, torch.stack(fs, -1), torch.stack(gs, -1), counts
+            col_sums = p.sweep(_kernels().MATVEC, True, fs[:, 0], pot_r=gs[:, 0], w=torch.ones_like(fs[:, 0]), inv=-1.0)[0]
+            b = p.cols.mass if isinstance(p.cols.mass, Tensor) else torch.full_like(col_sums, p.cols.mass)
+            warn_unbalanced(column_error(col_sums, b), n_iters, converged_tol(v.dtype), ENGINE)
+    return out, fs, gs, counts
 
 
 @_forward_op.register_fake
@@ -303,114 +471,203 @@ def _(q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters, backward):
     else:
         lf = torch.library.get_ctx().new_dynamic_size()
         lg = lf
-    return (q.new_empty(B, n, v.shape[-1], dtype=_out_dtype(v)), q.new_empty(B, n, lf, dtype=acc),
-            q.new_empty(B, m, lg, dtype=acc), q.new_empty(B, dtype=torch.int64))
+    return (q.new_empty(B, n, v.shape[-1], dtype=_out_dtype(v)), q.new_empty(B, lf, n, dtype=acc),
+            q.new_empty(B, lg, m, dtype=acc), q.new_empty(B, dtype=torch.int64))
 
 
 def _fixed_iterations(p: _Problem, v: Tensor, n_iters: int):
-    """``n_iters`` normalisations from ``g = 0``: ``fs = [f1, f3, ..]``, ``gs = [g0, g2, ..]``, out."""
+    """``n_iters`` normalisations from ``g = 0`` into ``fs = [f1, f3, ..] (B, Lf, n)`` and
+    ``gs = [g0, g2, ..] (B, Lg, m)``; and the output."""
     K = _kernels()
-    fs, gs = [], [torch.zeros(p.B, p.m, dtype=p.acc, device=v.device)]
+    fs = torch.empty(p.B, (n_iters + 1) // 2, p.n, dtype=p.acc, device=v.device)
+    gs = torch.zeros(p.B, n_iters // 2 + 1, p.m, dtype=p.acc, device=v.device)
     out = None
     for t in range(1, n_iters + 1):
         if t % 2:
             last = t == n_iters
-            f, out_t = p.sweep(K.LSE_OUT if last else K.LSE, False, gs[-1], log_a=p.log_a, v=v if last else None)
-            fs.append(f)
-            out = out_t if last else out
+            out = p.sweep(K.LSE_OUT if last else K.LSE, False, gs[:, t // 2], log_a=p.rows.log2,
+                          v=v if last else None, vec=fs[:, t // 2])[1]
         else:
-            gs.append(p.sweep(K.LSE, True, fs[-1], log_a=p.log_b)[0])
+            p.sweep(K.LSE, True, fs[:, t // 2 - 1], log_a=p.cols.log2, vec=gs[:, t // 2])
     if out is None:  # an even count ends on a column update: o = e^{s + f ⊕ g} v
-        out = p.sweep(K.FIXED_OUT, False, gs[-1], pot_r=fs[-1], v=v)[1]
+        out = p.sweep(K.FIXED_OUT, False, gs[:, -1], pot_r=fs[:, -1], v=v)[1]
     return fs, gs, out
 
 
 def _tolerance_iterations(p: _Problem, v: Tensor, tol: float, max_iters: int, implicit: bool = False):
     """Iterate until each slice's column error after a row update is ``<= tol`` (its potentials then
     freeze), or ``max_iters``: the rule of :class:`~.problem.Tolerance`. The column error comes from
-    the next column update: :math:`\\sum_i P_{ij} = b_j e^{g_j - g'_j}` for the new potential ``g'``."""
+    the next column update: :math:`\\sum_i P_{ij} = b_j 2^{g_j - g'_j}` for the new potential ``g'``."""
     K = _kernels()
     stop = Tolerance(tol, max_iters, (p.B,), v.device, ENGINE)
     fs, gs = [], [torch.zeros(p.B, p.m, dtype=p.acc, device=v.device)]
     done = 0
     while True:
-        f = p.sweep(K.LSE, False, gs[-1], log_a=p.log_a)[0]
+        f = p.sweep(K.LSE, False, gs[-1], log_a=p.rows.log2)[0]
         fs.append(f if not fs else torch.where(stop.active.unsqueeze(-1), f, fs[-1]))
         done += 1
-        g = p.sweep(K.LSE, True, fs[-1], log_a=p.log_b)[0]
-        gap = torch.where(p.b > 0, (p.b * torch.exp(gs[-1] - g) - p.b).abs(), torch.zeros_like(p.b))
+        g = p.sweep(K.LSE, True, fs[-1], log_a=p.cols.log2)[0]
+        gap = (p.cols.mass * torch.exp2(gs[-1] - g) - p.cols.mass).abs()  # 0 where b_j = 0
+        gap = gap if isinstance(p.cols.mass, float) else torch.where(p.cols.mass > 0, gap, 0.0)
         if stop.check(gap.amax(-1) if p.m else gap.sum(-1), done):
             break
         gs.append(torch.where(stop.active.unsqueeze(-1), g, gs[-1]))
         done += 1
     warn_if_unconverged([stop], implicit=implicit)
     out = p.sweep(K.FIXED_OUT, False, gs[-1], pot_r=fs[-1], v=v)[1]
-    return fs, gs, out, stop.counts
+    return torch.stack(fs, 1), torch.stack(gs, 1), out, stop.counts
 
 
 # ------------------------------------------------------------------------------------------------
 # backward
 
 
+@dataclass
+class _Terms:
+    """The correction terms of ``dS`` (module docstring), ``(B, T, n)`` row-side and ``(B, T, m)``
+    column-side: the folded factors ``xa``, ``ya``; the base-2 exponents ``a = alpha - F - c``,
+    ``b = beta - G + c`` and coefficients ``u``, ``w`` of the term-by-term variant; ``ok (B,)`` int32,
+    1 where the folded factors fit the float range."""
+
+    xa: Tensor
+    ya: Tensor
+    a: Tensor
+    b: Tensor
+    u: Tensor
+    w: Tensor
+    ok: Tensor
+
+    @property
+    def count(self) -> int:
+        return self.xa.shape[1]
+
+    def transposed(self) -> _Terms:
+        return _Terms(self.ya, self.xa, self.b, self.a, self.w, self.u, self.ok)
+
+    @staticmethod
+    def fold(a: Tensor, b: Tensor, u: Tensor, w: Tensor, limit: float) -> _Terms:
+        """Terms :math:`2^{a_{ti} + b_{tj}} u_{ti} w_{tj}` (``a`` and ``b`` overwritten): each term's
+        exponents shifted by :math:`c_t` so that both factors have the same largest exponent."""
+        hi_a, hi_b = a.amax(-1, keepdim=True), b.amax(-1, keepdim=True)
+        shift = (hi_a - hi_b) / 2
+        a -= shift
+        b += shift
+        ok = ((hi_a + hi_b).squeeze(-1) <= 2 * limit).all(-1).to(torch.int32)
+        return _Terms(torch.exp2(a) * u, torch.exp2(b) * w, a, b, u, w, ok)
+
+
 @torch.library.custom_op("sinkformer::flash_backward", mutates_args=())
 def _backward_op(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, keep: Tensor | None, bias: Tensor | None,
-    batch: list[int], fs: Tensor, gs: Tensor, counts: Tensor, scale: float, backward: str,
+    batch: list[int], fs: Tensor, gs: Tensor, counts: Tensor, scale: float, backward: str, fixed: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients ``(dq, dk, dv)`` of the forward op from its saved potentials."""
-    p = _Problem(q, k, keep, bias, batch, scale)
+    """Gradients ``(dq, dk, dv)`` of the forward op from its saved potentials (``fixed``: every slice
+    ran the same count, ``n_iters``)."""
+    with _on_device(q):
+        return _backward(_Problem(q, k, v.shape[-1], keep, bias, batch, scale), grad_out, v, out, fs, gs, counts,
+                         backward, fixed)
+
+
+def _backward(p: _Problem, grad_out: Tensor, v: Tensor, out: Tensor, fs: Tensor, gs: Tensor, counts: Tensor,
+              backward: str, fixed: bool) -> tuple[Tensor, Tensor, Tensor]:
     K = _kernels()
-    dO = grad_out.to(v.dtype if _half_operands(q, k, v) else p.acc).contiguous()
-    F, G = fs[..., -1].contiguous(), gs[..., -1].contiguous()
-    dv = p.sweep(K.FIXED_OUT, True, F, pot_r=G, v=dO)[1]  # dV = P^T dO
-    dF = (grad_out.to(p.acc) * out.to(p.acc)).sum(-1)  # sum_j P_ij dP_ij = dO_i . o_i
-    dG = (v.to(p.acc) * dv.to(p.acc)).sum(-1)  # sum_i P_ij dP_ij = v_j . dV_j
-    if backward == "implicit":  # dS = P * (dP - alpha ⊕ beta): one term
+    dO = grad_out.to(v.dtype if _half_operands(p.q) else p.acc)
+    F, G = fs[:, -1], gs[:, -1]
+    if backward == "implicit":  # dS = P * (dP - alpha ⊕ beta): two folded terms
+        dF = p.rowdot(dO, out, 1.0)
+        dG, dv = p.sweep(K.DV, True, F, pot_r=G, v=dO, xrow=v, inv=1.0)
         alpha, beta = _implicit_duals(p, F, G, dF, dG)
-        terms = (F.unsqueeze(1), G.unsqueeze(1), alpha.unsqueeze(1).contiguous(), beta.unsqueeze(1).contiguous())
+        zeros_n, zeros_m = torch.zeros(p.B, 2, p.n, dtype=p.acc, device=v.device), torch.zeros(
+            p.B, 2, p.m, dtype=p.acc, device=v.device)
+        ones_n, ones_m = torch.ones_like(alpha), torch.ones_like(beta)
+        terms = _Terms.fold(zeros_n, zeros_m, torch.stack([alpha, ones_n], 1), torch.stack([ones_m, beta], 1),
+                            FOLD_LIMIT[p.acc])
     else:
-        terms = _reverse_recursion(p, fs, gs, counts, dF, dG)
+        dv, coefficients = (_reverse_fixed if fixed else _reverse_tolerance)(p, fs, gs, counts, dO, out, v)
+        terms = _unrolled_terms(p, fs, gs, coefficients)
     dq = p.dscore(False, dO, v, F, G, terms)
-    dk = p.dscore(True, v, dO, G, F, (terms[1], terms[0], terms[3], terms[2]))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dk = p.dscore(True, v, dO, G, F, terms)
+    return dq.to(p.q.dtype), dk.to(p.k.dtype), dv.to(v.dtype)
 
 
 @_backward_op.register_fake
-def _(grad_out, q, k, v, out, keep, bias, batch, fs, gs, counts, scale, backward):
+def _(grad_out, q, k, v, out, keep, bias, batch, fs, gs, counts, scale, backward, fixed):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _reverse_recursion(p: _Problem, fs: Tensor, gs: Tensor, counts: Tensor, dF: Tensor, dG: Tensor) -> tuple:
-    """Reverse mode through the potentials (as :func:`.tiled._log_backward`, the tile replaced by
-    sweeps). Step ``t`` (odd: ``f_t = log a - LSE_j(s + g_{t-1})``; even: the column update) adds the
-    term :math:`e^{s + \\alpha_t\\oplus\\beta_t}(\\gamma_t\\oplus\\delta_t)` to :math:`-\\partial S`
-    and passes its row (column) sums on to ``dG`` (``dF``). Steps past a slice's count were frozen.
+def _step_potentials(fs: Tensor, gs: Tensor, t: int) -> tuple[Tensor, Tensor]:
+    """``(alpha, beta)`` of step ``t``: ``(f_t, g_{t-1})`` for a row step (odd), ``(f_{t-1}, g_t)`` for
+    a column step."""
+    return (fs[:, (t - 1) // 2], gs[:, (t - 1) // 2]) if t % 2 else (fs[:, t // 2 - 1], gs[:, t // 2])
 
-    Returns ``alpha, gamma (B, T, n)`` and ``beta, delta (B, T, m)``, contiguous."""
+
+def _reverse_fixed(p: _Problem, fs: Tensor, gs: Tensor, counts: Tensor, dO: Tensor, out: Tensor, v: Tensor):
+    """Reverse mode through the potentials (as :func:`.tiled._log_backward`, the tile replaced by
+    sweeps) when every slice ran ``T`` steps. Step ``t`` (odd: ``f_t = log a - LSE_j(s + g_{t-1})``;
+    even: the column update) has coefficient ``gamma_t = dF / a`` (``delta_t = dG / b``), passes its
+    row (column) sums on to ``dG`` (``dF``) and consumes its own dual. Returns ``dV`` and
+    ``{t: coefficient}``; each sweep writes the next step's coefficient directly."""
     K = _kernels()
-    alphas, betas, gammas, deltas = [], [], [], []
-    inv_a = torch.where(p.a > 0, 1 / p.a, torch.zeros_like(p.a))
-    inv_b = torch.where(p.b > 0, 1 / p.b, torch.zeros_like(p.b))
-    zero_n, zero_m = torch.zeros_like(dF), torch.zeros_like(dG)
-    for t in range(fs.shape[-1] + gs.shape[-1] - 1, 0, -1):
+    T = fs.shape[1] + gs.shape[1] - 1
+    F, G = fs[:, -1], gs[:, -1]
+    coefficients = {}
+    if T % 2:  # gamma_T = dF / a; dV = P^T dO with delta_{T-1} = (v.dV - P^T gamma_T) / b in one pass
+        coefficients[T] = p.rowdot(dO, out, p.rows.inv)
+        carry, dv = p.sweep(K.DV, True, F, pot_r=G, v=dO, w=coefficients[T], xrow=v, inv=p.cols.inv)
+        t, dual = T - 1, None
+    else:  # delta_T = v.dV / b, and dF = dO.o enters step T's product
+        carry, dv = p.sweep(K.DV, True, F, pot_r=G, v=dO, xrow=v, inv=p.cols.inv)
+        t, dual = T, p.rowdot(dO, out, 1.0)
+    while t >= 1:
+        coefficients[t] = carry
+        if t == 1:  # g_0 is a constant: nothing to pass on
+            break
+        alpha, beta = _step_potentials(fs, gs, t)
+        if t % 2:  # delta_{t-1} = -(R^T gamma_t) / b
+            carry = p.sweep(K.MATVEC, True, alpha, pot_r=beta, w=carry, inv=p.cols.inv)[0]
+        else:  # gamma_{t-1} = (dF - C delta_t) / a
+            carry = p.sweep(K.MATVEC, False, beta, pot_r=alpha, w=carry, dual=dual, inv=p.rows.inv)[0]
+        t, dual = t - 1, None
+    return dv, coefficients
+
+
+def _reverse_tolerance(p: _Problem, fs: Tensor, gs: Tensor, counts: Tensor, dO: Tensor, out: Tensor, v: Tensor):
+    """:func:`_reverse_fixed` when slices ran different counts (``tol``): steps past a slice's count
+    were frozen (coefficient 0, its dual passed on unchanged)."""
+    K = _kernels()
+    T = fs.shape[1] + gs.shape[1] - 1
+    F, G = fs[:, -1], gs[:, -1]
+    dF = p.rowdot(dO, out, 1.0)
+    dG, dv = p.sweep(K.DV, True, F, pot_r=G, v=dO, xrow=v, inv=1.0)
+    coefficients = {}
+    for t in range(T, 0, -1):
         act = (counts >= t).unsqueeze(-1)
-        if t % 2:  # R = e^{s + f_t ⊕ g_{t-1}} has rows a
-            i = (t - 1) // 2
-            alpha, beta = fs[..., i].contiguous(), gs[..., i].contiguous()
-            gamma = torch.where(act, dF * inv_a, zero_n)
-            alphas.append(alpha), betas.append(beta), gammas.append(gamma), deltas.append(zero_m)
-            if t > 1:  # dG -= R^T gamma (not needed after the first step: g_0 is a constant)
-                dG = dG - p.sweep(K.MATVEC, True, alpha, pot_r=beta, w=gamma)[0]
-            dF = torch.where(act, zero_n, dF)
-        else:  # C = e^{s + f_{t-1} ⊕ g_t} has columns b
-            i = t // 2
-            alpha, beta = fs[..., i - 1].contiguous(), gs[..., i].contiguous()
-            delta = torch.where(act, dG * inv_b, zero_m)
-            alphas.append(alpha), betas.append(beta), gammas.append(zero_n), deltas.append(delta)
-            dF = dF - p.sweep(K.MATVEC, False, beta, pot_r=alpha, w=delta)[0]
-            dG = torch.where(act, zero_m, dG)
-    return (torch.stack(alphas, 1).contiguous(), torch.stack(betas, 1).contiguous(),
-            torch.stack(gammas, 1).contiguous(), torch.stack(deltas, 1).contiguous())
+        alpha, beta = _step_potentials(fs, gs, t)
+        if t % 2:
+            coefficients[t] = torch.where(act, dF * p.rows.inv, 0.0)
+            if t > 1:
+                dG = p.sweep(K.MATVEC, True, alpha, pot_r=beta, w=coefficients[t], dual=dG, inv=1.0)[0]
+            dF = torch.where(act, 0.0, dF)
+        else:
+            coefficients[t] = torch.where(act, dG * p.cols.inv, 0.0)
+            dF = p.sweep(K.MATVEC, False, beta, pot_r=alpha, w=coefficients[t], dual=dF, inv=1.0)[0]
+            dG = torch.where(act, 0.0, dG)
+    return dv, coefficients
+
+
+def _unrolled_terms(p: _Problem, fs: Tensor, gs: Tensor, coefficients: dict[int, Tensor]) -> _Terms:
+    """The ``n_iters`` terms: step ``t`` has exponents ``alpha_t - F``, ``beta_t - G`` (base 2) and
+    coefficients ``(gamma_t, 1)`` (row step) or ``(1, delta_t)`` (column step)."""
+    T = len(coefficients)
+    steps = range(1, T + 1)
+    alpha_at = [(t - 1) // 2 if t % 2 else t // 2 - 1 for t in steps]
+    beta_at = [(t - 1) // 2 if t % 2 else t // 2 for t in steps]
+    a = fs[:, alpha_at] - fs[:, -1:]
+    b = gs[:, beta_at] - gs[:, -1:]
+    one_n, one_m = p.dummy.new_ones(()).expand(p.B, p.n), p.dummy.new_ones(()).expand(p.B, p.m)
+    u = torch.stack([coefficients[t] if t % 2 else one_n for t in steps], 1)
+    w = torch.stack([one_m if t % 2 else coefficients[t] for t in steps], 1)
+    return _Terms.fold(a, b, u, w, FOLD_LIMIT[p.acc])
 
 
 def _implicit_duals(p: _Problem, F: Tensor, G: Tensor, r: Tensor, c: Tensor, max_iters: int = 1000):
@@ -418,8 +675,8 @@ def _implicit_duals(p: _Problem, F: Tensor, G: Tensor, r: Tensor, c: Tensor, max
     ``P^T`` matrix-vector sweeps."""
     K = _kernels()
     tol = 1e-10 if p.acc == torch.float64 else 1e-6
-    return implicit_duals(lambda y: p.sweep(K.MATVEC, False, G, pot_r=F, w=y.contiguous())[0],
-                          lambda x: p.sweep(K.MATVEC, True, F, pot_r=G, w=x.contiguous())[0], r, c, tol=tol,
+    return implicit_duals(lambda y: p.sweep(K.MATVEC, False, G, pot_r=F, w=y, inv=-1.0)[0],
+                          lambda x: p.sweep(K.MATVEC, True, F, pot_r=G, w=x, inv=-1.0)[0], r, c, tol=tol,
                           max_iters=max_iters)
 
 
@@ -434,7 +691,7 @@ def _setup_context(ctx, inputs, output):
     ctx.batch, ctx.options = batch, (scale, n_iters, tol, max_iters, backward)
 
 
-def _backward(ctx, grad_out, *unused):
+def _backward_autograd(ctx, grad_out, *unused):
     q, k, v, out, keep, bias, fs, gs, counts = ctx.saved_tensors
     scale, n_iters, tol, max_iters, backward = ctx.options
     if torch.is_grad_enabled():  # create_graph=True: second derivatives through the dense engine
@@ -451,9 +708,9 @@ def _backward(ctx, grad_out, *unused):
             max_iters=max_iters, drop=None)
     else:
         dq, dk, dv = torch.ops.sinkformer.flash_backward(grad_out, q, k, v, out, keep, bias, ctx.batch, fs, gs,
-                                                         counts, scale, backward)
+                                                         counts, scale, backward, tol is None)
     return (dq, dk, dv) + (None,) * 8
 
 
-torch.library.register_autograd("sinkformer::flash_forward", _backward, setup_context=_setup_context)
+torch.library.register_autograd("sinkformer::flash_forward", _backward_autograd, setup_context=_setup_context)
 compute_in_float32_under_autocast("sinkformer::flash_forward", "sinkformer::flash_backward")
