@@ -1,39 +1,54 @@
-"""``python -m benchmarks [NAME] [options]`` — run one benchmark suite (default: attention).
+"""python -m benchmarks [NAME] [options]: run one benchmark suite (default: attention).
 
-Each suite writes JSON, a markdown table and a plot to ``benchmarks/results/``.
-``python -m benchmarks attention --device cuda`` runs the GPU suite (``benchmarks/attention_cuda.py``).
+Each suite writes JSON, a markdown table and (most) a plot to the folder given by --out, by default
+./benchmark-results in the current directory. The committed results in benchmarks/results, which
+the docs include, are written only when asked for: --out benchmarks/results. "python -m benchmarks
+NAME --help" lists a suite's own options. Runs from any directory: python path/to/benchmarks, or
+python -m benchmarks with the clone on PYTHONPATH. "python -m benchmarks attention --device cuda"
+runs the GPU attention benchmark.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 import sys
+from pathlib import Path
 
+#: name -> (module, one line of what it measures)
 SUITES = {
-    "attention": ("benchmarks.attention", "Sinkhorn vs SoftMax attention: time and memory (issue 3)"),
-    "sparse-memory": ("benchmarks.sparse_memory", "Sparse Sinkhorn / SortCut memory vs length (issue 7)"),
-    "sparse": ("benchmarks.sparse", "Sparse Sinkhorn layers vs SDPA and lucidrains: time, memory (issue 17)"),
-    "causal": ("benchmarks.causal", "Causal Sinkhorn vs causal SDPA: time, memory, weights (issue 16)"),
-    "dynamics": ("benchmarks.dynamics_flow", "Sinkformer particle flow vs POT from scratch (issue 4)"),
+    "attention": ("benchmarks.attention", "Sinkhorn vs SoftMax attention on the CPU: time and memory"),
+    "sparse-memory": ("benchmarks.sparse_memory", "Sparse Sinkhorn / SortCut memory vs length"),
+    "sparse": ("benchmarks.sparse", "Sparse Sinkhorn layers vs SDPA and lucidrains: time, memory"),
+    "causal": ("benchmarks.causal", "Causal Sinkhorn vs causal SDPA: time, memory, weights"),
+    "dynamics": ("benchmarks.dynamics_flow", "Sinkformer particle flow vs POT from scratch"),
+    "gpu-check": ("benchmarks.gpu_check", "The flash engine on a GPU: tests, accuracy, speed, memory, graphs"),
+    "flash-compile": ("benchmarks.flash_compile", "Flash kernels compiled for an H100 without a GPU: resources"),
+    "flash-model": ("benchmarks.flash_model", "Performance model of the flash engine and SDPA-flash on an H100"),
 }
+#: where results go unless --out says otherwise (not the committed benchmarks/results)
+DEFAULT_OUT = "benchmark-results"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
+        print(__doc__.strip() + "\n\nsuites:")
         for name, (_, text) in SUITES.items():
             print(f"  {name:<14} {text}")
         return 0
     name = argv[0] if argv and not argv[0].startswith("-") else "attention"
     rest = argv[1:] if argv and argv[0] == name else argv
     if name not in SUITES:
-        print(f"unknown benchmark {name!r}; valid: {', '.join(SUITES)}", file=sys.stderr)
+        print(f"unknown benchmark {name!r}; valid: {', '.join(SUITES)} (python -m benchmarks --help)", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUITES[name][0])
+    module_name = SUITES[name][0]
     if name == "attention" and _device(rest) == "cuda":  # the GPU suite: benchmarks/attention_cuda.py
-        module = importlib.import_module("benchmarks.attention_cuda")
-        rest = _without_device(rest)
-    return module.main(rest)
+        module_name, rest = "benchmarks.attention_cuda", _without_device(rest)
+    if not any(arg == "--out" or arg.startswith("--out=") for arg in rest) and "-h" not in rest and "--help" not in rest:
+        rest = rest + ["--out", DEFAULT_OUT]
+    return importlib.import_module(module_name).main(rest)
 
 
 def _device(argv: list[str]) -> str | None:
@@ -47,7 +62,7 @@ def _device(argv: list[str]) -> str | None:
 
 def _without_device(argv: list[str]) -> list[str]:
     out, skip = [], False
-    for i, arg in enumerate(argv):
+    for arg in argv:
         if skip:
             skip = False
         elif arg == "--device":
@@ -57,5 +72,19 @@ def _without_device(argv: list[str]) -> list[str]:
     return out
 
 
+def _importable() -> None:
+    """Make ``benchmarks`` (and, in a clone without an install, ``sinkformer``) importable from any
+    directory: ``python path/to/benchmarks`` or ``python -m benchmarks`` with the clone on the path."""
+    added = []
+    if importlib.util.find_spec("benchmarks") is None:
+        added.append(str(ROOT))
+    if importlib.util.find_spec("sinkformer") is None and (ROOT / "src" / "sinkformer").is_dir():
+        added.append(str(ROOT / "src"))
+    sys.path[:0] = added
+    if added:  # the suites' worker processes import them too
+        os.environ["PYTHONPATH"] = os.pathsep.join(added + [p for p in [os.environ.get("PYTHONPATH")] if p])
+
+
 if __name__ == "__main__":
+    _importable()
     sys.exit(main(sys.argv[1:]))

@@ -127,6 +127,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks causal", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="n in {256, 512}, results not written")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for causal.{json,md}")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -153,9 +154,9 @@ def main(argv: list[str]) -> int:
     text = markdown(result)
     print(text)
     if not args.quick:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "causal.json").write_text(json.dumps(result, indent=1) + "\n")
-        (RESULTS / "causal.md").write_text(text)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "causal.json").write_text(json.dumps(result, indent=1) + "\n")
+        (args.out / "causal.md").write_text(text)
     return 0
 
 
