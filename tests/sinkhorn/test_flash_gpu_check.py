@@ -1,0 +1,80 @@
+"""``python -m benchmarks gpu-check`` (its smoke run: the same code path on the CPU), the performance
+model rendered into docs/speed.md, and the ``python -m benchmarks`` entry point."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytest.importorskip("triton", reason="the flash engine needs triton (pip install 'sinkformer[gpu]')")
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke_run(tmp_path):
+    """Every part runs on the CPU (Triton's interpreter, tiny sizes) from a folder outside the clone,
+    writes its JSON and markdown, and passes: accuracy in every dtype, the CUDA tests (skipped
+    there), the benchmark rows, the 2^31 probe; the CUDA graph part says why it did not run."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "gpu-check", "--smoke", "--out", "out"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "attention_cuda.json").read_text())
+    parts = report["parts"]
+    assert list(parts) == ["environment", "accuracy-target", "benchmark-targets", "cuda-tests", "accuracy-edges",
+                           "graph", "benchmark", "offset-probe"]
+    assert parts["graph"]["status"].startswith("skipped: CUDA graphs need a GPU")
+    assert all(p["status"] in ("ok", "pass") for name, p in parts.items() if name != "graph"), parts
+    assert {r["dtype"] for r in report["accuracy"]} == {"bfloat16", "float32", "float64"}
+    assert all(r["status"] == "pass" for r in report["accuracy"])
+    assert {"sdpa-flash", "official", "flash", "tiled", "streamed", "dense"} <= {r["method"] for r in report["rows"]}
+    assert report["offset_probe"]["past_2_31"] and report["environment"]["triton"]
+    text = (tmp_path / "out" / "attention_cuda.md").read_text()
+    assert text.startswith("# The flash engine on") and "smoke run" in text and "## Targets" in text
+    assert "gpu-check summary" in done.stdout
+
+
+def test_performance_model_in_the_docs_is_rendered():
+    """docs/speed.md includes benchmarks/results/flash_model.md, which is what the model gives now
+    (counted from the launcher: a change of the kernels' passes changes it)."""
+    from benchmarks import flash_model
+
+    data = flash_model.model()
+    assert (ROOT / "benchmarks" / "results" / "flash_model.md").read_text() == flash_model.markdown(data), (
+        "re-render: python -m benchmarks flash-model --out benchmarks/results && python -m sinkformer.runs.readme render")
+    five = next(r for r in data["rows"] if r["engine"] == "flash" and r["n_iters"] == 5)
+    assert (five["forward_passes"], five["backward_passes"], five["exps_per_score"]) == (5, 6, 11)
+    sdpa = data["rows"][0]
+    assert sdpa["exps_per_score"] == 2 and five["floor_over_sdpa"] > 1
+    assert "include benchmarks/results/flash_model.md" in (ROOT / "docs" / "speed.md").read_text()
+
+
+def test_benchmarks_entry_point(monkeypatch, capsys):
+    """Plain help text, and results outside the committed benchmarks/results unless --out says so."""
+    import importlib
+
+    from benchmarks import __main__ as entry
+
+    assert entry.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert "``" not in text and "issue" not in text.lower() and "gpu-check" in text
+    seen = []
+    fake = type("Suite", (), {"main": staticmethod(lambda argv: seen.append(argv) or 0)})
+    monkeypatch.setattr(importlib, "import_module", lambda name: fake)
+    entry.main(["causal", "--quick"])
+    entry.main(["gpu-check", "--out", "benchmarks/results"])
+    entry.main(["attention", "--device", "cuda", "--quick"])
+    assert seen == [["--quick", "--out", "benchmark-results"], ["--out", "benchmarks/results"],
+                    ["--quick", "--out", "benchmark-results"]]
+
+
+def test_benchmarks_run_from_another_folder(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks"), "--help"], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=300)
+    assert done.returncode == 0 and "gpu-check" in done.stdout, done.stderr
