@@ -17,6 +17,16 @@ TINY = {
     "mean-field": {"ns": [50, 100], "ns_sinkhorn": [50, 100], "reps": 2, "ns_masked": [50, 100],
                    "n_reference": 150, "steps": 4},
     "drifting": {"n_particles": 150, "steps": 100},
+    "phase-diagram": {"n_betas": 3, "n_systems": 4, "n_systems_sinkhorn": 2, "n_tokens": 6, "t1": 2.0, "dt": 0.2,
+                      "record_every": 2},
+    "metastability": {"betas": [4.0], "n_systems": 1, "n_tokens": 8, "t1": 5.0, "dt": 0.5},
+    "causal-clustering": {"betas": [1.0], "n_systems": 3, "n_tokens": 6, "t1": 3.0, "dt": 0.2},
+    "twisted-wasserstein": {"n_particles": 8, "steps": [4, 8]},
+    "hidden-states": {"hf_config": {"vocab_size": 100, "hidden_size": 16, "num_hidden_layers": 2,
+                                    "num_attention_heads": 2, "intermediate_size": 32, "initializer_range": 0.1},
+                      "hf_sequences": 2, "hf_tokens": 6, "test_sentences": 8, "train_fraction": 0.05,
+                      "model_options": {"dim": 16, "depth": 1, "num_heads": 2, "dim_feedforward": 16, "dropout": 0.0},
+                      "train": {"epochs": 1, "batch_size": 64, "lr": 2e-3, "milestones": []}},
 }
 FIGURES = {
     "riccati": ["riccati"],
@@ -26,6 +36,11 @@ FIGURES = {
     "sinkformer-diffusion": ["sinkformer_diffusion"],
     "mean-field": ["mean_field"],
     "drifting": ["drifting"],
+    "phase-diagram": ["phase_diagram"],
+    "metastability": ["metastability"],
+    "causal-clustering": ["causal_clustering"],
+    "twisted-wasserstein": ["twisted_wasserstein"],
+    "hidden-states": ["hidden_states"],
 }
 
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .._validation import check_tensor
+from .._validation import check_choice, check_tensor
 from .energies import _log_w, _scores
 from .velocity import on_sphere
 
@@ -36,6 +36,7 @@ __all__ = [
     "span_dimension",
     "interaction_energy",
     "diagnostics",
+    "DIAGNOSTICS",
     "hidden_trajectory",
 ]
 
@@ -69,11 +70,11 @@ def cosines(x: Tensor) -> Tensor:
     return u @ u.transpose(-1, -2)
 
 
-def _linked(x: Tensor, radius: float) -> Tensor:
-    """:math:`|\\hat x_i-\\hat x_j|\\le r`, i.e. :math:`\\langle\\hat x_i,\\hat x_j\\rangle\\ge1-r^2/2`."""
+def _linked(c: Tensor, radius: float) -> Tensor:
+    """:math:`|\\hat x_i-\\hat x_j|\\le r`, i.e. :math:`\\langle\\hat x_i,\\hat x_j\\rangle\\ge1-r^2/2`, from the cosines ``c``."""
     if not radius > 0:
         raise ValueError(f"radius must be > 0, got {radius!r}")
-    return cosines(x) >= 1 - radius**2 / 2
+    return c >= 1 - radius**2 / 2
 
 
 def n_clusters(x: Tensor, radius: float = RADIUS, *, mask: Tensor | None = None) -> Tensor:
@@ -83,15 +84,19 @@ def n_clusters(x: Tensor, radius: float = RADIUS, *, mask: Tensor | None = None)
     squarings (batched, any device; stops when a squaring adds no link); the count is :math:`\\sum_i 1/|\\mathrm{component}(i)|`.
     """
     mask = _check(x, mask)
-    n = x.shape[-2]
-    eye = torch.eye(n, dtype=torch.bool, device=x.device)
-    reach = (_linked(x, radius) & _pairs(mask, x)) | eye
+    return _n_clusters(cosines(x), radius, mask)
+
+
+def _n_clusters(c: Tensor, radius: float, mask: Tensor | None) -> Tensor:
+    n = c.shape[-1]
+    eye = torch.eye(n, dtype=torch.bool, device=c.device)
+    reach = (_linked(c, radius) & _pairs(mask, c)) | eye
     for _ in range(max(1, math.ceil(math.log2(max(n, 2))))):
-        longer = (reach.to(x.dtype) @ reach.to(x.dtype)) > 0
+        longer = (reach.to(c.dtype) @ reach.to(c.dtype)) > 0
         if bool((longer == reach).all()):
             break
         reach = longer
-    sizes = reach.sum(-1).to(x.dtype)
+    sizes = reach.sum(-1).to(c.dtype)
     share = 1.0 / sizes if mask is None else torch.where(mask, 1.0 / sizes, 0.0)
     return share.sum(-1).round().long()
 
@@ -99,7 +104,12 @@ def n_clusters(x: Tensor, radius: float = RADIUS, *, mask: Tensor | None = None)
 def single_cluster(x: Tensor, radius: float = RADIUS, *, mask: Tensor | None = None) -> Tensor:
     """``(...)`` bool: every pair of (real) tokens within ``radius`` of each other (diameter :math:`\\le r`)."""
     mask = _check(x, mask)
-    return (_linked(x, radius) | ~_pairs(mask, x)).flatten(-2).all(-1)
+    return _single_cluster(cosines(x), radius, mask)
+
+
+def _single_cluster(c: Tensor, radius: float, mask: Tensor | None) -> Tensor:
+    linked = _linked(c, radius)
+    return (linked if mask is None else linked | ~_pairs(mask, c)).flatten(-2).all(-1)
 
 
 def inner_product_histogram(x: Tensor, bins: int | Sequence[float] = 40, *, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -115,12 +125,16 @@ def inner_product_histogram(x: Tensor, bins: int | Sequence[float] = 40, *, mask
     mask = _check(x, mask)
     edges = torch.linspace(-1, 1, bins + 1, dtype=x.dtype, device=x.device) if isinstance(bins, int) else \
         torch.as_tensor(bins, dtype=x.dtype, device=x.device)
-    pairs = _pairs(mask, x).triu(1)
-    c = cosines(x).clamp(float(edges[0]), float(edges[-1]))
+    return _histogram(cosines(x), edges, mask), edges
+
+
+def _histogram(c: Tensor, edges: Tensor, mask: Tensor | None) -> Tensor:
+    pairs = _pairs(mask, c).triu(1)
+    c = c.clamp(float(edges[0]), float(edges[-1]))
     which = (torch.bucketize(c, edges[1:-1], right=True))  # bin index 0 .. bins-1
-    onehot = torch.nn.functional.one_hot(which, len(edges) - 1).to(x.dtype) * pairs.unsqueeze(-1).to(x.dtype)
+    onehot = torch.nn.functional.one_hot(which, len(edges) - 1).to(c.dtype) * pairs.unsqueeze(-1).to(c.dtype)
     counts = onehot.sum((-3, -2))
-    return counts / counts.sum(-1, keepdim=True).clamp_min(1), edges
+    return counts / counts.sum(-1, keepdim=True).clamp_min(1)
 
 
 def span_dimension(x: Tensor, rtol: float = 1e-3, *, mask: Tensor | None = None) -> Tensor:
@@ -152,12 +166,19 @@ def interaction_energy(
     if normalized and A is not None:
         raise ValueError("normalized=True is defined for A = I (the sphere's maximum e^beta); pass A=None")
     u = on_sphere(x)
-    A = torch.eye(x.shape[-1], dtype=x.dtype, device=x.device) if A is None else A
+    scores = u @ u.transpose(-1, -2) if A is None else _scores(u, A)
+    return _energy(scores, beta, _log_w(u, weights), normalized)
+
+
+def _energy(scores: Tensor, beta: Tensor, lw: Tensor, normalized: bool) -> Tensor:
+    """From :math:`\\langle A\\hat x_i,\\hat x_j\\rangle` and :math:`\\log w`: :math:`\\log(2\\beta E_\\beta)=\\log\\sum_{ij}w_iw_je^{\\beta\\cdot}`
+    (the log of :func:`~sinkformer.dynamics.energies.f0`'s sum at :math:`\\beta A`)."""
     b = beta.reshape(beta.shape + (1, 1))
-    lw = _log_w(u, weights)
-    # log(2 beta E) = log sum_ij w_i w_j e^{beta <A u_i, u_j>}, the log of f0's sum (energies.f0 at beta A)
-    log_sum = torch.logsumexp(b * _scores(u, A) + lw.unsqueeze(-1) + lw.unsqueeze(-2), dim=(-1, -2))
+    log_sum = torch.logsumexp(b * scores + lw.unsqueeze(-1) + lw.unsqueeze(-2), dim=(-1, -2))
     return torch.exp(log_sum - beta) if normalized else torch.exp(log_sum) / (2 * beta)
+
+
+DIAGNOSTICS = ("n_clusters", "single_cluster", "span_dimension", "energy", "histogram")
 
 
 def diagnostics(
@@ -168,20 +189,33 @@ def diagnostics(
     bins: int | None = None,
     rtol: float = 1e-3,
     mask: Tensor | None = None,
+    which: Sequence[str] | None = None,
 ) -> dict[str, Tensor]:
-    """All diagnostics of ``x (..., n, d)``: ``n_clusters``, ``single_cluster``, ``span_dimension``, and
-    ``energy`` (normalised :func:`interaction_energy`, when ``beta`` is given) and ``histogram`` (when
-    ``bins`` is given). Use as ``simulate(..., observe=lambda x: diagnostics(x, beta=beta))``."""
-    out = {
-        "n_clusters": n_clusters(x, radius, mask=mask),
-        "single_cluster": single_cluster(x, radius, mask=mask),
-        "span_dimension": span_dimension(x, rtol, mask=mask),
-    }
-    if beta is not None:
+    """The diagnostics of ``x (..., n, d)`` from one Gram matrix: ``n_clusters``, ``single_cluster``,
+    ``span_dimension``, ``energy`` (normalised :func:`interaction_energy`; needs ``beta``) and ``histogram``
+    (fractions of :func:`inner_product_histogram`; needs ``bins``). ``which`` selects some (default: all
+    those whose arguments are given). Use as ``simulate(..., observe=lambda x: diagnostics(x, beta=beta))``."""
+    mask = _check(x, mask)
+    if which is None:
+        which = [k for k in DIAGNOSTICS if (k != "energy" or beta is not None) and (k != "histogram" or bins is not None)]
+    for name in which:
+        check_choice(name, "which", DIAGNOSTICS)
+    if "energy" in which and beta is None or "histogram" in which and bins is None:
+        raise ValueError("diagnostics: 'energy' needs beta= and 'histogram' needs bins=")
+    c = cosines(x)
+    out = {}
+    if "n_clusters" in which:
+        out["n_clusters"] = _n_clusters(c, radius, mask)
+    if "single_cluster" in which:
+        out["single_cluster"] = _single_cluster(c, radius, mask)
+    if "span_dimension" in which:
+        out["span_dimension"] = span_dimension(x, rtol, mask=mask)
+    if "energy" in which:
+        beta = torch.as_tensor(beta, dtype=x.dtype, device=x.device)
         weights = None if mask is None else mask.to(x.dtype)
-        out["energy"] = interaction_energy(x, beta, weights=weights, normalized=True)
-    if bins is not None:
-        out["histogram"] = inner_product_histogram(x, bins, mask=mask)[0]
+        out["energy"] = _energy(c, beta, _log_w(x, weights), normalized=True)
+    if "histogram" in which:
+        out["histogram"] = _histogram(c, torch.linspace(-1, 1, bins + 1, dtype=x.dtype, device=x.device), mask)
     return out
 
 

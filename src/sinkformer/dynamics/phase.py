@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .._validation import check_choice, check_positive_int
-from .clustering import RADIUS, diagnostics, interaction_energy, single_cluster
+from .clustering import RADIUS, diagnostics
 from .simulate import simulate
 from .velocity import on_sphere
 
@@ -181,8 +181,8 @@ def phase_diagram(
     energy_beta = torch.where(betas > 0, betas, 1.0).to(device, dtype).reshape(B, 1)
 
     def observe(x: Tensor) -> dict[str, Tensor]:
-        return {"single_cluster": single_cluster(x, radius).to("cpu", torch.float64),
-                "energy": interaction_energy(x, energy_beta, normalized=True).to("cpu", torch.float64)}
+        out = diagnostics(x, radius=radius, beta=energy_beta, which=("single_cluster", "energy"))
+        return {name: value.to("cpu", torch.float64) for name, value in out.items()}
 
     traj = simulate(x0, weights, t1=steps * dt, steps=steps, method=method, kind=kind, geometry="sphere",
                     record_every=record_every, observe=observe, keep_positions=False, **velocity_kwargs)
