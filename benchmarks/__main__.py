@@ -23,6 +23,7 @@ SUITES = {
     "sparse": ("benchmarks.sparse", "Sparse Sinkhorn layers vs SDPA and lucidrains: time, memory"),
     "causal": ("benchmarks.causal", "Causal Sinkhorn vs causal SDPA: time, memory, weights"),
     "dynamics": ("benchmarks.dynamics_flow", "Sinkformer particle flow vs POT from scratch"),
+    "phase": ("benchmarks.dynamics_phase", "Phase diagram on the sphere: one batch vs a loop of simulations"),
     "gpu-check": ("benchmarks.gpu_check", "The flash engine on a GPU: tests, accuracy, speed, memory, graphs"),
     "flash-compile": ("benchmarks.flash_compile", "Flash kernels compiled for an H100 without a GPU: resources"),
     "flash-model": ("benchmarks.flash_model", "Performance model of the flash engine and SDPA-flash on an H100"),
