@@ -360,6 +360,18 @@ def test_resume_messages_are_logged_not_printed(digits, tmp_path, caplog, capsys
     assert load_file(tmp_path / "model.safetensors")  # the resumed run finished
 
 
+@pytest.mark.parametrize("progress, level", [(True, logging.INFO), (False, logging.DEBUG)])
+def test_train_logs_each_epoch_and_prints_nothing(digits, progress, level, caplog, capsys):
+    """Before: train() printed every epoch (tqdm.write to stdout) while the docs said the library prints nothing."""
+    data = _subset(digits, 32, 8)
+    with caplog.at_level(logging.DEBUG, logger="sinkformer"):
+        train(_vit(data), data, {"epochs": 2, "batch_size": 16, "device": "cpu", "progress": progress})
+    epochs = [r for r in caplog.records if r.getMessage().startswith("epoch ")]
+    assert [(r.name, r.levelno) for r in epochs] == [("sinkformer.training.loop", level)] * 2
+    assert epochs[1].getMessage().startswith("epoch 2/2  lr 0.001  train_loss ")
+    assert capsys.readouterr().out == ""
+
+
 def test_convert_is_quiet_by_default_and_logs_with_verbose(caplog, capsys):
     def encoder():
         layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)

@@ -201,3 +201,29 @@ def test_configs_are_found_by_name_or_path(tmp_path):
     assert find_config(own) == own  # an existing path wins over the shipped name
     with pytest.raises(FileNotFoundError, match="did you mean 'pct_modelnet40'.*shipped: .*vit_cats_dogs"):
         find_config("pct_modelnet")
+
+
+def _embedded_pairs():
+    from sinkformer.data import DATASETS
+    from sinkformer.models import MODELS
+
+    return [(m, d) for d, spec in DATASETS.items() if spec.embedded for m, cls in MODELS.items()
+            if cls.input_kind == spec.kind]
+
+
+def test_every_model_runs_with_its_defaults_on_every_embedded_dataset_of_its_kind():
+    """Before: `sinkformer train --model vit --dataset digits` failed (patch_size=16 on 8x8 images), as did
+    vit_attention_only on digits and the Point Cloud Transformer on shapes3d (512 samples of 256 points)."""
+    from sinkformer.data import load_dataset
+    from sinkformer.training.distributed import setup_distributed
+    from sinkformer.training.loop import _check_batch
+    from sinkformer.training.runner import _build
+
+    pairs, loaded, ctx = _embedded_pairs(), {}, setup_distributed("cpu")
+    assert ("vit", "digits") in pairs and len(pairs) >= 10
+    for model, dataset in pairs:
+        plan = check_config({"model": {"name": model}, "data": {"name": dataset}})
+        data = loaded.setdefault(dataset, load_dataset(dataset))
+        net = _build(plan, data)
+        _check_batch(net, data, ctx)  # one batch through the model
+        assert sum(p.numel() for p in net.parameters()) < 600_000, (model, dataset)  # small models for small data
