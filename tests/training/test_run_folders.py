@@ -303,6 +303,10 @@ def test_a_failed_start_leaves_nothing_behind(tmp_path):
         run_training(resolve_config(model="vit", data="mnist", data_path=str(tmp_path / "no-mnist"),
                                     sets=["train.progress=false"]), out_dir=tmp_path / "mine")
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+    # --resume of a folder holding no run is a new run: it too leaves nothing
+    with pytest.raises(ValueError, match="patch_size must divide"):
+        run_training(_config(1, "model.patch_size=3"), out_dir=tmp_path / "nothing" / "here", resume=True)
+    assert not (tmp_path / "nothing").exists()
 
 
 class _StopAt(Callback):

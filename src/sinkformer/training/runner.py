@@ -456,12 +456,12 @@ def _made_folders(out_dir: Path) -> list[Path]:
     return made
 
 
-def _after_a_stop(out_dir: Path, resume: bool, made: list[Path]) -> str:
+def _after_a_stop(out_dir: Path, continued: bool, made: list[Path]) -> str:
     """Clean up after a run that stopped (an error, Ctrl-C) and say what was kept: a new run without a
-    complete checkpoint leaves nothing (its files deleted, the folders it made removed); otherwise the
-    folder is kept, resumable from its newest checkpoint."""
+    complete checkpoint leaves nothing (its files deleted, the folders it made removed); a run with one,
+    or an earlier run it ``continued``, is kept, resumable from its newest checkpoint."""
     checkpoint = _newest_complete(out_dir)
-    if checkpoint is not None or resume:
+    if checkpoint is not None or continued:
         where = f"its checkpoint of epoch {_epoch_of(checkpoint)}" if checkpoint else "no checkpoint"
         return (f"kept the run in {out_dir} ({where}); continue it with: sinkformer train --resume --out {out_dir}")
     if out_dir.is_dir():
@@ -511,6 +511,7 @@ def run_training(
     ctx = setup_distributed(plan.train.device)
     out_dir = Path(broadcast_object(str(out_dir or _default_out_dir(plan)), ctx)).expanduser()
     made = _made_folders(out_dir)
+    continued = resume and bool(run_entries(out_dir))  # a resume of a run that is there (else: a new run)
     problem, removed, kept, changes = None, [], [], {}
     if ctx.is_main:  # one process decides, before any process writes
         try:
@@ -544,7 +545,7 @@ def run_training(
     except BaseException as err:
         if not ctx.is_main:
             raise
-        what = _after_a_stop(out_dir, resume, made)
+        what = _after_a_stop(out_dir, continued, made)
         if isinstance(err, KeyboardInterrupt):
             raise KeyboardInterrupt(f"interrupted: {what}") from None
         logger.debug("%s", what)  # the error says what went wrong; a run that failed to start leaves nothing
