@@ -12,8 +12,10 @@ from sinkformer.dynamics.phase import LayerWeights, phase_diagram, random_weight
 @pytest.mark.parametrize("kind", ["softmax", "causal"])
 def test_the_batch_equals_one_simulation_per_system(kind):
     betas, S, n, d = [0.5, 3.0], 3, 7, 3
+    seen = []
     pd = phase_diagram(kind, betas, n_systems=S, n_tokens=n, d=d, t1=2.0, dt=0.25, record_every=2, seed=4,
-                       ensemble="gaussian", dtype=D64)
+                       ensemble="gaussian", dtype=D64, progress=seen.append)
+    assert seen == pd.times.tolist()
     gen = torch.Generator().manual_seed(4)
     x0 = uniform_on_sphere((2, S, n), d, generator=gen, dtype=D64)
     Q, K, V = LayerWeights("gaussian", (1, S), d, seed=5, dtype=D64)(0.0)

@@ -16,6 +16,7 @@ time by :class:`LayerWeights` to mimic layers with their own parameters.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -148,6 +149,7 @@ def phase_diagram(
     seed: int = 0,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    progress: Callable[[float], None] | None = None,
     **velocity_kwargs,
 ) -> PhaseDiagram:
     """Simulate ``len(betas) x n_systems`` token systems on the sphere at once and record their clustering.
@@ -163,6 +165,7 @@ def phase_diagram(
         radius: linkage radius of the diagnostics. record_every: steps between recorded times.
         seed: seeds the initial tokens (``seed``) and the weights (``seed + 1 + layer``).
         device, dtype: where and in which precision the systems are simulated.
+        progress: called with the time at every recorded time (e.g. to log progress of a long run).
         **velocity_kwargs: ``n_iters``, ``tol``, ``chunk_size`` of :func:`~sinkformer.dynamics.velocity`.
     """
     betas = torch.as_tensor(betas, dtype=torch.float64).flatten()
@@ -180,8 +183,12 @@ def phase_diagram(
                            value_identity=value_identity, seed=seed + 1, device=device, dtype=dtype)
     energy_beta = torch.where(betas > 0, betas, 1.0).to(device, dtype).reshape(B, 1)
 
+    recorded = iter(range(steps // record_every + 2))
+
     def observe(x: Tensor) -> dict[str, Tensor]:
         out = diagnostics(x, radius=radius, beta=energy_beta, which=("single_cluster", "energy"))
+        if progress is not None:
+            progress(min(next(recorded) * record_every, steps) * dt)
         return {name: value.to("cpu", torch.float64) for name, value in out.items()}
 
     traj = simulate(x0, weights, t1=steps * dt, steps=steps, method=method, kind=kind, geometry="sphere",

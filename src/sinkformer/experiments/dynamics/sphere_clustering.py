@@ -30,8 +30,9 @@ ATTENTIONS = {"softmax": ("softmax", {}), "sinkhorn": ("sinkhorn", {}), "causal"
 LABELS = {"softmax": "SoftMax (SA)", "sinkhorn": "Sinkhorn", "causal": "causal SoftMax"}
 
 
-def phase_diagrams(cfg: dict) -> dict:
-    """One :class:`~sinkformer.dynamics.phase.PhaseDiagram` per attention of ``cfg["attentions"]``."""
+def phase_diagrams(cfg: dict, ctx: Run | None = None) -> dict:
+    """One :class:`~sinkformer.dynamics.phase.PhaseDiagram` per attention of ``cfg["attentions"]`` (with ``ctx``,
+    a progress row per recorded time)."""
     betas = torch.linspace(0.0, cfg["beta_max"], cfg["n_betas"], dtype=torch.float64)
     out = {}
     for name in cfg["attentions"]:
@@ -40,7 +41,8 @@ def phase_diagrams(cfg: dict) -> dict:
         out[name] = phase_diagram(
             kind, betas, n_systems=systems, n_tokens=cfg["n_tokens"], d=cfg["d"], t1=cfg["t1"], dt=cfg["dt"],
             ensemble=cfg["ensemble"], regenerate_every=cfg["regenerate_every"], record_every=cfg["record_every"],
-            seed=cfg["seed"], device=cfg["device"], **kwargs,
+            seed=cfg["seed"], device=cfg["device"],
+            progress=None if ctx is None else (lambda t, name=name: ctx.log(attention=name, simulated_time=t)), **kwargs,
         )
     return out
 
@@ -90,7 +92,7 @@ def phase_figure(results: dict, cfg: dict):
 )
 def run_phase(ctx: Run) -> None:
     cfg = ctx.config
-    results = phase_diagrams(cfg)
+    results = phase_diagrams(cfg, ctx)
     for name, pd in results.items():
         for i, beta in enumerate(pd.betas.tolist()):
             ctx.log(attention=name, beta=beta, single_cluster_final=float(pd.single_cluster[-1, i]),
@@ -142,8 +144,9 @@ def _comparison(results: dict) -> str:
     return "Single-cluster probability at the last time, " + "; ".join(parts) + "."
 
 
-def staircases(cfg: dict) -> dict:
-    """Normalised energy and number of clusters over time, ``(T, betas, systems)``, per attention."""
+def staircases(cfg: dict, ctx: Run | None = None) -> dict:
+    """Normalised energy and number of clusters over time, ``(T, betas, systems)``, per attention (with ``ctx``,
+    a progress row every 100 recorded times)."""
     betas = torch.tensor(cfg["betas"], dtype=torch.float64)
     B = len(betas)
     gen = torch.Generator().manual_seed(cfg["seed"])
@@ -153,10 +156,15 @@ def staircases(cfg: dict) -> dict:
     out = {}
     for name in cfg["attentions"]:
         kind, kwargs = ATTENTIONS[name]
+        records = iter(range(steps + 1))
+
+        def observe(x, name=name):
+            if ctx is not None and next(records) % 100 == 0:
+                ctx.log(attention=name, progress="recorded 100 more times")
+            return diagnostics(x, beta=betas.reshape(B, 1), which=("energy", "n_clusters"))
+
         traj = simulate(x0, params, t1=steps * cfg["dt"], steps=steps, kind=kind, geometry="sphere",
-                        record_every=cfg["record_every"], keep_positions=False,
-                        observe=lambda x: diagnostics(x, beta=betas.reshape(B, 1), which=("energy", "n_clusters")),
-                        **kwargs)
+                        record_every=cfg["record_every"], keep_positions=False, observe=observe, **kwargs)
         out[name] = {"times": traj.times, "energy": traj.observed["energy"], "n_clusters": traj.observed["n_clusters"]}
     return out
 
@@ -204,7 +212,7 @@ def _last_merge(times: torch.Tensor, clusters: torch.Tensor) -> float:
 )
 def run_metastability(ctx: Run) -> None:
     cfg = ctx.config
-    results = staircases(cfg)
+    results = staircases(cfg, ctx)
     summary = {}
     for name, r in results.items():
         for b, beta in enumerate(cfg["betas"]):
