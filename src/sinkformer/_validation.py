@@ -7,7 +7,8 @@ what was given, so that a user can act on them without reading the source.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -19,16 +20,52 @@ __all__ = [
     "broadcastable",
     "compute_dtype",
     "check_qkv",
+    "check_scores_fit",
+    "capturing",
+    "data_checks_run",
+    "require",
 ]
 
 
 def _skip_data_checks(t: torch.Tensor | None = None) -> bool:
-    """Data-dependent checks (NaN scans) would break graph capture, and on a GPU they would
-    synchronise with the host: skip them there (non-finite values then propagate, as in
-    PyTorch's own kernels)."""
-    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+    """Whether a choice that depends on the data (e.g. "is any entry masked?") is left out: under
+    graph capture it cannot be read, and on a GPU reading it would synchronise with the host. The
+    caller then takes the form that is right either way (e.g. always applies the mask). Checks that
+    refuse bad input use :func:`data_checks_run` and :func:`require` instead."""
+    if capturing():
         return True
     return t is not None and t.device.type not in ("cpu", "meta")
+
+
+def capturing() -> bool:
+    """Whether the code runs under graph capture (``torch.compile``, ``torch.export``, ``torch.jit.trace``)."""
+    return torch.jit.is_tracing() or torch.compiler.is_compiling()
+
+
+def data_checks_run(t: torch.Tensor | None, *, on_gpus: bool = False) -> bool:
+    """Whether a check of the values of ``t`` runs.
+
+    On CPU tensors always: eagerly, and under graph capture as an assert in the graph
+    (:func:`require`). On other devices only when ``on_gpus`` (the leak checks): reading a GPU
+    tensor would synchronise with the host, so NaN and overflow scans are skipped there, as in
+    PyTorch's own kernels (non-finite values then propagate)."""
+    if t is None or (t.device.type == "meta" and not capturing()):
+        return False
+    return on_gpus or t.device.type == "cpu"
+
+
+def require(ok: torch.Tensor, message: str, *, named: Callable[[], str] | None = None,
+            exc: type[Exception] = ValueError) -> None:
+    """Raise ``exc(message)`` unless the one-element bool tensor ``ok`` is True.
+
+    Eagerly the tensor is read, and ``named`` (if given) is called on failure for a message that
+    names values. Under graph capture the check is ``torch._assert_async(ok, message)`` in the
+    graph, which ``torch.compile`` (every backend) and ``torch.export`` keep: the call then raises
+    ``RuntimeError`` with ``message`` (on CUDA tensors: a device-side assert)."""
+    if capturing():
+        torch._assert_async(ok, message)
+    elif not bool(ok):
+        raise exc(named() if named is not None else message)
 
 
 def check_tensor(
@@ -59,17 +96,16 @@ def check_tensor(
 def check_finite(x: torch.Tensor, name: str, *, allow_neg_inf: bool = False) -> None:
     """Raise ``ValueError`` if ``x`` holds NaN (or +inf; -inf too unless ``allow_neg_inf``).
 
-    Skipped under graph capture and for GPU tensors (see :func:`_skip_data_checks`)."""
-    if _skip_data_checks(x):
+    Runs where :func:`data_checks_run` says (CPU tensors, eagerly and compiled); under graph
+    capture each check is an assert in the graph (``RuntimeError`` with the same message)."""
+    if not data_checks_run(x):
         return
-    if not allow_neg_inf and bool(torch.isfinite(x.sum())):  # one cheap pass in the common case
+    if not capturing() and not allow_neg_inf and bool(torch.isfinite(x.sum())):  # one cheap pass, common case
         return
-    if torch.isnan(x).any():
-        raise ValueError(f"{name} contains NaN; expected finite values")
+    require(~torch.isnan(x).any(), f"{name} contains NaN; expected finite values")
+    kind = "+inf" if allow_neg_inf else "inf"
     bad = torch.isposinf(x) if allow_neg_inf else torch.isinf(x)
-    if bad.any():
-        kind = "+inf" if allow_neg_inf else "inf"
-        raise ValueError(f"{name} contains {kind}; expected finite values")
+    require(~bad.any(), f"{name} contains {kind}; expected finite values")
 
 
 def check_choice(value: object, name: str, choices: Sequence[str]) -> str:
@@ -120,3 +156,58 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         ) from None
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_finite(t, name)
+
+
+#: Scores (and their differences after the engines' shifts) must stay below ``finfo.max / SCORE_HEADROOM``.
+SCORE_HEADROOM = 4.0
+_SCORE_BLOCK = 1 << 22  # scores per block of the exact maximum
+
+
+def check_scores_fit(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torch.Tensor | None = None) -> None:
+    r"""Raise ``ValueError`` when the scores :math:`S_{ij} = \mathrm{scale}\, q_i\cdot k_j + \mathrm{bias}_{ij}`
+    of finite ``q (..., n_q, d)`` and ``k (..., n_k, d)`` (compute dtype) could overflow it.
+
+    The engines shift scores by row and column maxima, so :math:`|S|` must stay below
+    ``finfo.max / SCORE_HEADROOM``. The bound :math:`|S_{ij}| \le \max(\mathrm{scale}, 1)\,\|q_i\|\,\|k_j\|
+    + |\mathrm{bias}_{ij}|` (Cauchy-Schwarz; the 1 covers ``q @ k`` formed before scaling) costs
+    :math:`O(n d)`; only when it exceeds the limit are the scores formed (in blocks) and their true
+    maximum checked. Runs where :func:`data_checks_run` says."""
+    if not data_checks_run(q) or q.numel() == 0 or k.numel() == 0:
+        return
+    limit = torch.finfo(q.dtype).max / SCORE_HEADROOM
+    q64, k64 = q.detach().double(), k.detach().double()
+    widest = torch.linalg.vector_norm(q64, dim=-1).amax() * torch.linalg.vector_norm(k64, dim=-1).amax()
+    bound = max(scale, 1.0) * widest
+    if bias is not None and bias.numel():
+        bound = bound + bias.detach().abs().amax().double()
+    fits = bound <= limit
+    operands = (q, k) if bias is None else (q, k, bias)
+    if capturing():  # the true maximum only when the bound says it may be needed, inside the graph
+        fits = torch.cond(fits, lambda *xs: torch.ones((), dtype=torch.bool, device=q.device),
+                          lambda *xs: _largest_score(*xs, scale=scale) <= limit,
+                          tuple(x.detach().clone() for x in operands))  # (torch.cond refuses aliased operands: q is k)
+    elif not bool(fits):
+        fits = _largest_score(*operands, scale=scale) <= limit
+    what = "scale * q.k" if bias is None else "scale * q.k + attn_mask"
+    hint = "scale the queries or keys down, or pass a smaller scale"
+    require(fits, f"the attention scores overflow {q.dtype}: |{what}| may exceed finfo.max / {SCORE_HEADROOM:g} = "
+                  f"{limit:.3g}; {hint}",
+            named=lambda: (f"the attention scores overflow {q.dtype}: |{what}| reaches "
+                           f"{_largest_score(*operands, scale=scale).item():.3g} > finfo.max / {SCORE_HEADROOM:g} = "
+                           f"{limit:.3g} (scale={scale:g}, largest |q_i| = "
+                           f"{torch.linalg.vector_norm(q64, dim=-1).max().item():.3g}, largest |k_j| = "
+                           f"{torch.linalg.vector_norm(k64, dim=-1).max().item():.3g}); {hint}"))
+
+
+def _largest_score(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None = None, *, scale: float) -> torch.Tensor:
+    """``max |scale * (q @ k^T) + bias|`` in the dtype of ``q`` (inf when it overflows), in blocks of query rows."""
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    rows = max(1, _SCORE_BLOCK // max(1, n_k * max(1, math.prod(batch))))
+    largest = q.new_zeros(())
+    for start in range(0, n_q, rows):
+        block = scale * (q.detach()[..., start:start + rows, :] @ k.detach().transpose(-1, -2))
+        if bias is not None:
+            block = block + (bias.detach() if bias.shape[-2] == 1 else bias.detach()[..., start:start + rows, :])
+        largest = torch.maximum(largest, block.abs().amax())
+    return torch.nan_to_num(largest, nan=float("inf"), posinf=float("inf"))  # inf - inf in a product: an overflow too

@@ -68,3 +68,50 @@ def test_cache_errors_name_the_argument():
     q = torch.randn(1, 2, 4)
     with pytest.raises(ValueError, match="q, k and v must hold the same new tokens"):
         cache.step(q, q[:, :1], q)
+
+
+def nan_at(x):
+    x = x.clone()
+    x.view(-1)[0] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("make, step, exc, words", [
+    (lambda: CausalSinkhornCache(3, scale=float("nan")), None, ValueError, "scale must be a finite float, got nan"),
+    (lambda: CausalSinkhornCache(3, scale=float("inf")), None, ValueError, "scale must be a finite float, got inf"),
+    (lambda: CausalSinkhornCache(3, scale="0.5"), None, TypeError, "scale must be a finite float, got str"),
+    (None, lambda q: (nan_at(q), q, q), ValueError, "q contains NaN"),
+    (None, lambda q: (q, q, nan_at(q)), ValueError, "v contains NaN"),
+    (None, lambda q: ([[0.0]], q, q), TypeError, "q must be a torch.Tensor, got list"),
+    (None, lambda q: (q, q.double(), q), TypeError, "q, k and v must have the same dtype"),
+    (None, lambda q: (q, q, q, torch.zeros(2, 3, 1)), TypeError, "key_padding_mask must be a bool tensor"),
+    (None, lambda q: (q, q, q, torch.zeros(2, 3, 2, dtype=torch.bool)), ValueError,
+     r"key_padding_mask must broadcast to \(\*batch, m\) = \(2, 3, 1\)"),
+    (None, lambda q: (q * 1e20, q * 1e20, q), ValueError, "attention scores overflow"),
+])
+def test_cache_validates_like_attention(make, step, exc, words):
+    """Issue 23.8: NaN inputs and a NaN scale gave silent NaN, a string scale or a float padding mask raw
+    torch errors, a padding mask of the wrong length was accepted."""
+    q = torch.randn(2, 3, 1, 4)
+    with pytest.raises(exc, match=words):
+        cache = make() if make is not None else CausalSinkhornCache(3)
+        cache.step(*step(q))
+    cache = CausalSinkhornCache(3)
+    if step is not None:
+        with pytest.raises(exc):
+            cache.step(*step(q))
+        assert len(cache) == 0  # refused before any change of the state
+
+
+def test_cache_refuses_a_step_that_does_not_continue_its_sequences():
+    cache = CausalSinkhornCache(3)
+    q = torch.randn(2, 3, 1, 4)
+    first = cache.step(q, q, q)
+    for bad, what in ((torch.randn(1, 3, 1, 4), r"\(1, 3\), 4, 4"), (torch.randn(2, 3, 1, 5), r"\(2, 3\), 5, 5"),
+                      (q.double(), "float64")):
+        with pytest.raises(ValueError, match=f"each step must continue the same sequences.*got .*{what}"):
+            cache.step(bad, bad, bad)
+    assert len(cache) == 1
+    torch.testing.assert_close(torch.cat([first, cache.step(q, q, q)], -2),
+                               attention(torch.cat([q, q], -2), torch.cat([q, q], -2), torch.cat([q, q], -2),
+                                         is_causal=True, n_iters=3))

@@ -146,3 +146,130 @@ def test_no_host_synchronisation_on_cuda(n_iters):
     ref = sinkformer.attention(*(t.detach().double() for t in (q, k, v)), n_iters=n_iters, key_padding_mask=pad,
                                backend="dense")
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=0)
+
+
+# ---- issue 23.2-3: causal Sinkhorn traces without graph breaks; the protective checks survive compile ------
+
+
+@pytest.mark.parametrize("n_iters", [2, 3, 5])
+def test_causal_sinkhorn_compiles_fullgraph(n_iters):
+    """2-3 iterations (row blocks), 5 (log-sum-exp matrix products): no data-dependent branch left."""
+    q, k, v, pad = qkv_and_padding()
+    fn = lambda q, k, v, pad: sinkformer.attention(q, k, v, is_causal=True, n_iters=n_iters,  # noqa: E731
+                                                   key_padding_mask=pad)
+    (out, grads), (out_c, grads_c) = eager_and_compiled(fn, (q, k, v, pad), "aot_eager")
+    torch.testing.assert_close(out_c, out, atol=1e-6, rtol=0)
+    for a, b in zip(grads_c, grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("n_iters", [3, 5])
+def test_compiled_causal_sinkhorn_takes_the_exact_paths_where_sums_underflow(n_iters, monkeypatch):
+    """Scores spanning ~1e3: rows whose sums underflow come from the log domain, log-sum-exp products
+    that underflow are recomputed exactly; compiled, these are torch.cond branches, same results."""
+    from sinkformer.sinkhorn import causal_blocks, prefix
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 12, 4, generator=g) for _ in range(3))
+    q, k = 12 * q, 12 * k
+    fn = lambda q, k, v: sinkformer.attention(q, k, v, is_causal=True, n_iters=n_iters)  # noqa: E731
+    if n_iters == 3:  # some rows underflow (not all)
+        flat = (t.flatten(0, 1) for t in (q, k, v))
+        inexact = causal_blocks.causal_block_attention(*flat, None, 0.5, 3)[1]
+        assert inexact.any() and not inexact.all()
+    else:  # some products underflow
+        taken = []
+        with monkeypatch.context() as patch:
+            patch.setattr(prefix, "_exact_log_matmul", lambda *a, f=prefix._exact_log_matmul: taken.append(1) or f(*a))
+            fn(q, k, v)
+        assert taken
+    (out, grads), (out_c, grads_c) = eager_and_compiled(fn, (q.requires_grad_(), k.requires_grad_(), v), "aot_eager")
+    torch.testing.assert_close(out_c, out, atol=1e-6, rtol=0)
+    for a, b in zip(grads_c, grads):
+        torch.testing.assert_close(a, b, atol=1e-4 * max(1.0, b.abs().max().item()), rtol=0)
+
+
+@pytest.mark.parametrize("n_iters", [3, 5])
+def test_causal_multihead_attention_compiles_and_exports(n_iters):
+    torch.manual_seed(0)
+    mha = MultiheadAttention(16, 2, batch_first=True, n_iters=n_iters).eval()
+    x = torch.randn(2, 7, 16)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(7)
+
+    class Decoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = mha
+
+        def forward(self, x):
+            return self.attn(x, x, x, attn_mask=mask, is_causal=True, need_weights=False)[0]
+
+    model = Decoder()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), model(x), atol=1e-6, rtol=0)
+    exported = torch.export.export(model, (x,))
+    torch.testing.assert_close(exported.module()(x), model(x), atol=1e-6, rtol=0)
+
+
+def test_gpt2_with_causal_sinkhorn_compiles_fullgraph():
+    transformers = pytest.importorskip("transformers")
+    from sinkformer.integrations.huggingface import register
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=23, n_positions=32, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.set_attn_implementation(register(3, "sinkhorn_compile_gpt2", causal=True))
+    ids = torch.randint(2, 23, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    eager = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(input_ids=ids, attention_mask=mask, use_cache=False).logits, eager,
+                               atol=1e-5, rtol=0)
+
+
+def compiled_raises(fn, args, words):
+    """``fn(*args)`` compiled with ``fullgraph=True`` raises, with ``words`` in the message (an assert in the
+    graph: ``RuntimeError``)."""
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match=words):
+        torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
+
+
+def test_leak_nan_and_overflow_checks_survive_compile():
+    """Issue 23.2: compiled, a causal mask ran with a future gradient of 0.22 and NaN inputs gave NaN."""
+    q, k, v, pad = qkv_and_padding()
+    for mask in (torch.nn.Transformer.generate_square_subsequent_mask(16),
+                 torch.zeros(16, 16).masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), -1e9)):
+        compiled_raises(lambda q, k, v: sinkformer.attention(q, k, v, attn_mask=mask, n_iters=5), (q, k, v),
+                        "leak from the future")
+    nan = q.detach().clone()
+    nan[0, 0, 0, 0] = float("nan")
+    for kwargs in ({"n_iters": 5}, {"n_iters": 1}, {"is_causal": True, "n_iters": 3}):
+        compiled_raises(lambda q, k, v: sinkformer.attention(q, k, v, **kwargs), (nan, k, v), "q contains NaN")
+    compiled_raises(lambda q, k, v: sinkformer.attention(q * 1e20, k * 1e20, v), (q, k, v), "scores overflow")
+    compiled_raises(lambda q, k, v: sinkformer.attention(q, k, v, key_weights=-torch.ones(2, 16)), (q, k, v),
+                    "key_weights must be non-negative")
+    # where no check fails, the compiled call runs (the asserts are in the graph, not graph breaks)
+    fn = lambda q, k, v: sinkformer.attention(q, k, v, attn_mask=torch.zeros(16, 16), n_iters=5)  # noqa: E731
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v), fn(q, k, v))
+
+
+def test_checks_survive_export():
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            return sinkformer.attention(q, k, v, attn_mask=mask, n_iters=5)
+
+    q, k, v, _ = (t.detach() if t.is_floating_point() else t for t in qkv_and_padding())
+    exported = torch.export.export(Attention(), (q, k, v, torch.zeros(16, 16))).module()
+    torch.testing.assert_close(exported(q, k, v, torch.zeros(16, 16)), Attention()(q, k, v, torch.zeros(16, 16)))
+    with pytest.raises(RuntimeError, match="leak from the future"):
+        exported(q, k, v, torch.nn.Transformer.generate_square_subsequent_mask(16))
+    nan = q.clone()
+    nan[1, 2, 3, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="q contains NaN"):
+        exported(nan, k, v, torch.zeros(16, 16))

@@ -284,3 +284,160 @@ def test_engine_names_are_one_per_concept():
     assert backends.ENGINES == ("sdpa", "dense", "tiled", "streamed", "causal", "flash")
     assert backends.BACKENDS == ("auto",) + backends.ENGINES
     assert math.isfinite(backends.STREAM_ABOVE)
+
+
+# ---- issue 23: every spelling of a causal mask, large negative masks, compile, overflow, explain ---------
+
+
+def causal_spellings(n=8, heads=3):
+    """The ways people write a causal mask (True/0 = take part), each broadcastable to (2, heads, n, n)."""
+    future = torch.ones(n, n, dtype=torch.bool).triu(1)
+
+    def additive(value, dtype=torch.float32):
+        return torch.zeros(n, n, dtype=dtype).masked_fill(future, value)
+
+    left_padded = ~future.expand(2, 1, n, n).clone()
+    left_padded[0, ..., :2] = False  # Hugging Face: causal and left padding, (B, 1, n, n)
+    one_head = torch.ones(1, heads, n, n, dtype=torch.bool)
+    one_head[0, 1] = ~future  # only head 1 is causal: its outputs would still leak
+    return {
+        "generate_square_subsequent_mask": torch.nn.Transformer.generate_square_subsequent_mask(n),
+        "-1e9 (official Sinkformers code)": additive(-1e9),
+        "-1e4 (BERT)": additive(-1e4),
+        "finfo(float32).min": additive(torch.finfo(torch.float32).min),
+        "finfo(float16).min in float16": additive(torch.finfo(torch.float16).min, torch.float16),
+        "bool tril": ~future,
+        "bool per head (heads, n, n)": (~future).expand(heads, n, n),
+        "HF 4-D finfo.min with left padding": torch.zeros(2, 1, n, n).masked_fill(~left_padded,
+                                                                                   torch.finfo(torch.float32).min),
+        "bool causal in one head only": one_head,
+    }
+
+
+@pytest.mark.parametrize("spelling", list(causal_spellings()))
+def test_every_spelling_of_a_causal_mask_is_refused_with_sinkhorn(spelling):
+    """Issue 23.1: with -1e9 or finfo.min the mask ran and leaked (future gradient 0.13); any causal
+    spelling is now refused, pointing to is_causal=True, which serves it without a leak."""
+    mask = causal_spellings()[spelling]
+    x = torch.randn(2, 3, 8, 4)
+    with pytest.raises(ValueError, match="leak from the future.*Pass is_causal=True instead"):
+        attention(x, x, x, attn_mask=mask, n_iters=5)
+    with pytest.raises(ValueError, match="leak from the future"):
+        attention(x, x, x, attn_mask=mask, n_iters=2, backend="dense")
+
+    def heads(y):  # (2, 8, 12) -> 3 heads of (2, 3, 8, 4), causal Sinkhorn with the mask -> (2, 8, 12)
+        y = y.unflatten(-1, (3, 4)).transpose(1, 2)
+        return attention(y, y, y, attn_mask=mask, is_causal=True, n_iters=5).transpose(1, 2).flatten(-2)
+
+    assert future_gradient(heads, torch.randn(2, 8, 12)) == 0.0
+
+
+def test_large_negative_additive_masks_are_masking_for_sinkhorn():
+    """A key masked with -1e9 (or finfo.min, or -1e4) is masked: Sinkhorn's column normalisation used to
+    undo the finite bias and give the masked key its full column mass."""
+    q, k, v = qkv(n=6, batch=(2,))
+    keys = torch.tensor([True, True, True, True, False, False])
+    want = attention(q, k, v, attn_mask=keys, n_iters=5, backend="dense")
+    for value in (-1e4, -1e9, torch.finfo(torch.float32).min):
+        additive = torch.zeros(6).masked_fill(~keys, value)
+        for backend in ("dense", "tiled", "streamed"):
+            torch.testing.assert_close(attention(q, k, v, attn_mask=additive, n_iters=5, backend=backend), want)
+    # above the threshold an entry is a bias; one iteration (SoftMax) keeps SDPA's additive reading
+    bias = torch.zeros(6).masked_fill(~keys, -50.0)
+    assert (attention(q, k, v, attn_mask=bias, n_iters=5) - want).abs().max() > 1e-3
+    softmax_bias = torch.zeros(6).masked_fill(~keys, -1e9)
+    torch.testing.assert_close(attention(q, k, v, attn_mask=softmax_bias, n_iters=1),
+                               torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=softmax_bias))
+
+
+def test_multihead_attention_and_convert_refuse_large_negative_causal_masks():
+    """Through nn.MultiheadAttention (0.028 of future gradient before) and convert()ed nn.Transformer
+    (which only recognises -inf masks as causal): refused; with is_causal=True no leak."""
+    torch.manual_seed(0)
+    mha = sinkformer.nn.MultiheadAttention(12, 3, batch_first=True, n_iters=5)
+    x = torch.randn(2, 7, 12)
+    mask = torch.zeros(7, 7).masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), -1e9)
+    with pytest.raises(ValueError, match="leak from the future"):
+        mha(x, x, x, attn_mask=mask)
+    assert future_gradient(lambda y: mha(y, y, y, attn_mask=mask, is_causal=True, need_weights=False)[0], x) == 0.0
+    # a float key padding mask with -1e9 is padding, as a bool one (its queries leave the column sums too)
+    pad = torch.tensor([[False] * 7, [False] * 5 + [True] * 2])
+    torch.testing.assert_close(mha(x, x, x, key_padding_mask=torch.zeros(2, 7).masked_fill(pad, -1e9))[0],
+                               mha(x, x, x, key_padding_mask=pad)[0])
+    model = decoder_model()
+    with pytest.warns(UserWarning, match="kept 2 decoder cross-attention"):
+        sinkformer.convert(model, n_iters=5, causal=True)
+    src, tgt = torch.randn(2, 6, 16), torch.randn(2, 5, 16)
+    mask = torch.zeros(5, 5).masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+    with pytest.raises(ValueError, match="leak from the future"):
+        model(src, tgt, tgt_mask=mask)
+    assert future_gradient(lambda t: model(src, t, tgt_mask=mask, tgt_is_causal=True), tgt) == 0.0
+
+
+def test_a_list_is_refused_naming_the_argument():
+    q, k, v = qkv()
+    for name, args in (("q", (q.tolist(), k, v)), ("k", (q, k.tolist(), v)), ("v", (q, k, v.tolist()))):
+        with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor, got list"):
+            attention(*args)
+        with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor, got list"):
+            attention.explain(*args)
+
+
+@pytest.mark.parametrize("backend, kwargs", [("auto", {}), ("dense", {}), ("tiled", {}), ("streamed", {}),
+                                             ("sdpa", {"n_iters": 1}), ("auto", {"is_causal": True, "n_iters": 3}),
+                                             ("auto", {"is_causal": True, "n_iters": 5}),
+                                             ("dense", {"normalization": "relu"}), ("auto", {"cost": "l2"})])
+def test_scores_that_overflow_raise_naming_the_cause(backend, kwargs):
+    """Issue 23.5: finite q and k whose scores overflow float32 gave NaN on every engine but dense."""
+    q, k, v = qkv(n=6, batch=(2,))
+    with pytest.raises(ValueError, match=r"scores overflow torch.float32: .* reaches inf .*scale the queries"):
+        attention(q * 1e20, k * 1e20, v, backend=backend, **kwargs)
+    with pytest.raises(ValueError, match=r"scores overflow .*scale=1e\+38"):
+        attention(q, k, v, backend=backend, scale=1e38, **kwargs)
+    with pytest.raises(ValueError, match=r"scale \* q.k \+ attn_mask"):  # a bias counts too
+        attention(q, k, v, backend=backend, attn_mask=torch.full((6, 6), 3e38), **kwargs)
+
+
+@pytest.mark.parametrize("backend, kwargs", [("dense", {}), ("tiled", {}), ("streamed", {}), ("sdpa", {"n_iters": 1}),
+                                             ("auto", {"is_causal": True, "n_iters": 3}),
+                                             ("auto", {"is_causal": True, "n_iters": 5})])
+def test_scores_near_the_limit_are_served(backend, kwargs):
+    """scale=1e38 on unit vectors whose products stay below 1/2: the bound scale |q| |k| = 1e38 is above
+    finfo.max / 4 = 8.5e37, the true maximum 5e37 is not, so the call runs: the float64 answer, and
+    gradients without NaN (those of causal Sinkhorn reach 3e38 in float64: inf in float32 is their value)."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.nn.functional.normalize(torch.randn(2, 6, 2, generator=g), dim=-1)
+    q = torch.cat([q, torch.zeros(2, 6, 2)], -1)  # in span(e1, e2)
+    k = torch.cat([0.5 * torch.nn.functional.normalize(torch.randn(2, 6, 2, generator=g), dim=-1),
+                   0.75**0.5 * torch.nn.functional.normalize(torch.randn(2, 6, 2, generator=g), dim=-1)], -1)
+    v = torch.randn(2, 6, 3, generator=g)
+    assert (q @ k.transpose(-1, -2)).abs().max() <= 0.5
+    q, k = q.requires_grad_(), k.requires_grad_()
+    out = attention(q, k, v, backend=backend, scale=1e38, **kwargs)
+    out.square().sum().backward()
+    assert not (q.grad.isnan().any() or k.grad.isnan().any())
+    want = attention(q.detach().double(), k.detach().double(), v.double(), scale=1e38,
+                     **dict(kwargs, backend="dense" if backend in ("tiled", "streamed") else backend))
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
+
+
+def test_explain_states_the_cubic_cost_of_causal_sinkhorn_and_a_call_warns_once(monkeypatch):
+    """Issue 23.11: n_iters >= 4 is O(n^3) (53 s and 6 GB at n = 4096 against 0.3 GB at n_iters = 3)."""
+    from sinkformer.attention import functional
+
+    x = torch.randn(2, 40, 4)
+    three, five = (attention.explain(x, x, x, is_causal=True, n_iters=n) for n in (3, 5))
+    assert "O(n^2)" in three.reason and "O(n^3)" not in three.reason
+    assert "n_iters=5 >= 4 costs O(n^3) time" in five.reason and "n_iters <= 3 is O(n^2)" in five.reason
+    assert "O(n^3)" in attention.explain(x, x, x, is_causal=True, n_iters=4, backend="causal").reason
+    monkeypatch.setattr(functional, "CUBIC_WARN_FROM", 2 * 40**3 * 2)  # "where it matters", scaled down
+    monkeypatch.setattr(functional, "_cubic_warned", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attention(x, x, x, is_causal=True, n_iters=4)  # 2 * 40^3 * 1 multiply-adds: not yet
+        attention(x, x, x, is_causal=True, n_iters=3)
+    with pytest.warns(UserWarning, match=r"n_iters=5 at n=40 \(2 slice\(s\)\) takes the O\(n\^3\) path.*n_iters=3"):
+        attention(x, x, x, is_causal=True, n_iters=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attention(x, x, x, is_causal=True, n_iters=7)  # once per process

@@ -76,7 +76,7 @@ def test_bool_padding_mask_means_padding_as_keys_and_queries():
     assert weights[0, :, :2].abs().max() == 0 and weights[0, :, :, :2].abs().max() == 0
 
 
-@pytest.mark.parametrize("excluded", [float("-inf"), torch.finfo(torch.float32).min])
+@pytest.mark.parametrize("excluded", [float("-inf"), torch.finfo(torch.float32).min, -1e9, -1e4])
 def test_float_mask_reads_like_bool_mask(excluded):
     keep = torch.ones(2, 1, 5, 5, dtype=torch.bool)
     keep[0, ..., 3:] = False
@@ -86,6 +86,22 @@ def test_float_mask_reads_like_bool_mask(excluded):
     out_f, _ = sinkhorn_attention_forward(Layer(), q, k, v, float_mask, n_iters=5)
     out_b, _ = sinkhorn_attention_forward(Layer(), q, k, v, keep, n_iters=5)
     torch.testing.assert_close(out_f, out_b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("excluded", [float("-inf"), torch.finfo(torch.float32).min, -1e9, False])
+def test_a_causal_mask_in_a_bidirectional_layer_is_refused(excluded):
+    """Issue 23.1: a 4-D causal mask (a user's, or HF's with finfo.min) reaching a layer that runs
+    bidirectional Sinkhorn would leak: refused, eagerly and compiled."""
+    keep = torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 1, 5, 5)
+    mask = keep if excluded is False else torch.zeros(2, 1, 5, 5).masked_fill(~keep, excluded)
+    q, k, v = torch.randn(3, 2, 2, 5, 4).unbind(0)
+    with pytest.raises(ValueError, match="leak from the future"):
+        sinkhorn_attention_forward(Layer(), q, k, v, mask, n_iters=3)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: sinkhorn_attention_forward(Layer(), q, k, v, mask, n_iters=3)[0],
+                             fullgraph=True, backend="aot_eager")
+    with pytest.raises(RuntimeError, match="leak from the future"):
+        compiled(q, k, v)
 
 
 def test_scaling_and_position_bias_are_the_models():
@@ -370,6 +386,13 @@ def test_causal_key_padding_reads_causal_masks_and_refuses_others():
     window = keep & torch.ones(5, 5, dtype=torch.bool).triu(-1)  # a sliding window of 2
     with pytest.raises(ValueError, match="causal mask with key padding"):
         hf.causal_key_padding(window, 5, 5)
+    as_old_float = torch.zeros(2, 1, 5, 5).masked_fill(~keep, -1e4)  # transformers < 4.x wrote -10000
+    assert torch.equal(hf.causal_key_padding(as_old_float, 5, 5), hf.causal_key_padding(keep, 5, 5))
+    torch._dynamo.reset()  # compiled, the pattern check is an assert in the graph
+    compiled = torch.compile(lambda mask: hf.causal_key_padding(mask, 5, 5), fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(keep), hf.causal_key_padding(keep, 5, 5))
+    with pytest.raises(RuntimeError, match="causal mask with key padding"):
+        compiled(window)
 
 
 def test_cross_attention_keeps_softmax_when_causal_self_attention_is_sinkhorn():

@@ -18,7 +18,9 @@ Engines (one name per concept, the same in code, errors and docs):
                prefix :math:`0..t` (:mod:`sinkformer.sinkhorn.prefix`). 2 or 3 iterations with at
                most key padding: row blocks, never an ``n × n`` matrix, custom backward
                (:mod:`sinkformer.sinkhorn.causal_blocks`); otherwise weights materialised,
-               autograd, :math:`O(n^2)` for ``n_iters <= 3``, matrix products beyond.
+               autograd, :math:`O(n^2)` for ``n_iters <= 3``; from 4 on :math:`O(n^3)` time (one
+               log-sum-exp matrix product per further normalisation), which :func:`causal_cost`
+               states and a one-time warning announces at sizes where it matters.
 =============  ====================================================================================
 
 :func:`choose` applies the rules of ``"auto"`` in order and checks a forced engine against
@@ -34,7 +36,7 @@ import torch
 from ..sinkhorn.flash import unavailable as flash_unavailable
 from ..sinkhorn.problem import STREAM_ABOVE
 
-__all__ = ["BACKENDS", "ENGINES", "Call", "Choice", "choose", "unsupported"]
+__all__ = ["BACKENDS", "ENGINES", "Call", "Choice", "choose", "unsupported", "causal_cost"]
 
 ENGINES = ("sdpa", "dense", "tiled", "streamed", "causal", "flash")
 BACKENDS = ("auto",) + ENGINES
@@ -140,7 +142,7 @@ def choose(call: Call, backend: str = "auto") -> Choice:
         why = unsupported(backend, call)
         if why is not None:
             raise ValueError(f"backend={backend!r} cannot serve this call: {why}")
-        return Choice(backend, "forced by backend=")
+        return Choice(backend, "forced by backend=" + (f"; {causal_cost(call)}" if backend == "causal" else ""))
     return _auto(call)
 
 
@@ -152,7 +154,8 @@ def _auto(call: Call) -> Choice:
         why = _unsupported_causal(call)
         if why is not None:
             raise ValueError(f"is_causal=True with Sinkhorn attention cannot be served: {why}")
-        return Choice("causal", "is_causal=True: every prefix 0..t balanced on its own, row t kept (zero leakage)")
+        return Choice("causal", "is_causal=True: every prefix 0..t balanced on its own, row t kept (zero leakage); "
+                      + causal_cost(call))
     for flag, why in (
         (call.return_weights, "return_weights=True needs the n_q x n_k weights"),
         (call.measure_weights, "key_weights/query_weights (weighted point clouds) are served by the dense engine"),
@@ -177,6 +180,14 @@ def _auto(call: Call) -> Choice:
     if scores > STREAM_ABOVE and call.dropout_p == 0 and call.backward == "unrolled":
         return Choice("streamed", f"one slice has n_q*n_k = {scores} > 2^24 scores: never an n_q x n_k tile{not_flash}")
     return Choice("tiled", f"Sinkhorn on cached tiles, O(n) saved per slice{not_flash}")
+
+
+def causal_cost(call: Call) -> str:
+    """The cost class of causal Sinkhorn with ``call.n_iters`` normalisations (:mod:`sinkformer.sinkhorn.prefix`)."""
+    if call.n_iters <= 3:
+        return "O(n^2) time like SoftMax (2-3 iterations with at most key padding: row blocks, never an n x n matrix)"
+    return (f"n_iters={call.n_iters} >= 4 costs O(n^3) time: each normalisation beyond the third is an n x n x n "
+            "log-sum-exp matrix product per slice, with O(n^2 * n_iters) memory (n_iters <= 3 is O(n^2))")
 
 
 def _dense_fallback(call: Call, why: str) -> Choice:

@@ -25,8 +25,9 @@ import math
 import torch
 from torch import Tensor
 
-from .._validation import check_positive_int, check_tensor, compute_dtype
+from .._validation import broadcastable, check_positive_int, check_qkv, check_scores_fit, check_tensor, compute_dtype
 from ..sinkhorn import sinkhorn
+from ..sinkhorn.problem import check_scale
 
 __all__ = ["CausalSinkhornCache"]
 
@@ -54,7 +55,7 @@ class CausalSinkhornCache:
 
     def __init__(self, n_iters: int, scale: float | None = None) -> None:
         self.n_iters = check_positive_int(n_iters, "n_iters")
-        self.scale = scale
+        self.scale = None if scale is None else check_scale(scale)
         self.keys: Tensor | None = None  # (..., t, d)
         self.values: Tensor | None = None  # (..., t, d_v)
         self.valid: Tensor | None = None  # (..., t) bool: key j is not padding
@@ -74,18 +75,44 @@ class CausalSinkhornCache:
 
         Returns:
             ``(..., m, d_v)`` in the dtype of ``q``.
+
+        Raises ``TypeError``/``ValueError`` as :func:`sinkformer.attention` does (and before changing the
+        state), also when the batch shape, head size or dtype differs from the earlier steps'.
         """
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            check_tensor(x, name, min_dim=2, floating=True)
-        if q.shape[-2] != k.shape[-2] or k.shape[-2] != v.shape[-2]:
-            raise ValueError(
-                f"q, k and v must hold the same new tokens, got {q.shape[-2]}, {k.shape[-2]} and {v.shape[-2]}"
-            )
+        self._check_step(q, k, v, key_padding_mask)
         outs = []
         for i in range(q.shape[-2]):
             pad = None if key_padding_mask is None else key_padding_mask[..., i]
             outs.append(self._one(q[..., i, :], k[..., i, :], v[..., i, :], pad))
         return torch.stack(outs, dim=-2).to(q.dtype)
+
+    def _check_step(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> None:
+        """The checks of :meth:`step`: those of :func:`sinkformer.attention` and agreement with the state."""
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            check_tensor(x, name, min_dim=2, floating=True)
+        if not q.shape[-2] == k.shape[-2] == v.shape[-2]:
+            raise ValueError(f"q, k and v must hold the same new tokens (dim -2), got shapes {tuple(q.shape)}, "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+        check_qkv(q, k, v)
+        batch, m = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]), q.shape[-2]
+        if key_padding_mask is not None:
+            check_tensor(key_padding_mask, "key_padding_mask", dtype_bool=True)
+            if key_padding_mask.dim() < 1 or not broadcastable(key_padding_mask.shape, batch + (m,)):
+                raise ValueError(f"key_padding_mask must broadcast to (*batch, m) = {tuple(batch) + (m,)} (True = "
+                                 f"padding), got shape {tuple(key_padding_mask.shape)}")
+        if self.keys is not None:
+            state = (tuple(self.keys.shape[:-2]), self.keys.shape[-1], self.values.shape[-1], self.keys.dtype)
+            given = (tuple(batch), q.shape[-1], v.shape[-1], compute_dtype(q.dtype))
+            if state != given:
+                raise ValueError(
+                    "each step must continue the same sequences: (batch shape, head size of q/k, of v, compute "
+                    f"dtype) were {state} in the earlier steps, got {given}; start a new CausalSinkhornCache"
+                )
+        dtype = compute_dtype(q.dtype)
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
+        for keys in (k, self.keys):
+            if keys is not None:
+                check_scores_fit(q.to(dtype), keys.to(dtype), scale)
 
     def _one(self, q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None) -> Tensor:
         dtype = compute_dtype(q.dtype)

@@ -24,23 +24,26 @@ The engine that computes a call is chosen by :mod:`.backends` (``backend="auto"`
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._validation import _skip_data_checks, check_choice, check_positive_int, check_qkv, check_tensor, compute_dtype
-from .._validation import check_finite
+from .._validation import (
+    capturing, check_choice, check_finite, check_positive_int, check_qkv, check_scores_fit, check_tensor,
+    compute_dtype, data_checks_run, require,
+)
 from ..sinkhorn import sinkhorn
 from ..sinkhorn.causal_blocks import causal_block_attention
-from ..sinkhorn.prefix import prefix_sinkhorn
+from ..sinkhorn.prefix import patched, prefix_sinkhorn
 from ..sinkhorn.problem import check_iterations, check_scale, flatten
 from ..sinkhorn.flash import flash_attention
 from ..sinkhorn.streamed import streamed_attention
 from ..sinkhorn.tiled import tiled_attention
 from .backends import BACKENDS, Call, Choice, choose
-from .masks import align_to_batch, combine_masks
+from .masks import MASKING, align_to_batch, combine_masks, excluded
 
 __all__ = ["attention", "explain", "NORMALIZATIONS", "COSTS", "BACKWARDS", "BACKENDS"]
 
@@ -130,6 +133,8 @@ def attention(
         is_causal=is_causal, key_weights=key_weights, query_weights=query_weights, dropout_p=dropout_p,
         return_weights=return_weights, backward=backward, backend=backend, chunk_size=chunk_size,
     )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(t, name)
     amp = autocast_dtype(q.device.type)
     if amp is None:
         return _prepare(q, k, v, **options).run()
@@ -196,7 +201,10 @@ class _Prepared:
         if engine == "dense":
             return self._dense()
         if engine == "causal":
-            return self._causal_blocks() if self._in_causal_blocks() else self._dense(causal=True)
+            if self._in_causal_blocks():
+                return self._causal_blocks()
+            _warn_if_cubic(self.options["n_iters"], n_q, math.prod(self.batch))
+            return self._dense(causal=True)
         opts = self.options
         qf, kf, vf = flatten(self.q, self.batch, n_q), flatten(self.k, self.batch, n_k), flatten(self.v, self.batch, n_k)
         common = dict(batch=self.batch, scale=self.scale, n_iters=opts["n_iters"], tol=opts["tol"],
@@ -232,12 +240,13 @@ class _Prepared:
         n, batch, B = self.q.shape[-2], self.batch, math.prod(self.batch)
         q, k, v = flatten(self.q, batch, n), flatten(self.k, batch, n), flatten(self.v, batch, n)
         keep = None if self.keep is None else self.keep.expand(batch + (1, n)).reshape(B, n)
-        out, inexact = causal_block_attention(q, k, v, keep, self.scale, self.options["n_iters"])
-        out = out.reshape(batch + (n, self.v.shape[-1]))
-        if bool(inexact.any()):
-            replace = inexact.reshape(batch + (n, 1))
-            out = torch.where(replace, self._dense(causal=True).to(out.dtype), out)
-        return out.to(self.out_dtype)
+        n_iters, scale = self.options["n_iters"], self.scale
+        out, inexact = causal_block_attention(q, k, v, keep, scale, n_iters)
+        # the rows whose sums underflow, from the log domain: row t of prefix_sinkhorn (read rows <= t only)
+        exact = lambda q, k, v, *keep: prefix_sinkhorn(scale * (q @ k.transpose(-1, -2)), n_iters,  # noqa: E731
+                                                       mask=keep[0].unsqueeze(-2) if keep else None) @ v
+        out = patched(out, inexact.unsqueeze(-1), exact, q, k, v, *(() if keep is None else (keep,)))
+        return out.reshape(batch + (n, self.v.shape[-1])).to(self.out_dtype)
 
     def _dense(self, causal: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """The weights materialised: SoftMax, Sinkhorn (the reference), causal Sinkhorn (every prefix
@@ -267,6 +276,26 @@ class _Prepared:
         return (out, weights.to(self.out_dtype)) if opts["return_weights"] else out
 
 
+#: Multiply-adds of causal Sinkhorn's O(n^3) path (``n_iters >= 4``) from which a call warns, once per
+#: process: ``slices * n^3 * (n_iters - 3)`` (n = 1024, 8 slices, 5 iterations: 1.7e10, seconds on a CPU).
+CUBIC_WARN_FROM = 1 << 33
+_cubic_warned = False
+
+
+def _warn_if_cubic(n_iters: int, n: int, slices: int) -> None:
+    """Warn (once per process) that causal Sinkhorn with ``n_iters >= 4`` is about to cost O(n^3)."""
+    global _cubic_warned
+    work = slices * n**3 * (n_iters - 3)
+    if n_iters < 4 or work < CUBIC_WARN_FROM or _cubic_warned or capturing():
+        return
+    _cubic_warned = True
+    warnings.warn(
+        f"causal Sinkhorn with n_iters={n_iters} at n={n} ({slices} slice(s)) takes the O(n^3) path: each "
+        f"normalisation beyond the third is an n x n x n log-sum-exp matrix product ({work:.2g} multiply-adds here, "
+        f"and O(n^2 * n_iters) memory per slice), while n_iters <= 3 costs O(n^2) like SoftMax. Use n_iters=3 for "
+        "long sequences. (This warning is shown once per process.)", UserWarning, stacklevel=4)
+
+
 def _prepare(
     q: Tensor, k: Tensor, v: Tensor, *, normalization: str = "sinkhorn", n_iters: int | None = 5,
     tol: float | None = None, max_iters: int = 1000, cost: str = "dot", scale: float | None = None,
@@ -293,11 +322,13 @@ def _prepare(
     dtype = compute_dtype(out_dtype)
     batch = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
     n_q, n_k = q.shape[-2], k.shape[-2]
+    sinkhorn_iterations = normalization == "sinkhorn" and (tol is not None or n_iters >= 2)
+    # Sinkhorn's column normalisation would undo a large finite bias on a whole column: such entries are masking
+    masked_from = MASKING if sinkhorn_iterations else float("-inf")
     keep, bias = combine_masks(
         batch + (n_q, n_k), attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-        query_padding_mask=query_padding_mask, dtype=dtype,
+        query_padding_mask=query_padding_mask, dtype=dtype, masked_from=masked_from,
     )
-    sinkhorn_iterations = normalization == "sinkhorn" and (tol is not None or n_iters >= 2)
     if sinkhorn_iterations:
         _check_causal_sinkhorn(is_causal, attn_mask, n_iters, tol, n_q, n_k)
     # SDPA's own is_causal when the causal mask is the only one (no n_q x n_k mask, no safe-softmax path)
@@ -320,6 +351,7 @@ def _prepare(
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if cost == "l2" and normalization in ("softmax", "sinkhorn"):
         q, k, cost = *_l2_as_dot(q, k), "dot"
+    check_scores_fit(*((q, k) if cost == "dot" else _l2_as_dot(q, k, both=True)), scale, bias)
     options = dict(normalization=normalization, n_iters=n_iters, tol=tol, max_iters=max_iters, cost=cost,
                    dropout_p=dropout_p, return_weights=return_weights, backward=backward, chunk_size=chunk_size,
                    sdpa_is_causal=options_causal)
@@ -341,24 +373,24 @@ def _check_causal_sinkhorn(is_causal: bool, attn_mask: Tensor | None, n_iters: i
             f"n_q={n_q}, n_k={n_k}: cross-attention from causal queries would let query t's weights depend on the "
             "queries after t. Use normalization='softmax' for causal cross-attention."
         )
-    if not is_causal and _is_causal_mask(attn_mask, n_q, n_k):
+    if not is_causal and attn_mask is not None and n_q >= 2 and n_k >= 2 and data_checks_run(attn_mask, on_gpus=True):
         what = f"tol={tol!r}" if tol is not None else f"n_iters={n_iters}"
-        raise ValueError(
+        require(~_causal_slices(attn_mask, n_q, n_k), (
             f"a causal attn_mask with Sinkhorn attention and {what}: the column normalisation sums over all "
             "queries, so the weights of query t would depend on the queries after t — a leak from the future. "
             "Pass is_causal=True instead (causal Sinkhorn: each prefix balanced on its own), or use n_iters=1 "
             "(exactly causal SoftMax)."
-        )
+        ))
 
 
-def _is_causal_mask(attn_mask: Tensor | None, n_q: int, n_k: int) -> bool:
-    """Whether ``attn_mask`` excludes every key after its query (``j > i``) — a causal mask such as
-    ``nn.Transformer.generate_square_subsequent_mask``. Not checked under graph capture or on GPUs."""
-    if attn_mask is None or n_q < 2 or n_k < 2 or _skip_data_checks(attn_mask):
-        return False
+def _causal_slices(attn_mask: Tensor, n_q: int, n_k: int) -> Tensor:
+    """One-element bool: whether some slice of ``attn_mask`` (bool, or additive with entries at or
+    below :data:`~.masks.MASKING` excluded) excludes every key after its query (``j > i``) — a causal
+    mask, whatever its spelling (``nn.Transformer.generate_square_subsequent_mask``, ``-1e9``,
+    ``finfo.min``, a bool ``tril``), its shape or the padding it also excludes."""
     future = torch.ones(n_q, n_k, dtype=torch.bool, device=attn_mask.device).triu(1)
-    excluded = ~attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
-    return bool(excluded.expand(excluded.shape[:-2] + (n_q, n_k))[..., future].all())
+    out = excluded(attn_mask, MASKING)
+    return (out | ~future).flatten(-2).all(-1).any()
 
 
 def _measure(w: Tensor | None, name: str, batch: tuple[int, ...], n: int, dtype: torch.dtype) -> Tensor | None:
@@ -367,8 +399,10 @@ def _measure(w: Tensor | None, name: str, batch: tuple[int, ...], n: int, dtype:
         return None
     check_tensor(w, name, floating=True)
     check_finite(w, name)
-    if not _skip_data_checks(w) and (bool((w < 0).any()) or not bool((w.sum(-1) > 0).all())):
-        raise ValueError(f"{name} must be non-negative with a positive sum per sequence, got min {w.min().item():.3g}")
+    if data_checks_run(w):
+        message = f"{name} must be non-negative with a positive sum per sequence"
+        require(~(w < 0).any() & (w.sum(-1) > 0).all(), message,
+                named=lambda: f"{message}, got min {w.min().item():.3g}")
     w = align_to_batch(w.to(dtype), name, batch, n)
     return w / w.sum(-1, keepdim=True)
 
@@ -386,12 +420,17 @@ def _uniform_keys(key_padding_mask: Tensor | None, batch: tuple[int, ...], n_k: 
     return valid / valid.sum(-1, keepdim=True).clamp_min(1)
 
 
-def _l2_as_dot(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+def _l2_as_dot(q: Tensor, k: Tensor, both: bool = False) -> tuple[Tensor, Tensor]:
     """``[q, 1] . [k, -|k|^2/2] = q.k - |k|^2/2``: the L2 cost :math:`-|q-k|^2/2` up to the query
     term :math:`-|q|^2/2`, which cancels in every row normalisation (SoftMax and each Sinkhorn
-    iterate) — so L2 attention runs on the dot-product kernels, gradients included."""
+    iterate) — so L2 attention runs on the dot-product kernels, gradients included. ``both``: with
+    the query term too, ``[q, 1, -|q|^2/2] . [k, -|k|^2/2, 1]``, the cost itself."""
     ones = q.new_ones(q.shape[:-1] + (1,))
-    return torch.cat([q, ones], -1), torch.cat([k, -0.5 * k.square().sum(-1, keepdim=True)], -1)
+    q_aug, k_aug = torch.cat([q, ones], -1), torch.cat([k, -0.5 * k.square().sum(-1, keepdim=True)], -1)
+    if not both:
+        return q_aug, k_aug
+    q_term = -0.5 * q.square().sum(-1, keepdim=True)
+    return torch.cat([q_aug, q_term], -1), torch.cat([k_aug, k.new_ones(k.shape[:-1] + (1,))], -1)
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, scale: float,

@@ -3,7 +3,11 @@
 Conventions (those of the libraries the arguments come from):
 
 * ``attn_mask`` follows :func:`torch.nn.functional.scaled_dot_product_attention`: a bool mask
-  with True = *take part*, or a float mask added to the scores (``-inf`` = excluded).
+  with True = *take part*, or a float mask added to the scores (``-inf`` = excluded). For Sinkhorn
+  attention (``masked_from=MASKING``) an entry at or below :data:`MASKING` (-10⁴) is excluded too:
+  the conventions ``-1e4`` (BERT), ``-1e9`` (the official Sinkformers code) and
+  ``torch.finfo(dtype).min`` (Hugging Face) all mean masking, and Sinkhorn's column
+  normalisation would undo a finite bias shared by a whole column.
 * ``key_padding_mask`` / ``query_padding_mask`` follow :class:`torch.nn.MultiheadAttention`:
   True = *padding* (excluded).
 """
@@ -14,6 +18,9 @@ import torch
 from torch import Tensor
 
 from .._validation import _skip_data_checks, broadcastable, check_finite, check_tensor
+
+#: Additive mask entries at or below this value are masking under Sinkhorn attention (module docstring).
+MASKING = -1e4
 
 
 def align_to_batch(t: Tensor, name: str, batch: tuple[int, ...], length: int) -> Tensor:
@@ -38,11 +45,13 @@ def combine_masks(
     key_padding_mask: Tensor | None,
     query_padding_mask: Tensor | None,
     dtype: torch.dtype,
+    masked_from: float = float("-inf"),
 ) -> tuple[Tensor | None, Tensor | None]:
     """Return ``(keep, bias)`` for scores of shape ``(*batch, n_q, n_k)``.
 
     ``keep``: bool, broadcastable to the scores, True = entry takes part (``None``: all do).
     ``bias``: float, broadcastable, finite, to add to the scores (``None``: no bias).
+    ``masked_from``: float ``attn_mask`` entries ``<=`` this are excluded (default: ``-inf`` only).
     """
     score_shape = tuple(score_shape)
     batch, n_q, n_k = score_shape[:-2], score_shape[-2], score_shape[-1]
@@ -59,10 +68,10 @@ def combine_masks(
             keep = attn_mask
         elif attn_mask.is_floating_point():
             check_finite(attn_mask, "attn_mask", allow_neg_inf=True)
-            finite = attn_mask > float("-inf")
+            taking_part = ~excluded(attn_mask, masked_from)
             # without a data check (graph capture, GPUs) the keep mask is always formed
-            keep = finite if _skip_data_checks(attn_mask) or not bool(finite.all()) else None
-            bias = attn_mask.to(dtype) if keep is None else attn_mask.to(dtype).masked_fill(~finite, 0.0)
+            keep = taking_part if _skip_data_checks(attn_mask) or not bool(taking_part.all()) else None
+            bias = attn_mask.to(dtype) if keep is None else attn_mask.to(dtype).masked_fill(~taking_part, 0.0)
         else:
             raise TypeError(f"attn_mask must be a bool or floating tensor, got {attn_mask.dtype}")
     for name, pad, length, axis in (
@@ -75,3 +84,11 @@ def combine_masks(
         valid = ~align_to_batch(pad, name, batch, length).unsqueeze(axis)
         keep = valid if keep is None else keep & valid
     return keep, bias
+
+
+def excluded(mask: Tensor, masked_from: float = float("-inf")) -> Tensor:
+    """The entries a bool (True = take part) or additive float mask excludes: ``~mask``, or the
+    float entries ``<= masked_from`` (``-inf`` always)."""
+    if mask.dtype == torch.bool:
+        return ~mask
+    return mask <= masked_from if masked_from > float("-inf") else torch.isneginf(mask)

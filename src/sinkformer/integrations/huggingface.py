@@ -66,7 +66,8 @@ no query may attend to is padding, so it is removed as a query too: its row is z
 takes no part in the column normalisation — the masked-marginal semantics of the core, under
 which the block of real tokens is doubly stochastic. Masks arrive as bool (True = attend) or
 as float additive masks whose excluded entries hold ``torch.finfo(dtype).min`` or ``-inf``;
-both are read.
+both are read, a float entry at or below :data:`sinkformer.attention.masks.MASKING` (-10⁴, so
+also the older ``-10000`` and ``-1e9`` conventions) as excluded.
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ import torch
 from torch import Tensor
 
 from .. import attention as sinkformer_attention
-from .._validation import _skip_data_checks, check_positive_int
+from .._validation import _skip_data_checks, check_positive_int, data_checks_run, require
 from ..attention import CausalSinkhornCache
+from ..attention.masks import MASKING, excluded
 
 try:
     from transformers import AttentionInterface
@@ -258,31 +260,32 @@ def causal_key_padding(attention_mask: Tensor | None, n_q: int, n_k: int) -> Ten
 
     The queries are the last ``n_q`` of ``n_k`` positions. The mask must be the causal mask with key
     padding — ``keep[b, :, i, j] = (j <= n_k - n_q + i) and not pad[b, j]``, bool (True = attend)
-    or additive float (``finfo.min`` / ``-inf`` = excluded) — or ``ValueError`` is raised (sliding
+    or additive float (entries <= ``MASKING``, e.g. ``finfo.min``, excluded) — or ``ValueError`` is raised (sliding
     windows and packed sequences cannot be served by causal Sinkhorn's incremental state).
     Padding is read from the last query row, which sees every key.
     """
     if attention_mask is None:
         return None
-    keep = attention_mask if attention_mask.dtype == torch.bool else attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    keep = ~excluded(attention_mask, MASKING)
     if keep.dim() != 4 or keep.shape[-2:] != (n_q, n_k):
         raise ValueError(f"attention_mask of a causal layer must be (B, 1 | H, {n_q}, {n_k}), got {tuple(keep.shape)}")
     valid = keep[:, 0, -1, :]
     causal = torch.ones(n_q, n_k, dtype=torch.bool, device=keep.device).tril(n_k - n_q)
-    if not _skip_data_checks(keep) and not torch.equal(keep, (causal & valid[:, None, None, :]).expand_as(keep)):
-        raise ValueError(
-            "causal sinkhorn attention needs the causal mask with key padding (True = attend where j <= i and key j "
-            "is not padding); this layer's attention_mask has another pattern (sliding window, packed sequences?)"
-        )
-    return None if bool(valid.all()) else ~valid
+    if data_checks_run(keep):
+        require((keep == (causal & valid[:, None, None, :])).all(),
+                "causal sinkhorn attention needs the causal mask with key padding (True = attend where j <= i and "
+                "key j is not padding); this layer's attention_mask has another pattern (sliding window, packed "
+                "sequences?)")
+    # without a data check (graph capture, GPUs) the padding is always passed on (all False: no padding)
+    return ~valid if _skip_data_checks(valid) or not bool(valid.all()) else None
 
 
 def self_attention_mask(attention_mask: Tensor | None, position_bias: Tensor | None = None) -> Tensor | None:
     """The ``attn_mask`` for :func:`sinkformer.attention` from a self-attention layer's 4-D mask.
 
     ``keep`` is the bool mask itself, or for a float mask the entries above
-    ``torch.finfo(dtype).min / 2`` (``transformers`` writes ``finfo.min``, or ``-inf``, where a
-    pair is excluded). A token no query may attend to — column ``j`` all excluded, i.e. padding
+    :data:`~sinkformer.attention.masks.MASKING` (``transformers`` writes ``finfo.min``, or ``-inf``,
+    where a pair is excluded). A token no query may attend to — column ``j`` all excluded, i.e. padding
     — is removed as a query as well: ``keep[..., j, :] = False``.
 
     Args:
@@ -295,11 +298,8 @@ def self_attention_mask(attention_mask: Tensor | None, position_bias: Tensor | N
     """
     if attention_mask is None:
         return position_bias
-    if attention_mask.dtype == torch.bool:
-        keep, bias = attention_mask, None
-    else:
-        keep = attention_mask > torch.finfo(attention_mask.dtype).min / 2
-        bias = attention_mask.masked_fill(~keep, 0.0)
+    keep = ~excluded(attention_mask, MASKING)
+    bias = None if attention_mask.dtype == torch.bool else attention_mask.masked_fill(~keep, 0.0)
     is_token = keep.any(dim=-2, keepdim=True)  # (B, h, 1, n): False on padding
     keep = keep & is_token.transpose(-1, -2)
     if position_bias is not None:

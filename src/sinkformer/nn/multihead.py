@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .._validation import _skip_data_checks, check_choice, check_positive_int
 from ..attention import COSTS, NORMALIZATIONS, attention
+from ..attention.masks import MASKING, excluded
 
 __all__ = ["MultiheadAttention"]
 
@@ -105,7 +106,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         tgt_len, bsz, _ = query.shape
         q, k, v = self._project(query, key, value)
 
-        pad, bias = _split_padding(key_padding_mask, bsz, key.shape[0])
+        sinkhorn_iterations = self.normalization == "sinkhorn" and self.n_iters >= 2
+        masked_from = MASKING if sinkhorn_iterations else float("-inf")  # as attention() reads a float attn_mask
+        pad, bias = _split_padding(key_padding_mask, bsz, key.shape[0], masked_from)
         mask = _canonical_attn_mask(attn_mask, bsz, self.num_heads, tgt_len, key.shape[0], q.dtype)
         if bias is not None:
             mask = bias if mask is None else mask + bias
@@ -159,8 +162,10 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         return F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)
 
 
-def _split_padding(key_padding_mask: Tensor | None, bsz: int, src_len: int) -> tuple[Tensor | None, Tensor | None]:
-    """A torch-style key padding mask as ``(bool padding (N, S), additive bias (N, 1, 1, S))``."""
+def _split_padding(key_padding_mask: Tensor | None, bsz: int, src_len: int,
+                   masked_from: float = float("-inf")) -> tuple[Tensor | None, Tensor | None]:
+    """A torch-style key padding mask as ``(bool padding (N, S), additive bias (N, 1, 1, S))``; float
+    entries ``<= masked_from`` are padding (:func:`~sinkformer.attention.masks.excluded`)."""
     if key_padding_mask is None:
         return None, None
     if key_padding_mask.shape != (bsz, src_len):
@@ -171,7 +176,7 @@ def _split_padding(key_padding_mask: Tensor | None, bsz: int, src_len: int) -> t
         return key_padding_mask, None
     if not key_padding_mask.is_floating_point():
         raise TypeError(f"key_padding_mask must be bool or float, got {key_padding_mask.dtype}")
-    pad = torch.isneginf(key_padding_mask)
+    pad = excluded(key_padding_mask, masked_from)
     rest = key_padding_mask.masked_fill(pad, 0.0)
     # without a data check (graph capture, GPUs) the finite part is always kept as a bias
     keep_bias = _skip_data_checks(key_padding_mask) or bool(rest.any())

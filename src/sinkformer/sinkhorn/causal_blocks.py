@@ -95,7 +95,7 @@ class _CausalBlocks(torch.autograd.Function):
         for start, end in problem.blocks():
             carries.append(carry.clone())
             blk = problem.block(start, end, carry)
-            torch.bmm(blk["P"], v[:, :end], out=out[:, start:end])
+            out[:, start:end] = torch.bmm(blk["P"], v[:, :end])  # (not out=: torch.export refuses it)
             inexact[:, start:end] = blk["inexact"]
             carry[:, :end] = blk["C"][:, -1]
         return out, inexact, torch.stack(carries) if carries else q.new_zeros(0, B, n)
@@ -132,7 +132,7 @@ class _CausalBlocks(torch.autograd.Function):
             dR.add_(suffix)
             R = blk["R"]
             dS = R * (dR - (dR * R).sum(-1, keepdim=True))
-            torch.bmm(dS, k[:, :end], out=dq[:, start:end]).mul_(scale)
+            dq[:, start:end] = torch.bmm(dS, k[:, :end]).mul_(scale)
             dk[:, :end].baddbmm_(dS.transpose(1, 2), q[:, start:end], alpha=scale)
         return dq, dk, dv, None, None, None, None
 

@@ -45,15 +45,17 @@ Column marginals (``marginals=``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
 
-from .._validation import broadcastable, check_positive_int, check_tensor, compute_dtype
+from .._validation import _skip_data_checks, broadcastable, capturing, check_positive_int, check_tensor, compute_dtype
 
 __all__ = ["MARGINALS", "prefix_sinkhorn", "prefix_column_marginals", "log_matmul", "log_cumsum_exp", "cumsum_rows", "scaled_rows",
-           "inverse_count_sums"]
+           "inverse_count_sums", "patched"]
 
 MARGINALS = ("causal", "uniform")
 _EXACT_CHUNK = 1 << 22  # terms per chunk of the exact log-sum-exp fallback
@@ -103,10 +105,42 @@ def prefix_sinkhorn(
     problem = _Prefix.build(scores, mask, marginals, start)
     if start == "rows" and n_iters in (2, 3):
         weights, inexact = _rows_first_in_scaling_domain(problem, n_iters)
-        if not bool(inexact.any()):
-            return weights
-        return torch.where(inexact.unsqueeze(-1), _log_domain(problem, n_iters, start), weights)
+        return patched(weights, inexact.unsqueeze(-1), lambda *t: _log_domain(_Prefix(*t), n_iters, start),
+                       *problem.tensors())
     return _log_domain(problem, n_iters, start)
+
+
+def patched(value: Tensor, bad: Tensor, exact: Callable[..., Tensor], *operands: Tensor) -> Tensor:
+    """``torch.where(bad, exact(*operands), value)``, where ``exact`` runs only if some entry is ``bad``.
+
+    Eagerly a Python branch; under graph capture a ``torch.cond``, so that ``torch.compile(fullgraph=True)``
+    and ``torch.export`` trace it with the same results. ``exact`` reads its ``operands`` only (no other
+    tensor). Under capture they enter as contiguous copies with contiguous gradients: ``torch.cond``
+    refuses operands that alias each other and branches whose gradients differ in layout."""
+    if not capturing():
+        return torch.where(bad, exact(*operands), value) if bool(bad.any()) else value
+
+    def replace(v: Tensor, b: Tensor, *xs: Tensor) -> Tensor:
+        return torch.where(b, exact(*(_ContiguousGrad.apply(x) if x.is_floating_point() else x for x in xs)), v)
+
+    copies = tuple(x.clone(memory_format=torch.contiguous_format) for x in (value, bad) + operands)
+    return torch.cond(bad.any(), replace, lambda v, b, *xs: v.clone(), copies)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose gradient is made contiguous (both branches of a ``torch.cond`` must agree)."""
+
+    @staticmethod
+    def forward(x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
 
 
 def _log_domain(problem: "_Prefix", n_iters: int, start: str) -> Tensor:
@@ -140,7 +174,7 @@ def _rows_first_in_scaling_domain(problem: "_Prefix", n_iters: int) -> tuple[Ten
     the log domain's. Each row's verdict reads rows ``<= t`` only, so the result stays causal to the
     last bit."""
     R = torch.softmax(problem.x_rows, dim=-1)
-    if not bool(problem.row_valid.all()):
+    if _skip_data_checks(R) or not bool(problem.row_valid.all()):
         R = torch.where(problem.row_valid.unsqueeze(-1), R, 0.0)
     weights, _, _, inexact_rows = scaled_rows(R, cumsum_rows(R), problem.col_valid, problem.log_b.exp(),
                                               n_iters == 3, R.shape[-1])
@@ -216,7 +250,8 @@ def _blocked_cumsum(x: Tensor, reverse: bool) -> Tensor:
     for start in reversed(starts) if reverse else starts:
         rows = slice(start, min(n, start + size))
         k = rows.stop - rows.start
-        block = torch.matmul(triangle[:k, :k] if k < size else triangle, x[..., rows, :], out=out[..., rows, :])
+        block = out[..., rows, :]  # (a copy, not matmul(out=...), which torch.export refuses under autograd)
+        block.copy_(torch.matmul(triangle[:k, :k] if k < size else triangle, x[..., rows, :]))
         if carry is not None:
             block.add_(carry)
         carry = block[..., :1, :] if reverse else block[..., -1:, :]
@@ -240,7 +275,9 @@ class _Prefix:
         in_prefix = torch.ones(n, n, dtype=torch.bool, device=scores.device).tril()
         keep = in_prefix if mask is None else in_prefix & mask
         neg_inf = scores == float("-inf")
-        if bool(neg_inf.any()):  # -inf scores are masked entries, as in the dense engine
+        # -inf scores are masked entries, as in the dense engine (without a data check: always applied)
+        masked_scores = _skip_data_checks(scores) or bool(neg_inf.any())
+        if masked_scores:
             keep = keep & ~neg_inf
         x = scores.to(compute_dtype(scores.dtype)).masked_fill(~keep, float("-inf"))
         # Shifts absorbed by the first update, taken where no later row enters: for rows first, each row's
@@ -252,16 +289,21 @@ class _Prefix:
             x = x - _finite_or_zero(x.detach().gather(-2, first))
         if mask is not None and mask.dim() == 1:
             mask = mask.unsqueeze(0)
-        if not bool(neg_inf.any()) and (mask is None or mask.shape[-2] == 1):
+        if not masked_scores and (mask is None or mask.shape[-2] == 1):
             # the causal mask and a mask on keys only: the marginals in closed form
             keys = in_prefix.new_ones(1, n) if mask is None else mask.reshape(mask.shape[:-2] + (1, n))
             log_b, col_valid = prefix_column_marginals(keys, marginals)
         else:
             log_b, col_valid = prefix_column_marginals(keep.expand(x.shape), marginals, x.dtype)
         row_valid = keep.any(-1).expand(x.shape[:-1])
-        x_rows = x if bool(row_valid.all()) else x.masked_fill(~row_valid.unsqueeze(-1), 0.0)
+        all_rows = not _skip_data_checks(x) and bool(row_valid.all())
+        x_rows = x if all_rows else x.masked_fill(~row_valid.unsqueeze(-1), 0.0)
         prefix_rows = in_prefix & row_valid.unsqueeze(-2)
         return cls(x, x_rows, row_valid, col_valid, log_b.to(x.dtype), prefix_rows)
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The fields in order: ``_Prefix(*problem.tensors())`` is the same problem."""
+        return tuple(getattr(self, field.name) for field in fields(self))
 
     def row_update(self, g: Tensor | None) -> Tensor:
         r""":math:`F[t, i] = -\log\sum_j e^{S_{ij} + G[t, j]}` (row marginals 1): a vector when ``g``
@@ -333,7 +375,7 @@ def log_cumsum_exp(y: Tensor, *, needed: Tensor | None = None) -> Tensor:
     (exact for any range, slower on CPUs).
     """
     sums = cumsum_rows(torch.exp(y))
-    return _checked_log(sums, y.shape[-2], needed, lambda bad: torch.logcumsumexp(_finite(y, -2), dim=-2))
+    return _checked_log(sums, y.shape[-2], needed, lambda bad, y: torch.logcumsumexp(_finite(y, -2), dim=-2), y)
 
 
 def log_matmul(a: Tensor, b: Tensor, *, needed: Tensor | None = None, shift_b: bool = False) -> Tensor:
@@ -352,22 +394,22 @@ def log_matmul(a: Tensor, b: Tensor, *, needed: Tensor | None = None, shift_b: b
     shift_rows = _finite_max(b) if shift_b else torch.zeros_like(b[..., :1])
     product = torch.exp(a - shift) @ torch.exp(b - shift_rows).transpose(-1, -2)
     shifts = shift + shift_rows.transpose(-1, -2)
-    return _checked_log(product, a.shape[-1], needed, lambda bad: _exact_log_matmul(a, b, bad) - shifts) + shifts
+    exact = lambda bad, a, b, shifts: _exact_log_matmul(a, b, bad) - shifts  # noqa: E731
+    return _checked_log(product, a.shape[-1], needed, exact, a, b, shifts) + shifts
 
 
-def _checked_log(sums: Tensor, terms: int, needed: Tensor | None, exact) -> Tensor:
-    """``log(sums)`` where it is accurate, ``exact(bad)`` (the same log-sum-exps computed exactly, at
-    least at the ``bad`` entries) where a needed entry is not finite or fell below ``terms * tiny / eps``
-    — where the terms lost to underflow (each below ``tiny``) could exceed its rounding. Unneeded
-    entries give log(1) (no NaN gradient)."""
+def _checked_log(sums: Tensor, terms: int, needed: Tensor | None, exact: Callable[..., Tensor],
+                 *operands: Tensor) -> Tensor:
+    """``log(sums)`` where it is accurate, ``exact(bad, *operands)`` (the same log-sum-exps computed
+    exactly, at least at the ``bad`` entries) where a needed entry is not finite or fell below
+    ``terms * tiny / eps`` — where the terms lost to underflow (each below ``tiny``) could exceed its
+    rounding. Unneeded entries give log(1) (no NaN gradient)."""
     info = torch.finfo(sums.dtype)
     bad = ~torch.isfinite(sums.detach()) | (sums.detach() < terms * info.tiny / info.eps)
     if needed is not None:
         bad &= needed
-        sums = torch.where(needed, sums, 1.0)
-    if not bool(bad.any()):
-        return sums.log()
-    return torch.where(bad, exact(bad), torch.where(bad, 1.0, sums).log())
+    unused = bad if needed is None else bad | ~needed
+    return patched(torch.where(unused, 1.0, sums).log(), bad, exact, bad, *operands)
 
 
 def _finite(y: Tensor, dim: int) -> Tensor:
@@ -393,8 +435,14 @@ def _finite_or_zero(m: Tensor) -> Tensor:
 
 def _exact_log_matmul(a: Tensor, b: Tensor, where: Tensor) -> Tensor:
     r""":math:`\log\sum_j e^{a_{tj} + b_{ij}}` exactly at the True entries of ``where`` ``(..., T, I)``
-    (0 elsewhere): one log-sum-exp of length :math:`n` per entry, in chunks of ``_EXACT_CHUNK`` terms."""
+    (0 elsewhere): one log-sum-exp of length :math:`n` per entry, in chunks of ``_EXACT_CHUNK`` terms.
+    Under graph capture (no data-dependent shapes) every entry, in blocks of rows :math:`t`."""
     batch = where.shape[:-2]
+    if capturing():
+        step = max(1, _EXACT_CHUNK // max(1, b.shape[-2] * a.shape[-1] * max(1, math.prod(batch))))
+        rows = [_finite(a[..., t:t + step, None, :] + b[..., None, :, :], -1).logsumexp(-1)
+                for t in range(0, a.shape[-2], step)]
+        return torch.where(where, torch.cat(rows, -2), 0.0)
     a = a.expand(batch + a.shape[-2:])
     b = b.expand(batch + b.shape[-2:])
     *index, t, i = where.nonzero(as_tuple=True)
