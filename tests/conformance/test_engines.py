@@ -530,3 +530,57 @@ def test_every_engine_is_in_the_grid():
     listed = {name.split("-")[0] for name in ENGINES} - {"auto"}
     assert listed == set(LIBRARY_ENGINES)
     assert math.isfinite(sum(TOLERANCE[torch.float64]))
+
+
+# --------------------------------------------------------------------------------------------
+# issue 23: large negative masks are masking, causal masks are refused, overflowing scores raise
+
+
+@pytest.mark.parametrize("excluded", [float("-inf"), -1e4, -1e9, torch.finfo(torch.float32).min])
+def test_additive_masks_at_or_below_minus_1e4_are_masking(engine, excluded):
+    """Sinkhorn's column normalisation undoes a finite bias shared by a column, so an additive entry at or
+    below -1e4 masks (BERT's -1e4, the official Sinkformers' -1e9, Hugging Face's finfo.min), exactly as
+    the bool mask does: here a fully masked row, a fully masked column and scattered entries."""
+    case = make_case("bool_mask")
+    keep = case.kwargs["attn_mask"]
+    additive = torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, excluded)
+    check_cell(engine, Case(case.q, case.k, case.v, {"attn_mask": additive}), torch.float64, n_iters=5)
+    if engine not in ("auto", "causal") and "iterations" not in UNSERVED[engine]:
+        got = run(engine, Case(case.q, case.k, case.v, {"attn_mask": additive}), n_iters=5)
+        assert_close(got, run(engine, case, n_iters=5), 1e-12, f"{engine}: {excluded} masks as False does")
+
+
+@pytest.mark.parametrize("spelling", ["-inf", "-1e9", "finfo.min", "bool", "hf-4d-padded", "one-head"])
+def test_causal_masks_of_every_spelling_are_refused(engine, spelling):
+    """Issue 23.1: any attn_mask that excludes every key after its query, in some slice, balanced as a
+    whole would leak from the future: every Sinkhorn engine refuses it, pointing to is_causal=True."""
+    if engine == "sdpa":
+        return  # SoftMax: a causal mask is causal
+    future = torch.ones(9, 9, dtype=torch.bool).triu(1)
+    value = {"-inf": float("-inf"), "-1e9": -1e9, "finfo.min": torch.finfo(torch.float64).min}
+    if spelling in value:
+        mask = torch.zeros(9, 9, dtype=torch.float64).masked_fill(future, value[spelling])
+    elif spelling == "bool":
+        mask = ~future
+    elif spelling == "hf-4d-padded":  # (B, 1, n, n), left padding in the first sequence
+        keep = (~future).expand(2, 1, 9, 9).clone()
+        keep[0, ..., :3] = False
+        mask = torch.zeros(2, 1, 9, 9, dtype=torch.float64).masked_fill(~keep, torch.finfo(torch.float64).min)
+    else:  # causal in one head of three only
+        mask = torch.ones(1, 3, 9, 9, dtype=torch.bool)
+        mask[0, 2] = ~future
+    with pytest.raises(ValueError, match="leak from the future.*is_causal=True"):
+        run(engine, make_case("plain"), n_iters=5, attn_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_overflowing_scores_raise(engine, dtype):
+    """Issue 23.5: finite q and k whose scores overflow gave NaN on every engine but dense: each raises,
+    naming the cause; a scale of 1e38 is refused where it overflows."""
+    case = make_case("plain").to(dtype)
+    kwargs = {"n_iters": 1 if engine == "sdpa" else 3, "is_causal": engine == "causal"}
+    big = torch.finfo(dtype).max ** 0.5
+    with pytest.raises(ValueError, match=f"attention scores overflow {dtype}"):
+        run(engine, Case(case.q * big, case.k * big, case.v), **kwargs)
+    with pytest.raises(ValueError, match=f"attention scores overflow {dtype}"):
+        run(engine, Case(case.q, case.k, case.v, {"scale": torch.finfo(dtype).max / 2}), **kwargs)
