@@ -303,6 +303,28 @@ def test_extreme_score_ranges(engine, n_iters, dtype):
         assert all(torch.isfinite(t.grad).all() for t in (mine.q, mine.k, mine.v))
 
 
+@pytest.mark.parametrize("n_iters", [2, 5, 21])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "key_padding"])
+@pytest.mark.parametrize("spread", [19, 60], ids=["scores-4e3", "scores-4e4"])
+def test_extreme_score_ranges_float32_gradients(request, engine, spread, padded, n_iters):
+    """float32 forward and gradients at score ranges of ~4e3 and ~4e4, to the grid's float32 tolerance
+    (absolute where the true value is ~0). The scores are integers, exact in float32, so only an
+    engine's own arithmetic can err: the tiled engine's errors stay below 1e-4, the streamed engine's
+    reached 7e-3 (issue 23.4: its potentials of size max|S| added to the scores in every sweep)."""
+    if engine == "flash" and (spread == 60 or (padded and n_iters < 21)):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "flash engine, float32: forward errors 1e-4..1e-3 at score ranges of ~4e4 (potentials of size "
+            "max|S| added to unshifted scores, the cause of issue 23.4 in the streamed engine); not fixed yet")))
+    base = make_case("plain", batch=(2,), n=10, d=4)
+    case = Case(*(t.mul(spread).round() for t in (base.q, base.k)), base.v, {"scale": 1.0})
+    if padded:
+        pad = torch.zeros(2, 10, dtype=torch.bool)
+        pad[0, -3:] = True
+        case.kwargs["key_padding_mask"] = pad
+    assert (case.q @ case.k.transpose(-1, -2)).abs().max() > 10 * spread ** 2
+    check_cell(engine, case, torch.float32, n_iters=n_iters, floor=1.0)
+
+
 @pytest.mark.parametrize("n_iters", [1, 2, 5])
 @pytest.mark.parametrize("case_name", ["plain", "bool_mask", "cross"])
 def test_second_derivatives(engine, case_name, n_iters):

@@ -47,6 +47,7 @@ __all__ = [
     "flatten",
     "group_size",
     "row_block",
+    "stream_rows",
     "converged_tol",
     "TILE_ELEMENTS",
     "GPU_TILE_ELEMENTS",
@@ -72,7 +73,7 @@ CACHE_BLOCK_ELEMENTS = 1 << 18
 #: than the cache saves (2-core Xeon, b=4, h=8, n=1024, 5 iterations, forward+backward: 225 ms in
 #: whole slices, 246 ms in 256-row blocks; n=4096: 64-row blocks, 3.4 s, beat 256-row ones, 3.6 s).
 WHOLE_SLICE_BUDGETS = 4
-#: Scores per row block of the streamed engine ...
+#: Scores per row block of the streamed log domain (blocks over all slices: GPUs, building blocks) ...
 BLOCK_ELEMENTS = 1 << 20
 #: ... but at least this many query rows per block: thinner blocks waste the matrix products
 #: (b=4, h=8, n=2048: forward 2.0 s with 16 rows, 0.8 s with 64). Memory stays linear in ``m``.
@@ -377,8 +378,17 @@ def cache_blocks(c: int, n: int, m: int, budget: int) -> CacheBlocks:
     return CacheBlocks(c, n, 1, max(1, budget // max(1, m)))
 
 
+def stream_rows(n: int, m: int, chunk_size: int | None) -> int:
+    """Query rows per block of the streamed engine on the CPU (one slice per block, ``chunk_size``
+    if given): about :data:`CACHE_BLOCK_ELEMENTS` scores, at least :data:`MIN_BLOCK_ROWS` rows."""
+    if chunk_size is not None:
+        return max(1, min(chunk_size, n))
+    return max(1, min(n, max(MIN_BLOCK_ROWS, CACHE_BLOCK_ELEMENTS // max(1, m))))
+
+
 def row_block(slices: int, n: int, m: int, chunk_size: int | None) -> int:
-    """Query rows per block of the streamed engine (``chunk_size`` if given)."""
+    """Query rows per block of the streamed log domain, whose blocks span all ``slices`` (GPUs, the
+    building blocks of :mod:`.streamed`; ``chunk_size`` if given)."""
     if chunk_size is not None:
         return max(1, min(chunk_size, n))
     return max(1, min(n, max(MIN_BLOCK_ROWS, BLOCK_ELEMENTS // max(1, slices * m))))

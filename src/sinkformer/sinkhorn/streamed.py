@@ -1,16 +1,24 @@
 r"""The streamed engine: never an ``n × m`` matrix, memory linear in the sequence length.
 
-Scores :math:`S = \mathrm{scale}\,QK^\top + \mathrm{bias}` are recomputed block by block: a
-*sweep* visits blocks of query rows (:func:`~.problem.row_block`), each against all keys (a
-``(B, rows, m)`` tile, ``B`` the flattened batch), so memory is
-:math:`O(B(n+m)d + B\cdot\mathrm{rows}\cdot m)`.
+**On the CPU** it runs the scaling-domain passes of :mod:`.scaling` — the tiled engine's forward
+and exact backward — on a tile that is never stored: every pass recomputes each block of query rows
+(:func:`~.problem.stream_rows`: about :data:`~.problem.CACHE_BLOCK_ELEMENTS` scores, at least
+:data:`~.problem.MIN_BLOCK_ROWS` rows, one slice) from ``q`` and ``k`` by the same operations, so
+every visit sees the same values and the results equal the tiled engine's. One slice per group,
+the groups on the cores (:func:`~.cpu_parallel.map_groups`), one block of scratch memory per core.
+It costs one score product and one exponential per pass where the tiled engine reads its tile back:
+``5`` iterations take 4 forward and 3 backward passes.
 
-Potentials are kept in the log domain (:math:`P = e^{S + f\oplus g}`) and one sweep performs a
-row update *and* the column sums for the following column update:
+**The log domain** (GPUs, and CPU slices whose scalings are not trusted, e.g. score ranges of 1e4):
+the sweeps below, on the doubly shifted scores :math:`x = S - m_i - c_j` of
+:func:`~.problem.double_shift` (computed by a first sweep, or taken from the scaling attempt), so
+that the potentials stay small and float32 keeps its precision. Potentials
+:math:`P = e^{x + f\oplus g}`; one sweep performs a row update *and* the column sums for the
+following column update:
 
 .. math::
 
-    E = e^{S + f \oplus g}\ (\text{current plan}),\quad f \mathrel{+}= \log\frac{a}{E\mathbf 1},\quad
+    E = e^{x + f \oplus g}\ (\text{current plan}),\quad f \mathrel{+}= \log\frac{a}{E\mathbf 1},\quad
     \text{col} \mathrel{+}= (\mathrm{diag}(a/E\mathbf 1)E)^\top\mathbf 1\ \ \text{(over blocks)},\quad
     g \mathrel{+}= \log\frac{b}{\text{col}} .
 
@@ -19,18 +27,17 @@ overflows and one exponential per entry and sweep suffices. The first sweep subt
 maximum; a row or column whose sum underflows (its scores more than ~88 below every maximum in
 float32) is recomputed with a stable log-sum-exp (running maxima over blocks). ``n_iters``
 updates take :math:`\lceil n\_iters/2\rceil` sweeps; the attention output comes out of the last.
+Its backward (:func:`_backward`) is the exact gradient of the ``n_iters`` map: the reverse
+recursion runs in :math:`\lceil L/2\rceil` sweeps (a column step and the preceding row step share
+one), and a last sweep forms :math:`\partial\ell/\partial S = P\odot(dP - XY^\top)` block by block;
+where potentials moved by more than :data:`_MAX_LOG_RATIO` between updates, each term's plan is
+recomputed instead (the rank form would lose entries below float32's range).
 
-The backward (:func:`_backward`) is the exact gradient of the ``n_iters`` map: the potentials of
-every update are kept (:math:`O(n\,L)`), the reverse recursion runs in :math:`\lceil L/2\rceil`
-sweeps (a column step and the preceding row step share one, and one exponential: the two plans
-differ by a column scaling), and a last sweep forms
-:math:`\partial\ell/\partial S = P\odot(dP - XY^\top)` block by block and contracts it into
-:math:`dQ, dK` (the algebra of :mod:`.tiled`). Forward and backward are the custom ops
-``sinkformer::streamed_forward`` / ``sinkformer::streamed_backward``.
-
-Building blocks for other callers (the dynamics toolkit): :func:`streamed_potentials` (Sinkhorn
-potentials with marginals, warm start, tolerance, the symmetric update; no gradient) and
-:func:`streamed_softmax` (:math:`\mathrm{rowsoftmax}(S + \mathrm{bias})\,V`).
+Forward and backward are the custom ops ``sinkformer::streamed_forward`` /
+``sinkformer::streamed_backward``. Building blocks for other callers (the dynamics toolkit):
+:func:`streamed_potentials` (Sinkhorn potentials of the unshifted scores with marginals, warm
+start, tolerance, the symmetric update; no gradient) and :func:`streamed_softmax`
+(:math:`\mathrm{rowsoftmax}(S + \mathrm{bias})\,V`).
 """
 
 from __future__ import annotations
@@ -40,13 +47,25 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .problem import Masks, Tolerance, compute_in_float32_under_autocast, column_error, marginals, row_block, warn_if_unconverged
+from .problem import (
+    Masks,
+    Tolerance,
+    _finite_or_zero,
+    column_error,
+    compute_in_float32_under_autocast,
+    marginals,
+    row_block,
+    stream_rows,
+    warn_if_unconverged,
+)
+from .scaling import GroupState, Options, run_backward, run_forward
 
 __all__ = ["streamed_attention", "streamed_potentials", "streamed_softmax"]
 
 ENGINE = "streamed"
-#: Largest potential change across iterations for the one-exponential rank-L backward.
-_MAX_LOG_RATIO = 80.0
+#: Largest potential change across updates for the one-exponential rank-L backward: the final plan
+#: then keeps every entry that matters to a term (those below float32's range weigh < e^{-87+20}).
+_MAX_LOG_RATIO = 20.0
 #: Largest column-potential change for which a row step's plan is taken from the column step's
 #: (entries of that plan below float32's range are lost: they weigh < 1e-38 e^20 < 1e-29).
 _MAX_PAIR_LOG_RATIO = 20.0
@@ -57,7 +76,9 @@ _UNDERFLOW = 1e-30
 @dataclass
 class Streamed:
     """A batch of score matrices given by ``q (B, n, d)``, ``k (B, m, d)`` and masks, visited in
-    row blocks of ``chunk`` rows; ``a (B, n)``, ``b (B, m)`` the marginals."""
+    row blocks of ``chunk`` rows; ``a (B, n)``, ``b (B, m)`` the marginals. ``first``: the flat batch
+    index of ``q[0]`` in ``masks``; ``row_shift (B, n)``, ``col_shift (B, m)``: the double shift
+    subtracted from every score (``None``: the plain scores)."""
 
     q: Tensor
     k: Tensor
@@ -66,11 +87,16 @@ class Streamed:
     chunk: int
     a: Tensor | None = None
     b: Tensor | None = None
+    first: int = 0
+    row_shift: Tensor | None = None
+    col_shift: Tensor | None = None
 
     @classmethod
-    def build(cls, q, k, scale, batch, chunk_size=None, keep=None, bias=None, row_marginals=None, col_marginals=None):
+    def build(cls, q, k, scale, batch, chunk_size=None, keep=None, bias=None, row_marginals=None, col_marginals=None,
+              masks: Masks | None = None, first: int = 0):
         B, n, m = q.shape[0], q.shape[1], k.shape[1]
-        problem = cls(q, k, scale, Masks(keep, bias, tuple(batch)), row_block(B, n, m, chunk_size))
+        masks = Masks(keep, bias, tuple(batch)) if masks is None else masks
+        problem = cls(q, k, scale, masks, row_block(B, n, m, chunk_size), first=first)
         row_valid, col_valid = problem._valid()
         problem.a, problem.b = marginals(row_valid, col_valid, (B, n, m), q, row_marginals, col_marginals)
         return problem
@@ -89,7 +115,7 @@ class Streamed:
 
     def keep_of(self, start: int, end: int) -> Tensor | None:
         B = self.q.shape[0]
-        keep = self.masks.keep_of(0, B, start, end)
+        keep = self.masks.keep_of(self.first, self.first + B, start, end)
         return None if keep is None else keep.expand(B, end - start, self.m)
 
     def _valid(self) -> tuple[Tensor | None, Tensor | None]:
@@ -104,24 +130,46 @@ class Streamed:
             cols |= keep.any(-2)
         return rows, cols
 
-    def scores(self, start: int, end: int, row: Tensor | None = None, col: Tensor | None = None) -> Tensor:
-        """``(B, end-start, m)`` tile of ``scale q k^T + bias (+ row_i + col_j)``, -inf where masked.
+    def shift(self) -> None:
+        """A first sweep: the double shift of :func:`~.problem.double_shift` (row maxima, then column
+        maxima of the row-shifted scores; 0 for rows/columns without a valid entry)."""
+        B = self.q.shape[0]
+        self.row_shift = self.col_shift = None
+        row_shift = self.q.new_zeros(B, self.n)
+        top = self.q.new_full((B, self.m), float("-inf"))
+        for start, end in self.blocks():
+            S = self.scores(start, end)
+            shift = _finite_or_zero(S.amax(-1)) if self.m else S.new_zeros(S.shape[:-1])
+            row_shift[:, start:end] = shift
+            if self.m:
+                top = torch.maximum(top, S.sub_(shift.unsqueeze(-1)).amax(-2))
+        self.row_shift, self.col_shift = row_shift, _finite_or_zero(top)
 
-        ``row`` is the block's ``(B, end-start)`` slice (added inside the matrix product), ``col``
-        a ``(B, m)`` vector."""
+    def scores(self, start: int, end: int, row: Tensor | None = None, col: Tensor | None = None) -> Tensor:
+        """``(B, end-start, m)`` tile of ``scale q k^T + bias`` (-inf where masked), minus the double
+        shift if any, ``+ row_i + col_j``: ``row`` the block's ``(B, end-start)`` slice, ``col`` a
+        ``(B, m)`` vector. Without a shift ``row`` is added inside the matrix product."""
         q = self.q[:, start:end]
-        if row is None:
+        shifted = self.row_shift is not None
+        if row is None or shifted:
             S = torch.baddbmm(q.new_empty(()), q, self.k.transpose(1, 2), beta=0.0, alpha=self.scale)
         else:
             S = torch.baddbmm(row.unsqueeze(-1), q, self.k.transpose(1, 2), alpha=self.scale)
-        if col is not None:
+        if col is not None and not shifted:
             S.add_(col.unsqueeze(1))
-        bias = self.masks.bias_of(0, self.q.shape[0], start, end)
+        B = self.q.shape[0]
+        bias = self.masks.bias_of(self.first, self.first + B, start, end)
         if bias is not None:
             S.add_(bias)
-        keep = self.masks.keep_of(0, self.q.shape[0], start, end)
+        keep = self.masks.keep_of(self.first, self.first + B, start, end)
         if keep is not None:
             S.masked_fill_(~keep, float("-inf"))
+        if shifted:  # the operations of the tiled engine's tile: the same shifted scores
+            S.sub_(self.row_shift[:, start:end].unsqueeze(-1)).sub_(self.col_shift.unsqueeze(1))
+            if row is not None:
+                S.add_(row.unsqueeze(-1))
+            if col is not None:
+                S.add_(col.unsqueeze(1))
         return S
 
     def plan(self, start: int, end: int, f: Tensor, g: Tensor) -> Tensor:
@@ -193,12 +241,12 @@ def _column_update(problem: Streamed, f: Tensor, g: Tensor, col: Tensor) -> Tens
 
 def _sweeps(problem: Streamed, n_iters: int | None, tol: float | None, max_iters: int, g0: Tensor | None,
             v: Tensor | None = None, symmetric: bool = False):
-    """Run the updates; returns ``(fs, gs, counts, out, converged)``.
+    """Run the updates; returns ``(fs, gs, counts, out, stop)``.
 
     ``fs = [f1, f3, ..]`` (after each row update), ``gs = [g0, g2, ..]`` (the start, then after
     each column update), ``counts (B,)`` the normalisations of each matrix, ``out = P V`` of the
-    final plan when ``v`` is given, ``converged`` whether every matrix reached ``tol`` (``None``
-    for a fixed count). ``symmetric``: one row update per iteration followed by
+    final plan when ``v`` is given, ``stop`` the :class:`~.problem.Tolerance` (``None`` for a fixed
+    count; the caller warns about matrices that did not reach ``tol``). ``symmetric``: one row update per iteration followed by
     :math:`g \\leftarrow \\tfrac12(g + f - \\log b)` (see :func:`streamed_potentials`)."""
     B, n, m = problem.q.shape[0], problem.n, problem.m
     g = torch.zeros(B, m, dtype=problem.q.dtype, device=problem.q.device) if g0 is None else g0
@@ -238,15 +286,13 @@ def _sweeps(problem: Streamed, n_iters: int | None, tol: float | None, max_iters
         gs.append(g)
         if tol is None and done >= n_iters:
             break
-    converged = None
     if stop is not None:
-        warn_if_unconverged([stop])
-        counts, converged = stop.counts, not bool(stop.active.any())
+        counts = stop.counts
     else:
         counts = torch.full((B,), n_iters, dtype=torch.int64, device=g.device)
     if v is not None and out is None:  # the plan was last normalised by columns (or tol mode)
         out = _plan_times(problem, fs[-1], gs[-1], v)
-    return fs, gs, counts, out, converged
+    return fs, gs, counts, out, stop
 
 
 def _plan_times(problem: Streamed, f: Tensor, g: Tensor, v: Tensor) -> Tensor:
@@ -293,7 +339,11 @@ def streamed_potentials(
     """
     with torch.no_grad():
         problem = Streamed.build(q, k, scale, (q.shape[0],), chunk_size, keep, bias, row_marginals, col_marginals)
-        fs, gs, counts, _, converged = _sweeps(problem, n_iters, tol, max_iters, warm_start, symmetric=symmetric)
+        fs, gs, counts, _, stop = _sweeps(problem, n_iters, tol, max_iters, warm_start, symmetric=symmetric)
+    converged = None
+    if stop is not None:
+        warn_if_unconverged([stop])
+        converged = not bool(stop.active.any())
     return fs[-1], gs[-1], counts, converged
 
 
@@ -321,41 +371,52 @@ def streamed_attention(
     """Sinkhorn attention ``(B, n, d) x (B, m, d) x (B, m, e) -> (B, n, e)``, streamed.
 
     Inputs as for :func:`~.tiled.tiled_attention` (flat over ``batch``, compute precision, masks
-    broadcastable to ``batch + (n, m)``, ``bias`` without gradient)."""
-    chunk = row_block(q.shape[0], q.shape[1], k.shape[1], chunk_size)
-    return torch.ops.sinkformer.streamed_forward(q, k, v, keep, bias, list(batch), chunk, scale, n_iters, tol,
+    broadcastable to ``batch + (n, m)``, ``bias`` without gradient); ``chunk_size``: query rows per
+    block (default :func:`~.problem.stream_rows`)."""
+    rows = stream_rows(q.shape[1], k.shape[1], chunk_size)
+    return torch.ops.sinkformer.streamed_forward(q, k, v, keep, bias, list(batch), rows, scale, n_iters, tol,
                                                  max_iters)[0]
+
+
+def _options(q: Tensor, rows: int, scale: float, n_iters: int | None, tol: float | None, max_iters: int) -> Options:
+    """One slice per group on the CPU (the groups share the cores), every slice at once on a GPU."""
+    group = 1 if q.device.type == "cpu" else max(1, q.shape[0])
+    return Options(scale, n_iters, tol, max_iters, "unrolled", 0.0, "auto", group, rows=rows, stored=False,
+                   engine=ENGINE)
 
 
 @torch.library.custom_op("sinkformer::streamed_forward", mutates_args=())
 def _forward_op(
-    q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, batch: list[int], chunk: int,
+    q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, batch: list[int], rows: int,
     scale: float, n_iters: int | None, tol: float | None, max_iters: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns ``out (B, n, e)``, ``fs (B, n, Lf)``, ``gs (B, m, Lg)`` and ``counts (B,)``."""
-    problem = Streamed.build(q, k, scale, batch, chunk, keep, bias)
-    fs, gs, counts, out, _ = _sweeps(problem, n_iters, tol, max_iters, None, v=v)
-    return out, torch.stack(fs, -1), torch.stack(gs, -1), counts
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns ``out (B, n, e)``, the shifts ``(B, n)``, ``(B, m)``, the iterates ``(B, n, Lu)``,
+    ``(B, m, Lv)`` (scalings, or potentials where the log domain ran), the normalisations run ``(B,)``
+    and the domain of each slice ``(B,)`` (True: log)."""
+    options = _options(q, rows, scale, n_iters, tol, max_iters)
+    return run_forward(q, k, v, keep, bias, batch, None, options, _log_forward)
 
 
 @_forward_op.register_fake
-def _(q, k, v, keep, bias, batch, chunk, scale, n_iters, tol, max_iters):
+def _(q, k, v, keep, bias, batch, rows, scale, n_iters, tol, max_iters):
     B, n, m = q.shape[0], q.shape[1], k.shape[1]
     if tol is None:
         lf, lg = (n_iters + 1) // 2, n_iters // 2 + 1
     else:
         lf = lg = torch.library.get_ctx().new_dynamic_size()
-    return (q.new_empty(B, n, v.shape[-1]), q.new_empty(B, n, lf), q.new_empty(B, m, lg),
-            q.new_empty(B, dtype=torch.int64))
+    return (q.new_empty(B, n, v.shape[-1]), q.new_empty(B, n), q.new_empty(B, m), q.new_empty(B, n, lf),
+            q.new_empty(B, m, lg), q.new_empty(B, dtype=torch.int64), q.new_empty(B, dtype=torch.bool))
 
 
 @torch.library.custom_op("sinkformer::streamed_backward", mutates_args=())
 def _backward_op(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, keep: Tensor | None, bias: Tensor | None,
-    batch: list[int], chunk: int, scale: float, fs: Tensor, gs: Tensor, counts: Tensor,
+    batch: list[int], rows: int, scale: float, n_iters: int | None, tol: float | None, max_iters: int,
+    row_shift: Tensor, col_shift: Tensor, us: Tensor, vs: Tensor, counts: Tensor, log_domain: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    problem = Streamed.build(q, k, scale, batch, chunk, keep, bias)
-    return _backward(problem, v, out, grad_out.contiguous(), fs, gs, counts)
+    options = _options(q, rows, scale, n_iters, tol, max_iters)
+    return run_backward(grad_out, q, k, v, out, keep, bias, batch, None, row_shift, col_shift, us, vs, counts,
+                        log_domain, options, _log_backward)
 
 
 @_backward_op.register_fake
@@ -364,28 +425,60 @@ def _(grad_out, q, k, v, *rest):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, keep, bias, batch, chunk, scale, n_iters, tol, max_iters = inputs
-    out, fs, gs, counts = output
-    ctx.save_for_backward(q, k, v, out, keep, bias, fs, gs, counts)
-    ctx.args = (batch, chunk, scale, n_iters, tol, max_iters)
+    q, k, v, keep, bias, batch, rows, scale, n_iters, tol, max_iters = inputs
+    out, row_shift, col_shift, us, vs, counts, log_domain = output
+    ctx.save_for_backward(q, k, v, out, keep, bias, row_shift, col_shift, us, vs, counts, log_domain)
+    ctx.args = (batch, rows, scale, n_iters, tol, max_iters)
 
 
 def _autograd_backward(ctx, grad_out, *unused):
-    q, k, v, out, keep, bias, fs, gs, counts = ctx.saved_tensors
-    batch, chunk, scale, n_iters, tol, max_iters = ctx.args
+    q, k, v, out, keep, bias, row_shift, col_shift, us, vs, counts, log_domain = ctx.saved_tensors
+    batch, rows, scale, n_iters, tol, max_iters = ctx.args
     if torch.is_grad_enabled():  # create_graph=True: second derivatives through the dense engine
         from .dense import attention_grads_with_graph
 
         grads = attention_grads_with_graph(grad_out, q, k, v, Masks(keep, bias, tuple(batch)), scale=scale,
                                            n_iters=n_iters, tol=tol, max_iters=max_iters)
     else:
-        grads = torch.ops.sinkformer.streamed_backward(grad_out, q, k, v, out, keep, bias, batch, chunk, scale, fs,
-                                                       gs, counts)
+        grads = torch.ops.sinkformer.streamed_backward(grad_out, q, k, v, out, keep, bias, batch, rows, scale,
+                                                       n_iters, tol, max_iters, row_shift, col_shift, us, vs,
+                                                       counts, log_domain)
     return (*grads, None, None, None, None, None, None, None, None)
 
 
 torch.library.register_autograd("sinkformer::streamed_forward", _autograd_backward, setup_context=_setup_context)
 compute_in_float32_under_autocast("sinkformer::streamed_forward", "sinkformer::streamed_backward")
+
+
+def _group_problem(q, k, masks: Masks, start: int, options: Options, row_shift, col_shift) -> Streamed:
+    """The log-domain problem of the slices from ``start`` on, on their doubly shifted scores (the
+    shifts given, or computed by a first sweep)."""
+    problem = Streamed.build(q, k, options.scale, (), options.rows, masks=masks, first=start)
+    if row_shift is None:
+        problem.shift()
+    else:
+        problem.row_shift, problem.col_shift = row_shift, col_shift
+    return problem
+
+
+def _log_forward(q, k, v, masks: Masks, start: int, end: int, options: Options, seed, out: Tensor,
+                 row_shift: Tensor | None, col_shift: Tensor | None) -> GroupState:
+    """Forward of slices ``[start, end)`` in the log domain, on the doubly shifted scores (potentials
+    of ``x = S - m - c`` started from ``g = c``: the iterates of ``S`` from ``g = 0``, Proposition 1)."""
+    problem = _group_problem(q, k, masks, start, options, row_shift, col_shift)
+    fs, gs, counts, o, stop = _sweeps(problem, options.n_iters, options.tol, options.max_iters, problem.col_shift,
+                                      v=v)
+    out.copy_(o)
+    return GroupState(problem.row_shift, problem.col_shift, torch.stack(fs, -1), torch.stack(gs, -1), counts, True,
+                      stop)
+
+
+def _log_backward(grad_out, q, k, v, out, masks: Masks, start: int, end: int, options: Options, seed,
+                  row_shift, col_shift, fs, gs, counts, grads) -> None:
+    """Gradients of slices ``[start, end)`` computed in the log domain, written into ``grads``."""
+    problem = _group_problem(q, k, masks, start, options, row_shift, col_shift)
+    for grad, value in zip(grads, _backward(problem, v, out, grad_out, fs, gs, counts)):
+        grad.copy_(value)
 
 
 def _pots_after(t: int, fs: Tensor, gs: Tensor) -> tuple[Tensor, Tensor]:
