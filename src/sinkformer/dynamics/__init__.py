@@ -12,7 +12,8 @@ velocity field :math:`\\Gamma_\\mu`; conventions are those of ``docs/theory.md``
 * :mod:`.phase` — phase diagrams: thousands of systems over a grid of :math:`\\beta` in one tensor program;
 * :mod:`.gaussian` — closed-form fields and moment ODEs of Gaussians, Riccati, drifting;
 * :mod:`.heat` — Sinkhorn attention as a Schrödinger-bridge step and the heat flow;
-* :mod:`.energies` — Sinkformer energies :math:`F_0`, :math:`F_\\infty` and gradient-flow checks;
+* :mod:`.energies` — Sinkformer energies :math:`F_0`, :math:`F_\\infty`, gradient-flow checks and the
+  twisted-Wasserstein rate of SoftMax attention;
 * :mod:`.distances` — :math:`W_2` between Gaussians, point clouds, and the conditional distance.
 """
 

@@ -11,7 +11,9 @@ With :math:`k_0(x,y) = e^{y^\top Ax}` (:math:`A = K^\top Q`, symmetric under Ass
 Under :math:`V = -A`, the fields :math:`T^0_\mu = \int k_0(\cdot,y)Vy\,d\mu` and :math:`T^\infty_\mu = \Gamma^{\rm Sk}_\mu`
 are Wasserstein gradients: for particles :math:`\partial F(\mu_N)/\partial x_i = -T_{\mu_N}(x_i)/N`, so
 :math:`F` decreases along the particle flow. The SoftMax field is not a gradient (Prop. 3): the
-Jacobian of :math:`X \mapsto (\Gamma(x_i))_i` is not symmetric (:func:`jacobian_asymmetry`).
+Jacobian of :math:`X \mapsto (\Gamma(x_i))_i` is not symmetric (:func:`jacobian_asymmetry`); it is a gradient
+flow of :math:`F_0` for a twisted metric instead (Castin et al. §5.4, ``docs/theory.md`` §16.5:
+:func:`twisted_mobility`, :func:`twisted_dissipation`).
 """
 
 from __future__ import annotations
