@@ -173,5 +173,7 @@ def test_sphere_options_are_validated():
         velocity(x, (I3, I3, I3), geometry="torus")
     with pytest.raises(ValueError, match="n_iters is only used by kind='causal'"):
         velocity(x, (I3, I3, I3), "softmax", n_iters=3)
+    with pytest.raises(ValueError, match="a token of norm 0"):
+        velocity(torch.cat([x, torch.zeros(1, 3, dtype=D64)]), (I3, I3, I3), geometry="sphere")
     with pytest.raises(ValueError, match="kind='causal' is the field at the tokens themselves"):
         velocity(x, (I3, I3, I3), "causal", at=x)

@@ -172,6 +172,8 @@ def velocity(
     dtype = Q.dtype
     sphere = geometry == "sphere"
     xs = on_sphere(x.to(dtype)) if sphere else x.to(dtype)
+    if sphere and not bool(torch.isfinite(xs.sum())):
+        raise ValueError("geometry='sphere' projects every token on the unit sphere, x / |x|: x has a token of norm 0")
     xq = xs
     if at is not None:
         check_tensor(at, "at", min_dim=2, floating=True)
