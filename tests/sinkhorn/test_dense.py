@@ -1,5 +1,7 @@
 """The Sinkhorn core: the mathematics (marginals, limits, invariances, gradients) and its edges."""
 
+import re
+
 import numpy as np
 import ot
 import pytest
@@ -306,3 +308,23 @@ def test_bad_input_is_named(call, exc, words):
     with pytest.raises(exc) as info:
         call()
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"row_marginals": torch.tensor([1.0, -1.0, 3.0])}, "row_marginals must be non-negative"),
+    ({"row_marginals": torch.ones(3), "col_marginals": torch.full((3,), 2.0)}, "must have equal totals"),
+    ({"mask": torch.tensor([True, True, False])[:, None].expand(3, 3), "row_marginals": torch.ones(3)},
+     "row_marginals puts mass on a row whose entries are all masked"),
+    ({"warm_start": torch.tensor([0.0, float("nan"), 0.0])}, "warm_start contains NaN"),
+])
+def test_input_checks_survive_compile(kwargs, words):
+    """Issue 23.2: under torch.compile the checks are asserts in the graph (RuntimeError, same words)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda S: sinkhorn(S, 3, **kwargs), fullgraph=True, backend="aot_eager")
+    with pytest.raises(RuntimeError, match=re.escape(words)):
+        compiled(torch.randn(3, 3))
+    nan = torch.randn(3, 3)
+    nan[1, 1] = float("nan")
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="scores contains NaN"):
+        torch.compile(lambda S: sinkhorn(S, 3), fullgraph=True, backend="aot_eager")(nan)

@@ -29,7 +29,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._validation import _skip_data_checks, broadcastable, check_finite, check_tensor, compute_dtype
+from .._validation import (
+    _skip_data_checks, broadcastable, check_finite, check_tensor, compute_dtype, data_checks_run, require,
+)
 from .problem import (
     CONVERGED_TOL,
     Masks,
@@ -250,7 +252,7 @@ class _Problem:
         masked = _skip_data_checks() or not bool(keep.all())
         row_valid = keep.any(-1) if masked else None
         col_valid = keep.any(-2) if masked else None
-        if not _skip_data_checks():
+        if data_checks_run(x, on_gpus=True):
             if a is not None and b is not None:
                 _check_totals(a.expand(shape[:-1]), b.expand(shape[:-2] + shape[-1:]))
             if masked:
@@ -271,22 +273,21 @@ class _Problem:
 
 def _check_totals(a: Tensor, b: Tensor) -> None:
     total_a, total_b = a.sum(-1), b.sum(-1)
-    if not torch.allclose(total_a, total_b, rtol=1e-4, atol=1e-6):
+    message = "row_marginals and col_marginals must have equal totals per matrix"
+
+    def named() -> str:
         worst = (total_a - total_b).abs().argmax()
-        raise ValueError(
-            "row_marginals and col_marginals must have equal totals per matrix, got "
-            f"{total_a.flatten()[worst].item():.6g} vs {total_b.flatten()[worst].item():.6g}"
-        )
+        return f"{message}, got {total_a.flatten()[worst].item():.6g} vs {total_b.flatten()[worst].item():.6g}"
+
+    require(torch.isclose(total_a, total_b, rtol=1e-4, atol=1e-6).all(), message, named=named)
 
 
 def _check_feasible(**given: tuple[Tensor | None, Tensor]) -> None:
     """Mass on a row/column whose entries are all masked makes the problem infeasible."""
     for name, (marg, valid) in given.items():
-        if marg is not None and bool(((marg > 0) & ~valid).any()):
-            raise ValueError(
-                f"{name} puts mass on a {name[:3]} whose entries are all masked; "
-                "expected zero marginal there (the problem is infeasible otherwise)"
-            )
+        if marg is not None:
+            require(~((marg > 0) & ~valid).any(), f"{name} puts mass on a {name[:3]} whose entries are all masked; "
+                    "expected zero marginal there (the problem is infeasible otherwise)")
 
 
 def _check_marginal(marginal: Tensor | None, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor | None:
@@ -296,8 +297,9 @@ def _check_marginal(marginal: Tensor | None, name: str, shape: tuple[int, ...], 
     if not broadcastable(marginal.shape, shape):
         raise ValueError(f"{name} must broadcast to {tuple(shape)}, got shape {tuple(marginal.shape)}")
     check_finite(marginal, name)
-    if not _skip_data_checks() and bool((marginal < 0).any()):
-        raise ValueError(f"{name} must be non-negative, got a minimum of {marginal.min().item():.6g}")
+    if data_checks_run(marginal, on_gpus=True):
+        require(~(marginal < 0).any(), f"{name} must be non-negative",
+                named=lambda: f"{name} must be non-negative, got a minimum of {marginal.min().item():.6g}")
     return marginal.to(dtype)
 
 
