@@ -93,15 +93,18 @@ def attention(
         max_iters: cap on Sinkhorn normalisations with ``tol``.
         cost: ``"dot"`` (:math:`q\\cdot k`) or ``"l2"`` (:math:`-|q-k|^2/2`).
         scale: a finite float multiplying the cost; default :math:`1/\\sqrt d` (1 when ``d = 0``).
+            Scores that could exceed ``finfo.max / 4`` of the compute dtype raise ``ValueError``.
         attn_mask: bool (True = take part) or float (added to the scores), broadcastable to
-            ``(..., n_q, n_k)`` — as in ``scaled_dot_product_attention``.
+            ``(..., n_q, n_k)`` — as in ``scaled_dot_product_attention``. For Sinkhorn with
+            ``n_iters >= 2`` a float entry ``<= -1e4`` (:data:`~.masks.MASKING`) is masking, like
+            ``-inf`` (``-1e9``, ``finfo.min``: the column normalisation would undo a finite bias).
         key_padding_mask: ``(*batch_prefix, n_k)`` bool, True = padding key.
         query_padding_mask: ``(*batch_prefix, n_q)`` bool, True = padding query: its row is
             zero and, for Sinkhorn, it takes no part in the column normalisation.
         is_causal: the causal mask ``j <= i`` (top-left aligned, as SDPA). Sinkhorn with
             ``n_iters >= 2`` (or ``tol``) raises under it, and under an ``attn_mask`` that is
-            causal: the column normalisation sums over all queries, so past outputs would
-            depend on future tokens.
+            causal in some slice, in any spelling: the column normalisation sums over all
+            queries, so past outputs would depend on future tokens.
         key_weights: ``(*batch_prefix, n_k)`` non-negative weights of the key measure
             (normalised here); default uniform. Used by the dynamics toolkit.
         query_weights: ``(*batch_prefix, n_q)`` weights of the query measure (Sinkhorn's row

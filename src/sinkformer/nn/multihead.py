@@ -46,7 +46,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     is_causal=True)``), so nothing after :math:`t` influences it; ``n_iters=1`` is causal SoftMax.
     A causal ``attn_mask`` *without* ``is_causal=True`` raises ``ValueError`` with Sinkhorn and
     ``n_iters >= 2`` (the whole matrix would be balanced: future queries would enter the column
-    sums of past outputs), and so does ``is_causal=True`` on cross-attention (``L != S``).
+    sums of past outputs), in any spelling (bool, ``-inf``, ``-1e9``, ``finfo.min``), and so does
+    ``is_causal=True`` on cross-attention (``L != S``). Under Sinkhorn with ``n_iters >= 2`` a
+    float ``key_padding_mask`` entry ``<= -1e4`` is padding, as ``attention`` reads ``attn_mask``.
 
     Shapes (``batch_first=True``): query ``(N, L, E)``, key/value ``(N, S, E_k/E_v)``, output
     ``(N, L, E)``, weights ``(N, L, S)`` (or ``(N, H, L, S)`` with ``average_attn_weights=False``).
