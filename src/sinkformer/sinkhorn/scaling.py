@@ -258,6 +258,7 @@ class Tile:
         self.masked = masks.keep is not None or masks.bias is not None
         self._index = self.blocks.index if self.masked else None
         self._ready = False  # a stored tile holds K̃
+        self._scaled = False  # a stored tile holds the first sweep's E
         self.row_shift = self.col_shift = None
         if shifts is not None:
             self._set_shifts(*shifts)
@@ -294,41 +295,72 @@ class Tile:
                 x.masked_fill_(~keep, float("-inf"))
         return x
 
-    def shift(self) -> None:
-        """Pass 1: the row maxima :math:`m_i` of the scores and the column maxima :math:`c_j` of
-        :math:`S - m_i` (0 for rows/columns without a valid entry); a stored tile keeps :math:`S - m_i`."""
+    def first_sweep(self, a: Tensor, empty: Tensor, col_init: Tensor | None = None,
+                    output: tuple | None = None) -> tuple[Tensor, Tensor | None]:
+        """Pass 1 of the forward, with its first row normalisation: the scores, the double shift, and
+        :math:`u = a \\oslash \\tilde K\\tilde v^{(0)}` with :math:`\\tilde v^{(0)} = e^{c}`, all block by
+        block in cache. A block's :math:`E = e^{S - m_i - t_j}`, with :math:`t_j` the block's own column
+        maxima of :math:`S - m_i`, gives :math:`\\tilde K\\tilde v^{(0)} = E e^{t}`; :math:`c_j` is the
+        running maximum of :math:`t_j` over blocks, and the column sums :math:`\\tilde K^\\top u = \\sum
+        e^{t_j - c_j} E^\\top u` are rescaled whenever it rises (the online shift of a streamed SoftMax),
+        so no block is visited twice. Sets the shifts; a stored tile keeps ``E``, scaled to
+        :math:`\\tilde K` on its next visit. Arguments and returns as for :meth:`sweep`."""
+        blocks = self.blocks
         c, n, m = self.shape
         if n * m == 0:
             self._set_shifts(self.q.new_zeros(c, n), self.q.new_zeros(c, m))
-            return
-        row_shift = self.q.new_empty(c, n, 1)
-        col_top = self.q.new_full((c, 1, m), float("-inf"))
-        tops = self.blocks.slices_of(col_top)
-        for i, shift in enumerate(self.blocks.rows_of(row_shift)):
+            return self.sweep(self.col_shift.exp(), a, empty, col_init, output=output)
+        row_shift, top = self.q.new_empty(c, n, 1), self.q.new_full((c, 1, m), float("-inf"))
+        u = a.new_empty(c, n, 1)
+        rowb, topb, ub = blocks.rows_of(row_shift), blocks.slices_of(top), blocks.rows_of(u)
+        ab, eb = blocks.rows_of(a.unsqueeze(-1)), blocks.rows_of(empty.unsqueeze(-1))
+        col = None if col_init is None else a.new_zeros(c, 1, m)
+        colb = None if col is None else blocks.slices_of(col)
+        if output is not None:
+            V, drop, out = output
+            Vb, outb = blocks.slices_of(V), blocks.rows_of(out)
+            dropb = blocks.rows_of(drop) if drop is not None else None
+        self._tops = []
+        for i in range(self.count):
             x = self.scores(i)
-            torch.amax(x, -1, keepdim=True, out=shift)
+            torch.amax(x, -1, keepdim=True, out=rowb[i])
             if self.masked:  # a row without a valid entry: shift 0
-                shift.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-            x.sub_(shift)
-            torch.maximum(tops[i], x.amax(-2, keepdim=True), out=tops[i])
-        col_shift = col_top.squeeze(1)
+                rowb[i].nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            t = x.sub_(rowb[i]).amax(-2, keepdim=True)  # (s, 1, m), -inf on columns without a valid entry here
+            t_safe = t.nan_to_num(neginf=0.0) if self.masked else t
+            E = x.sub_(t_safe).exp_()
+            w = t_safe.exp().transpose(1, 2)  # (s, m, 1): K̃ v0 = E e^t
+            add_rows_times(eb[i], E, w, out=ub[i])
+            torch.div(ab[i], ub[i], out=ub[i])
+            new_top = torch.maximum(topb[i], t)
+            if colb is not None:
+                safe = new_top.nan_to_num(neginf=0.0) if self.masked else new_top
+                colb[i].mul_((topb[i] - safe).exp_()).add_(torch.bmm(ub[i].transpose(1, 2), E).mul_((t - safe).exp_()))
+            topb[i].copy_(new_top)
+            if output is not None:
+                torch.bmm(E if dropb is None else E.mul_(dropb[i]), w * Vb[i], out=outb[i]).mul_(ub[i])
+            if self.stored:
+                self._tops.append(t)
+        col_shift = top.squeeze(1)
         self._set_shifts(row_shift.squeeze(-1), _finite_or_zero(col_shift) if self.masked else col_shift)
-        self._shifted = True
+        self._scaled = self.stored
+        return u.squeeze(-1), (None if col is None else col.squeeze(1).add_(col_init))
 
     def _set_shifts(self, row_shift: Tensor, col_shift: Tensor) -> None:
         self.row_shift, self.col_shift = row_shift, col_shift
         self._rowb = self.blocks.rows_of(row_shift.unsqueeze(-1))
         self._colb = self.blocks.slices_of(col_shift.unsqueeze(1))
-        self._shifted = False
+        self._scaled = False
 
     def visit(self):
         """Yield ``(i, K̃ of block i)`` for every block (a recomputed block's storage is reused by the next)."""
         for i in range(self.count):
             if self._ready:
                 yield i, self.Kb[i]
+            elif self._scaled:  # E of the first sweep: K̃ = E e^{t - c}
+                yield i, self.Kb[i].mul_((self._tops[i] - self._colb[i]).exp_())
             else:
-                x = self.Kb[i] if self._shifted and self.stored else self.scores(i).sub_(self._rowb[i])
-                yield i, x.sub_(self._colb[i]).exp_()
+                yield i, self.scores(i).sub_(self._rowb[i]).sub_(self._colb[i]).exp_()
         self._ready = self.stored
 
     def sweep(self, vt: Tensor, a: Tensor, empty: Tensor, col_init: Tensor | None = None,
@@ -388,7 +420,6 @@ def scaling_forward(tile: Tile, v: Tensor, keep: Tensor | None, seed: Tensor | N
                     options: Options) -> GroupState | None:
     """The forward of one group in the scaling domain (writes ``out``), or ``None`` when its scalings
     are not to be trusted (then ``out`` is garbage and the engine's log domain takes the group)."""
-    tile.shift()
     a, b = marginals(*valid_rows_cols(keep, tile.shape), tile.shape, v)
     drop = dropout_mask(tile.shape, v, options.dropout_p, seed, tile.start)
     us, vs, counts, stop, col_error = _iterate(tile, a, b, v, drop, out, options)
@@ -406,16 +437,23 @@ def _iterate(tile: Tile, a: Tensor, b: Tensor, v: Tensor, drop: Tensor | None, o
     Returns ``us = [u1, u3, ..]``, ``vs = [v0, v2, ..]``, the ``(c,)`` normalisations run, the
     :class:`~.problem.Tolerance` (``None`` for a fixed count) and, for the implicit backward after a
     fixed count, the column error of the final plan."""
-    us, vs = [], [tile.col_shift.exp()]
+    us, vs = [], []
     c = a.shape[0]
     implicit = options.backward == "implicit"
     empty_a, empty_b = (a == 0).to(a.dtype), (b == 0).to(b.dtype)  # rows/columns without mass: u = v = 0
+
+    def sweep(cols: Tensor | None, **kwargs) -> tuple[Tensor, Tensor | None]:
+        if vs:
+            return tile.sweep(vs[-1], a, empty_a, cols, **kwargs)
+        u, col = tile.first_sweep(a, empty_a, cols, **kwargs)
+        vs.append(tile.col_shift.exp())
+        return u, col
+
     if options.tol is None:
         n_iters, col_error = options.n_iters, None
         for t in range(1, n_iters + 1, 2):
             last = t == n_iters
-            u, col = tile.sweep(vs[-1], a, empty_a, None if last and not implicit else empty_b,
-                                output=(v, drop, out) if last else None)
+            u, col = sweep(None if last and not implicit else empty_b, output=(v, drop, out) if last else None)
             us.append(u)
             if not last:
                 vs.append(b / col)
@@ -429,8 +467,7 @@ def _iterate(tile: Tile, a: Tensor, b: Tensor, v: Tensor, drop: Tensor | None, o
     stop = Tolerance(options.tol, options.max_iters, (c,), a.device, options.engine)
     done = 0
     while True:
-        frozen = (stop.active, us[-1]) if us else None
-        u, col = tile.sweep(vs[-1], a, empty_a, empty_b, frozen=frozen)
+        u, col = sweep(empty_b, frozen=(stop.active, us[-1])) if us else sweep(empty_b)
         us.append(u)
         done += 1
         if stop.check(column_error(vs[-1] * col, b), done):
