@@ -175,9 +175,9 @@ def check_scores_fit(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torch
     if not data_checks_run(q) or q.numel() == 0 or k.numel() == 0:
         return
     limit = torch.finfo(q.dtype).max / SCORE_HEADROOM
-    q64, k64 = q.detach().double(), k.detach().double()
-    widest = torch.linalg.vector_norm(q64, dim=-1).amax() * torch.linalg.vector_norm(k64, dim=-1).amax()
-    bound = max(scale, 1.0) * widest
+    # the largest norms in the compute dtype (one that overflows only sends the call to the exact check)
+    q_norm, k_norm = (torch.linalg.vector_norm(x.detach(), dim=-1).amax().double() for x in (q, k))
+    bound = max(scale, 1.0) * q_norm * k_norm
     if bias is not None and bias.numel():
         bound = bound + bias.detach().abs().amax().double()
     fits = bound <= limit
@@ -194,9 +194,12 @@ def check_scores_fit(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torch
                   f"{limit:.3g}; {hint}",
             named=lambda: (f"the attention scores overflow {q.dtype}: |{what}| reaches "
                            f"{_largest_score(*operands, scale=scale).item():.3g} > finfo.max / {SCORE_HEADROOM:g} = "
-                           f"{limit:.3g} (scale={scale:g}, largest |q_i| = "
-                           f"{torch.linalg.vector_norm(q64, dim=-1).max().item():.3g}, largest |k_j| = "
-                           f"{torch.linalg.vector_norm(k64, dim=-1).max().item():.3g}); {hint}"))
+                           f"{limit:.3g} (scale={scale:g}, largest |q_i| = {_largest_norm(q):.3g}, largest |k_j| = "
+                           f"{_largest_norm(k):.3g}); {hint}"))
+
+
+def _largest_norm(x: torch.Tensor) -> float:
+    return torch.linalg.vector_norm(x.detach().double(), dim=-1).max().item()
 
 
 def _largest_score(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None = None, *, scale: float) -> torch.Tensor:

@@ -391,9 +391,12 @@ def _causal_slices(attn_mask: Tensor, n_q: int, n_k: int) -> Tensor:
     below :data:`~.masks.MASKING` excluded) excludes every key after its query (``j > i``) — a causal
     mask, whatever its spelling (``nn.Transformer.generate_square_subsequent_mask``, ``-1e9``,
     ``finfo.min``, a bool ``tril``), its shape or the padding it also excludes."""
+    full = attn_mask.expand(attn_mask.shape[:-2] + (n_q, n_k))
+    # eagerly an O(n) test first: a causal slice excludes every (i, i + 1)
+    if not capturing() and not bool(excluded(full.diagonal(1, -2, -1), MASKING).all(-1).any()):
+        return torch.zeros((), dtype=torch.bool, device=attn_mask.device)
     future = torch.ones(n_q, n_k, dtype=torch.bool, device=attn_mask.device).triu(1)
-    out = excluded(attn_mask, MASKING)
-    return (out | ~future).flatten(-2).all(-1).any()
+    return (excluded(full, MASKING) | ~future).flatten(-2).all(-1).any()
 
 
 def _measure(w: Tensor | None, name: str, batch: tuple[int, ...], n: int, dtype: torch.dtype) -> Tensor | None:
