@@ -273,3 +273,16 @@ def test_checks_survive_export():
     nan[1, 2, 3, 0] = float("nan")
     with pytest.raises(RuntimeError, match="q contains NaN"):
         exported(nan, k, v, torch.zeros(16, 16))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(COMPILER is None, reason="inductor needs a C++ compiler, none found")
+@pytest.mark.parametrize("n_iters", [3, 5])
+def test_causal_sinkhorn_inductor_fullgraph(n_iters):
+    q, k, v, pad = qkv_and_padding()
+    fn = lambda q, k, v, pad: sinkformer.attention(q, k, v, is_causal=True, n_iters=n_iters,  # noqa: E731
+                                                   key_padding_mask=pad)
+    (out, grads), (out_c, grads_c) = eager_and_compiled(fn, (q, k, v, pad), "inductor")
+    torch.testing.assert_close(out_c, out, atol=1e-5, rtol=0)
+    for a, b in zip(grads_c, grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
