@@ -266,7 +266,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
                          f"{r['forward_backward_ms']:.3f} | {ratio} | {peak} |")
         lines.append("")
     lines += ["## Targets", "", "| target | measured | met |", "|---|---:|---|"]
-    for t in targets(rows):
+    for t in targets(rows, meta.get("graph")):
         value = "" if t["value"] is None else f"{t['value']:.2f}"
         met = "not measured" if t["met"] is None else ("yes" if t["met"] else "**no**")
         lines.append(f"| {t['target']} | {value} | {met} |")

@@ -424,7 +424,8 @@ def markdown(report: dict) -> str:
     lines += ["", "## Accuracy against float64 (the dense engine, on the same device)", "",
               "Relative error ‖x − ref‖ / ‖ref‖; tolerances (forward, gradients): "
               + ", ".join(f"{k} {v[0]:g}/{v[1]:g}" for k, v in TOLERANCE.items()) + ".", "",
-              "| case | dtype | n_iters | n × m, d | forward | dq | dk | dv | status |", "|---|---|---:|---|---:|---:|---:|---:|---|"]
+              "| case | dtype | n_iters | n × m, d | forward | dq | dk | dv | status |",
+              "|---|---|---:|---|---:|---:|---:|---:|---|"]
     for r in report["accuracy"]:
         if "forward" in r:
             lines.append(f"| {r['case']} | {r['dtype']} | {r['n_iters']} | {r['n']} × {r['m']}, {r['d']} | "
@@ -450,10 +451,11 @@ def markdown(report: dict) -> str:
     else:
         lines.append(probe.get("status", "not run"))
     tests = report.get("cuda_tests", {})
-    lines += ["", "## CUDA tests", "", f"`{tests.get('command', '')}`: {tests.get('summary', tests.get('status', 'not run'))}"]
+    result = tests.get("summary", tests.get("status", "not run"))
+    lines += ["", "## CUDA tests", "", f"`{tests.get('command', '')}`: {result}"]
     lines += [f"- {line}" for line in tests.get("failures", [])]
     meta = dict(report["bench_meta"], gpu=env.get("gpu", "?"), torch=env.get("torch"), triton=env.get("triton"),
-                date=env.get("date"), smoke=report["smoke"])
+                date=env.get("date"), smoke=report["smoke"], graph=report.get("graph"))
     bench = bench_markdown(report["rows"], meta).split("\n", 2)[2]  # without its title
     lines += ["", "## Time and memory (forward+backward unless said)", "", bench]
     return "\n".join(lines) + "\n"

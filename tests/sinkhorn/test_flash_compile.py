@@ -39,7 +39,7 @@ def check(report: dict) -> None:
     """Every kernel compiles and fits an H100, but float64 where this Triton is refused for it."""
     version = tuple(int(x) for x in report["meta"]["triton"].split(".")[:2])
     kernels = report["kernels"]
-    assert {k["kernel"] for k in kernels} == {"sweep", "dscore", "rowdot"}
+    assert {k["kernel"] for k in kernels} == {"sweep", "dscore", "rowdot", "fold"}
     assert {k["scenario"] for k in kernels} >= {"odd", "masked-even", "tolerance", "implicit"}
     for k in kernels:
         if k["dtype"] == "float64" and version < flash.MIN_TRITON_FLOAT64:

@@ -25,6 +25,10 @@ keys, columns = queries, the mask strides swapped), so no kernel needs atomics.
   :math:`\sum_t 2^{s_{ij} + F_i + G_j + A_{ti} + B_{tj}}\,U_{ti} W_{tj}` term by term. A per-slice flag
   chooses: both variants are launched and each returns at once on the other's slices.
 * :func:`rowdot` — :math:`z_i = (x_i\cdot y_i)\,\mathrm{inv}_i`, the start of the reverse recursion.
+* :func:`fold` — the terms of :func:`dscore` from the saved potentials and the coefficients, one
+  program per term and slice: exponents :math:`A_{ti} = \alpha_{ti} - F_i - c_t`,
+  :math:`B_{tj} = \beta_{tj} - G_j + c_t` (:math:`c_t` gives both factors the same largest exponent),
+  the folded factors :math:`X = 2^A U`, :math:`Y = 2^B W` and the flag "both within the limit".
 
 Interior column blocks are loaded and scored without bounds masks (the last, partial block with
 them). Accumulation is in the potentials' dtype (float32, or float64 for float64 inputs); half
@@ -47,6 +51,9 @@ LSE, LSE_OUT, FIXED_OUT, MATVEC, DV = 0, 1, 2, 3, 4
 _LSE, _LSE_OUT, _FIXED_OUT, _MATVEC, _DV = (tl.constexpr(m) for m in (LSE, LSE_OUT, FIXED_OUT, MATVEC, DV))
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
+#: the kernels' names and the mode constants (what a stand-in for this module must provide)
+KERNELS = ("sweep", "dscore", "rowdot", "fold")
+MODES = ("LSE", "LSE_OUT", "FIXED_OUT", "MATVEC", "DV")
 
 
 @triton.jit
@@ -242,12 +249,13 @@ def dscore(
     BLOCK_T: tl.constexpr, PRECISION: tl.constexpr, TERM_PRECISION: tl.constexpr,
 ):
     """``OUT[rows] = scale * dS[rows, :] @ C`` for one block of rows (module docstring), on the
-    slices whose flag ``OK[b]`` equals ``FOLDED``.
+    slices whose flags ``OK[b, :]`` (one per term, ``(B, T)``) all fold (``FOLDED`` 1) or not all (0).
 
     ``POT_R/POT_C`` are the final potentials; the terms ``XA, A, U (B, T, n_r)`` and
     ``YA, BT, WT (B, T, n_c)`` are contiguous per slice with batch strides ``s_tr``/``s_tc``."""
     block, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    if tl.load(OK + b) != FOLDED:
+    terms = tl.arange(0, BLOCK_T)
+    if tl.min(tl.load(OK + b * n_terms + terms, mask=terms < n_terms, other=1), 0) != FOLDED:
         return
     rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
     row_in = rows < n_r
@@ -266,7 +274,6 @@ def dscore(
     r = _load_tile(R, rows, n_r, s_rn, s_rd, BLOCK_D, D, True)
     x = _load_tile(X + b * s_xb, rows, n_r, s_xn, s_xe, BLOCK_E, E, True)
     pot_r = tl.load(POT_R + b * s_pr + rows, mask=row_in, other=float("-inf"))  # (P = 0 past the last row)
-    terms = tl.arange(0, BLOCK_T)
     xa = tl.zeros([BLOCK_R, BLOCK_T], dtype=acc_t)
     if FOLDED:
         xa = tl.load(XA + b * s_tr + terms[None, :] * n_r + rows[:, None],
@@ -301,3 +308,47 @@ def rowdot(X, Y, INV, OUT, n, inv0, s_xb, s_xn, s_xe, s_yb, s_yn, s_ye, s_inv, s
     else:
         z *= inv0
     tl.store(OUT + b * s_o + rows, z, mask=rows < n)
+
+
+@triton.jit
+def _fold_side(P, LAST, U, OUT_X, OUT_E, n, shift, BLOCK: tl.constexpr):
+    """``OUT_E = P - LAST + shift`` and ``OUT_X = 2^OUT_E * U`` over ``n`` entries."""
+    for start in range(0, n, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        inside = idx < n
+        e = tl.load(P + idx, mask=inside, other=0.0) - tl.load(LAST + idx, mask=inside, other=0.0) + shift
+        tl.store(OUT_E + idx, e, mask=inside)
+        tl.store(OUT_X + idx, tl.exp2(e) * tl.load(U + idx, mask=inside, other=0.0), mask=inside)
+
+
+@triton.jit
+def _largest_gap(P, LAST, n, BLOCK: tl.constexpr):
+    """``max_i (P_i - LAST_i)`` over ``n`` entries."""
+    hi = tl.full([BLOCK], float("-inf"), dtype=LAST.dtype.element_ty)
+    for start in range(0, n, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        inside = idx < n
+        gap = tl.load(P + idx, mask=inside, other=0.0) - tl.load(LAST + idx, mask=inside, other=0.0)
+        hi = tl.maximum(hi, tl.where(inside, gap, float("-inf")))
+    return tl.max(hi, 0)
+
+
+@triton.jit
+def fold(FS, GS, U, W, XA, YA, A, BT, OK, n, m, n_terms, limit, s_fb, s_fl, s_gb, s_gl, last_f, last_g,
+         IMPLICIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Term ``t`` (step ``t + 1``) of slice ``b``: its potentials are ``f[(t) // 2]`` and
+    ``g[(t + 1) // 2]`` of ``FS (B, Lf, n)``, ``GS (B, Lg, m)`` (``IMPLICIT``: the last ones), the final
+    ones ``f[last_f]``, ``g[last_g]``; ``U, W, XA, YA, A, BT`` are ``(B, T, n|m)`` contiguous, ``OK (B, T)``."""
+    t, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    if IMPLICIT:
+        ia, ib = last_f, last_g
+    else:
+        ia, ib = t // 2, (t + 1) // 2
+    F, G = FS + b * s_fb + last_f * s_fl, GS + b * s_gb + last_g * s_gl
+    alpha, beta = FS + b * s_fb + ia * s_fl, GS + b * s_gb + ib * s_gl
+    hi_a, hi_b = _largest_gap(alpha, F, n, BLOCK), _largest_gap(beta, G, m, BLOCK)
+    tl.store(OK + b * n_terms + t, (hi_a + hi_b <= 2 * limit).to(tl.int32))
+    shift = (hi_a - hi_b) / 2
+    rows, cols = (b * n_terms + t) * n, (b * n_terms + t) * m
+    _fold_side(alpha, F, U + rows, XA + rows, A + rows, n, -shift, BLOCK)
+    _fold_side(beta, G, W + cols, YA + cols, BT + cols, m, shift, BLOCK)

@@ -89,8 +89,8 @@ LOG2E = 1.4426950408889634
 #: Oldest Triton whose compiler these kernels were compiled with (``tests/sinkhorn/test_flash_compile.py``,
 #: on 3.6, the version of the project's GPU machines, and on the newest).
 MIN_TRITON = (3, 6)
-#: float64 matrix products fail to compile on Triton 3.6 for sm_90 ("Currently fp64 don't support
-#: largeK MMA", when a product's operand comes from registers next to a byte mask); compiled on 3.9.
+#: float64 matrix products fail to compile for sm_90 on Tritons 3.6 and 3.8 ("Currently fp64 don't
+#: support largeK MMA", when a product's operand comes from registers next to a byte mask); 3.9 compiles them.
 MIN_TRITON_FLOAT64 = (3, 9)
 #: Largest head (and value) dimension a block of the kernels holds.
 MAX_HEAD_DIM = 256
@@ -106,33 +106,33 @@ class LaunchConfig:
     num_stages: int = 2
 
 
+def _launches(sweep: tuple, dscore: tuple, vector_rows: int = 64) -> dict[str, LaunchConfig]:
+    return {"sweep": LaunchConfig(*sweep), "dscore": LaunchConfig(*dscore),
+            "vector": LaunchConfig(vector_rows, 1024, 4, 1)}
+
+
+_HALF = (torch.float16, torch.bfloat16)
 #: ``(operand dtype, padded head dim) -> {kernel: LaunchConfig}`` on GPUs (sm_90). The padded head
-#: dim is the power of two >= max(d, d_v, 16). Each entry compiles for sm_90 within an H100's
-#: 227 KiB of shared memory without register spills (``python -m benchmarks flash-compile`` reports
-#: it); its speed is unmeasured (no GPU run yet). ``sweep`` serves the forward, the matrix-vector
-#: and the dV sweeps, ``dscore`` the dq/dk sweeps; an absent entry is refused by :func:`unavailable`.
-GPU_CONFIGS: dict[tuple[torch.dtype, int], dict[str, LaunchConfig]] = {}
-for _dtype in (torch.float16, torch.bfloat16):
-    for _d in (16, 32, 64):
-        GPU_CONFIGS[_dtype, _d] = {"sweep": LaunchConfig(128, 64, 4, 3), "dscore": LaunchConfig(64, 64, 4, 2),
-                                   "rowdot": LaunchConfig(64, 0, 4, 1)}
-    GPU_CONFIGS[_dtype, 128] = {"sweep": LaunchConfig(64, 64, 4, 2), "dscore": LaunchConfig(64, 32, 4, 2),
-                                "rowdot": LaunchConfig(64, 0, 4, 1)}
-    GPU_CONFIGS[_dtype, 256] = {"sweep": LaunchConfig(64, 32, 8, 2), "dscore": LaunchConfig(32, 32, 4, 1),
-                                "rowdot": LaunchConfig(32, 0, 4, 1)}
-for _d in (16, 32, 64):
-    GPU_CONFIGS[torch.float32, _d] = {"sweep": LaunchConfig(64, 32, 4, 2), "dscore": LaunchConfig(64, 32, 4, 2),
-                                      "rowdot": LaunchConfig(64, 0, 4, 1)}
-    GPU_CONFIGS[torch.float64, _d] = {"sweep": LaunchConfig(32, 16, 4, 2), "dscore": LaunchConfig(32, 16, 4, 1),
-                                      "rowdot": LaunchConfig(32, 0, 4, 1)}
-GPU_CONFIGS[torch.float32, 128] = {"sweep": LaunchConfig(32, 32, 4, 2), "dscore": LaunchConfig(32, 32, 4, 1),
-                                   "rowdot": LaunchConfig(32, 0, 4, 1)}
-GPU_CONFIGS[torch.float32, 256] = {"sweep": LaunchConfig(32, 16, 8, 1), "dscore": LaunchConfig(16, 16, 4, 1),
-                                   "rowdot": LaunchConfig(16, 0, 4, 1)}
-GPU_CONFIGS[torch.float64, 128] = {"sweep": LaunchConfig(16, 16, 4, 1), "dscore": LaunchConfig(16, 16, 4, 1),
-                                   "rowdot": LaunchConfig(16, 0, 4, 1)}
+#: dim is the power of two >= max(d, d_v, 16). ``sweep`` serves the forward, the matrix-vector and
+#: the dV sweeps, ``dscore`` the dq/dk sweeps, ``vector`` the rowdot (rows per program) and fold
+#: (entries per step) kernels. Each entry compiles for sm_90 within an H100's 227 KiB of shared
+#: memory without register spills (``python -m benchmarks flash-compile`` reports it); its speed is
+#: unmeasured (no GPU run yet). An absent entry is refused by :func:`unavailable`.
+GPU_CONFIGS: dict[tuple[torch.dtype, int], dict[str, LaunchConfig]] = {
+    # half precision: 128-row forward blocks up to d = 64, as FlashAttention's Triton kernels on Hopper
+    **{(dtype, d): _launches((128, 64, 4, 3), (64, 64, 4, 2)) for dtype in _HALF for d in (16, 32, 64)},
+    **{(dtype, 128): _launches((64, 64, 4, 2), (64, 32, 4, 2)) for dtype in _HALF},
+    **{(dtype, 256): _launches((64, 32, 8, 2), (32, 32, 4, 1), 32) for dtype in _HALF},
+    # float32 products on CUDA cores (no TF32: within 1e-5 of float64)
+    **{(torch.float32, d): _launches((64, 32, 4, 2), (64, 32, 4, 2)) for d in (16, 32, 64)},
+    (torch.float32, 128): _launches((32, 32, 4, 2), (32, 32, 4, 1), 32),
+    (torch.float32, 256): _launches((32, 16, 8, 1), (16, 16, 4, 1), 16),
+    # float64: small blocks (its products take twice the registers and shared memory); none at d = 256
+    **{(torch.float64, d): _launches((32, 16, 4, 2), (32, 16, 4, 1), 32) for d in (16, 32, 64)},
+    (torch.float64, 128): _launches((16, 16, 4, 1), (16, 16, 4, 1), 16),
+}
 #: Under Triton's interpreter (CPU tests): few programs, several blocks already at n = 40.
-INTERPRETER_CONFIG = {"sweep": LaunchConfig(32, 32), "dscore": LaunchConfig(32, 32), "rowdot": LaunchConfig(32, 0)}
+INTERPRETER_CONFIG = {"sweep": LaunchConfig(32, 32), "dscore": LaunchConfig(32, 32), "vector": LaunchConfig(32, 64)}
 #: the grid's second axis (slices) is limited to 65535 programs: larger batches run in chunks.
 _MAX_SLICES = 65535
 #: Largest exponent (base 2) of a folded factor ``X``, ``Y`` of the backward: beyond it a slice takes
@@ -367,12 +367,12 @@ class _Problem:
             )
         return vec, out
 
-    def rowdot(self, x: Tensor, y: Tensor, inv: Tensor | float) -> Tensor:
-        """``(x_i . y_i) * inv_i`` per row of ``(B, n, e)`` tensors, as a ``(B, n)`` vector."""
+    def rowdot(self, x: Tensor, y: Tensor, inv: Tensor | float, out: Tensor | None = None) -> Tensor:
+        """``(x_i . y_i) * inv_i`` per row of ``(B, n, e)`` tensors, as a ``(B, n)`` vector (into ``out``)."""
         K = _kernels()
         n, e = x.shape[1], x.shape[2]
-        out = torch.empty(self.B, n, dtype=self.acc, device=x.device)
-        cfg = self.config["rowdot"]
+        out = torch.empty(self.B, n, dtype=self.acc, device=x.device) if out is None else out
+        cfg = self.config["vector"]
         for take, slices in self._chunks():
             iv, s_inv = self._vec(take(inv) if isinstance(inv, Tensor) else inv)
             K.rowdot[(_cdiv(n, cfg.block_r), slices)](
@@ -380,6 +380,20 @@ class _Problem:
                 out.stride(0), HAS_INV=isinstance(inv, Tensor), BLOCK_R=cfg.block_r, E=e, BLOCK_E=_pow2(e),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return out
+
+    def fold(self, fs: Tensor, gs: Tensor, u: Tensor, w: Tensor, implicit: bool) -> _Terms:
+        """The terms of :meth:`dscore` from the saved potentials and the coefficients ``u (B, T, n)``,
+        ``w (B, T, m)`` (:func:`._flash_kernels.fold`; ``implicit``: every term at the final potentials)."""
+        K = _kernels()
+        T = u.shape[1]
+        xa, a, ya, b = torch.empty_like(u), torch.empty_like(u), torch.empty_like(w), torch.empty_like(w)
+        ok = torch.empty(self.B, T, dtype=torch.int32, device=u.device)
+        for take, slices in self._chunks():
+            K.fold[(T, slices)](*map(take, (fs, gs, u, w, xa, ya, a, b, ok)), self.n, self.m, T,
+                                FOLD_LIMIT[self.acc], fs.stride(0), fs.stride(1), gs.stride(0), gs.stride(1),
+                                fs.shape[1] - 1, gs.shape[1] - 1, IMPLICIT=implicit,
+                                BLOCK=self.config["vector"].block_c, num_warps=self.config["vector"].num_warps)
+        return _Terms(xa, ya, a, b, u, w, ok)
 
     def dscore(self, transposed: bool, x: Tensor, y: Tensor, pot_r: Tensor, pot_c: Tensor, terms: _Terms) -> Tensor:
         """Run :func:`._flash_kernels.dscore` (both variants, each on its slices): ``scale * dS @ C``
@@ -526,8 +540,8 @@ def _tolerance_iterations(p: _Problem, v: Tensor, tol: float, max_iters: int, im
 class _Terms:
     """The correction terms of ``dS`` (module docstring), ``(B, T, n)`` row-side and ``(B, T, m)``
     column-side: the folded factors ``xa``, ``ya``; the base-2 exponents ``a = alpha - F - c``,
-    ``b = beta - G + c`` and coefficients ``u``, ``w`` of the term-by-term variant; ``ok (B,)`` int32,
-    1 where the folded factors fit the float range."""
+    ``b = beta - G + c`` and coefficients ``u``, ``w`` of the term-by-term variant; ``ok (B, T)``
+    int32, 1 where a term's folded factors fit the float range (:func:`._flash_kernels.fold`)."""
 
     xa: Tensor
     ya: Tensor
@@ -543,17 +557,6 @@ class _Terms:
 
     def transposed(self) -> _Terms:
         return _Terms(self.ya, self.xa, self.b, self.a, self.w, self.u, self.ok)
-
-    @staticmethod
-    def fold(a: Tensor, b: Tensor, u: Tensor, w: Tensor, limit: float) -> _Terms:
-        """Terms :math:`2^{a_{ti} + b_{tj}} u_{ti} w_{tj}` (``a`` and ``b`` overwritten): each term's
-        exponents shifted by :math:`c_t` so that both factors have the same largest exponent."""
-        hi_a, hi_b = a.amax(-1, keepdim=True), b.amax(-1, keepdim=True)
-        shift = (hi_a - hi_b) / 2
-        a -= shift
-        b += shift
-        ok = ((hi_a + hi_b).squeeze(-1) <= 2 * limit).all(-1).to(torch.int32)
-        return _Terms(torch.exp2(a) * u, torch.exp2(b) * w, a, b, u, w, ok)
 
 
 @torch.library.custom_op("sinkformer::flash_backward", mutates_args=())
@@ -573,18 +576,16 @@ def _backward(p: _Problem, grad_out: Tensor, v: Tensor, out: Tensor, fs: Tensor,
     K = _kernels()
     dO = grad_out.to(v.dtype if _half_operands(p.q) else p.acc)
     F, G = fs[:, -1], gs[:, -1]
-    if backward == "implicit":  # dS = P * (dP - alpha ⊕ beta): two folded terms
+    if backward == "implicit":  # dS = P * (dP - alpha ⊕ beta): the terms (alpha, 1) and (1, beta)
         dF = p.rowdot(dO, out, 1.0)
         dG, dv = p.sweep(K.DV, True, F, pot_r=G, v=dO, xrow=v, inv=1.0)
-        alpha, beta = _implicit_duals(p, F, G, dF, dG)
-        zeros_n, zeros_m = torch.zeros(p.B, 2, p.n, dtype=p.acc, device=v.device), torch.zeros(
-            p.B, 2, p.m, dtype=p.acc, device=v.device)
-        ones_n, ones_m = torch.ones_like(alpha), torch.ones_like(beta)
-        terms = _Terms.fold(zeros_n, zeros_m, torch.stack([alpha, ones_n], 1), torch.stack([ones_m, beta], 1),
-                            FOLD_LIMIT[p.acc])
+        u, w = p.q.new_ones(p.B, 2, p.n, dtype=p.acc), p.q.new_ones(p.B, 2, p.m, dtype=p.acc)
+        u[:, 0], w[:, 1] = _implicit_duals(p, F, G, dF, dG)
     else:
-        dv, coefficients = (_reverse_fixed if fixed else _reverse_tolerance)(p, fs, gs, counts, dO, out, v)
-        terms = _unrolled_terms(p, fs, gs, coefficients)
+        T = fs.shape[1] + gs.shape[1] - 1
+        u, w = p.q.new_ones(p.B, T, p.n, dtype=p.acc), p.q.new_ones(p.B, T, p.m, dtype=p.acc)
+        dv = (_reverse_fixed if fixed else _reverse_tolerance)(p, fs, gs, counts, dO, out, v, u, w)
+    terms = p.fold(fs, gs, u, w, implicit=backward == "implicit")
     dq = p.dscore(False, dO, v, F, G, terms)
     dk = p.dscore(True, v, dO, G, F, terms)
     return dq.to(p.q.dtype), dk.to(p.k.dtype), dv.to(v.dtype)
@@ -597,77 +598,60 @@ def _(grad_out, q, k, v, out, keep, bias, batch, fs, gs, counts, scale, backward
 
 def _step_potentials(fs: Tensor, gs: Tensor, t: int) -> tuple[Tensor, Tensor]:
     """``(alpha, beta)`` of step ``t``: ``(f_t, g_{t-1})`` for a row step (odd), ``(f_{t-1}, g_t)`` for
-    a column step."""
-    return (fs[:, (t - 1) // 2], gs[:, (t - 1) // 2]) if t % 2 else (fs[:, t // 2 - 1], gs[:, t // 2])
+    a column step; in the saved lists both are ``fs[(t - 1) // 2]``, ``gs[t // 2]``."""
+    return fs[:, (t - 1) // 2], gs[:, t // 2]
 
 
-def _reverse_fixed(p: _Problem, fs: Tensor, gs: Tensor, counts: Tensor, dO: Tensor, out: Tensor, v: Tensor):
+def _reverse_fixed(p: _Problem, fs: Tensor, gs: Tensor, counts: Tensor, dO: Tensor, out: Tensor, v: Tensor,
+                   u: Tensor, w: Tensor) -> Tensor:
     """Reverse mode through the potentials (as :func:`.tiled._log_backward`, the tile replaced by
     sweeps) when every slice ran ``T`` steps. Step ``t`` (odd: ``f_t = log a - LSE_j(s + g_{t-1})``;
     even: the column update) has coefficient ``gamma_t = dF / a`` (``delta_t = dG / b``), passes its
-    row (column) sums on to ``dG`` (``dF``) and consumes its own dual. Returns ``dV`` and
-    ``{t: coefficient}``; each sweep writes the next step's coefficient directly."""
+    row (column) sums on to ``dG`` (``dF``) and consumes its own dual. Each sweep writes the next
+    step's coefficient into ``u[:, t - 1]`` (a row step's) or ``w[:, t - 1]`` (a column step's), whose
+    other entries stay 1. Returns ``dV``."""
     K = _kernels()
-    T = fs.shape[1] + gs.shape[1] - 1
+    T = u.shape[1]
     F, G = fs[:, -1], gs[:, -1]
-    coefficients = {}
     if T % 2:  # gamma_T = dF / a; dV = P^T dO with delta_{T-1} = (v.dV - P^T gamma_T) / b in one pass
-        coefficients[T] = p.rowdot(dO, out, p.rows.inv)
-        carry, dv = p.sweep(K.DV, True, F, pot_r=G, v=dO, w=coefficients[T], xrow=v, inv=p.cols.inv)
+        p.rowdot(dO, out, p.rows.inv, out=u[:, T - 1])
+        dv = p.sweep(K.DV, True, F, pot_r=G, v=dO, w=u[:, T - 1], xrow=v, inv=p.cols.inv,
+                     vec=w[:, T - 2] if T > 1 else None)[1]
         t, dual = T - 1, None
     else:  # delta_T = v.dV / b, and dF = dO.o enters step T's product
-        carry, dv = p.sweep(K.DV, True, F, pot_r=G, v=dO, xrow=v, inv=p.cols.inv)
+        dv = p.sweep(K.DV, True, F, pot_r=G, v=dO, xrow=v, inv=p.cols.inv, vec=w[:, T - 1])[1]
         t, dual = T, p.rowdot(dO, out, 1.0)
-    while t >= 1:
-        coefficients[t] = carry
-        if t == 1:  # g_0 is a constant: nothing to pass on
-            break
+    for t in range(t, 1, -1):  # step 1 passes nothing on: g_0 is a constant
         alpha, beta = _step_potentials(fs, gs, t)
         if t % 2:  # delta_{t-1} = -(R^T gamma_t) / b
-            carry = p.sweep(K.MATVEC, True, alpha, pot_r=beta, w=carry, inv=p.cols.inv)[0]
+            p.sweep(K.MATVEC, True, alpha, pot_r=beta, w=u[:, t - 1], inv=p.cols.inv, vec=w[:, t - 2])
         else:  # gamma_{t-1} = (dF - C delta_t) / a
-            carry = p.sweep(K.MATVEC, False, beta, pot_r=alpha, w=carry, dual=dual, inv=p.rows.inv)[0]
-        t, dual = t - 1, None
-    return dv, coefficients
+            p.sweep(K.MATVEC, False, beta, pot_r=alpha, w=w[:, t - 1], dual=dual, inv=p.rows.inv, vec=u[:, t - 2])
+        dual = None
+    return dv
 
 
-def _reverse_tolerance(p: _Problem, fs: Tensor, gs: Tensor, counts: Tensor, dO: Tensor, out: Tensor, v: Tensor):
+def _reverse_tolerance(p: _Problem, fs: Tensor, gs: Tensor, counts: Tensor, dO: Tensor, out: Tensor, v: Tensor,
+                       u: Tensor, w: Tensor) -> Tensor:
     """:func:`_reverse_fixed` when slices ran different counts (``tol``): steps past a slice's count
     were frozen (coefficient 0, its dual passed on unchanged)."""
     K = _kernels()
-    T = fs.shape[1] + gs.shape[1] - 1
     F, G = fs[:, -1], gs[:, -1]
     dF = p.rowdot(dO, out, 1.0)
     dG, dv = p.sweep(K.DV, True, F, pot_r=G, v=dO, xrow=v, inv=1.0)
-    coefficients = {}
-    for t in range(T, 0, -1):
+    for t in range(u.shape[1], 0, -1):
         act = (counts >= t).unsqueeze(-1)
         alpha, beta = _step_potentials(fs, gs, t)
         if t % 2:
-            coefficients[t] = torch.where(act, dF * p.rows.inv, 0.0)
+            u[:, t - 1] = torch.where(act, dF * p.rows.inv, 0.0)
             if t > 1:
-                dG = p.sweep(K.MATVEC, True, alpha, pot_r=beta, w=coefficients[t], dual=dG, inv=1.0)[0]
+                dG = p.sweep(K.MATVEC, True, alpha, pot_r=beta, w=u[:, t - 1], dual=dG, inv=1.0)[0]
             dF = torch.where(act, 0.0, dF)
         else:
-            coefficients[t] = torch.where(act, dG * p.cols.inv, 0.0)
-            dF = p.sweep(K.MATVEC, False, beta, pot_r=alpha, w=coefficients[t], dual=dF, inv=1.0)[0]
+            w[:, t - 1] = torch.where(act, dG * p.cols.inv, 0.0)
+            dF = p.sweep(K.MATVEC, False, beta, pot_r=alpha, w=w[:, t - 1], dual=dF, inv=1.0)[0]
             dG = torch.where(act, 0.0, dG)
-    return dv, coefficients
-
-
-def _unrolled_terms(p: _Problem, fs: Tensor, gs: Tensor, coefficients: dict[int, Tensor]) -> _Terms:
-    """The ``n_iters`` terms: step ``t`` has exponents ``alpha_t - F``, ``beta_t - G`` (base 2) and
-    coefficients ``(gamma_t, 1)`` (row step) or ``(1, delta_t)`` (column step)."""
-    T = len(coefficients)
-    steps = range(1, T + 1)
-    alpha_at = [(t - 1) // 2 if t % 2 else t // 2 - 1 for t in steps]
-    beta_at = [(t - 1) // 2 if t % 2 else t // 2 for t in steps]
-    a = fs[:, alpha_at] - fs[:, -1:]
-    b = gs[:, beta_at] - gs[:, -1:]
-    one_n, one_m = p.dummy.new_ones(()).expand(p.B, p.n), p.dummy.new_ones(()).expand(p.B, p.m)
-    u = torch.stack([coefficients[t] if t % 2 else one_n for t in steps], 1)
-    w = torch.stack([one_m if t % 2 else coefficients[t] for t in steps], 1)
-    return _Terms.fold(a, b, u, w, FOLD_LIMIT[p.acc])
+    return dv
 
 
 def _implicit_duals(p: _Problem, F: Tensor, G: Tensor, r: Tensor, c: Tensor, max_iters: int = 1000):
