@@ -40,7 +40,7 @@ TINY = {
     "column-sums": {"panels": [{"title": "tiny ViT", "model": "vit", "dataset": "digits", "model_options": TINY_VIT,
                                 "train": {"epochs": 3, "batch_size": 32, "max_train_batches": 2,
                                           "max_eval_batches": 2}}]},
-    "modelnet": {"seeds": 2, "set_n_iters": [3], "pct_n_iters": 2, "set_data": {"n_points": 16, "n_train": 4, "n_test": 2},
+    "modelnet": {"seeds": 2, "set_n_iters": [3], "pct_n_iters": 2, "pool_ablation": True, "set_data": {"n_points": 16, "n_train": 4, "n_test": 2},
                  "pct_data": {"n_points": 16, "n_train": 4, "n_test": 2},
                  "set_model": {"dim": 8, "num_heads": 2, "num_inducing": 2, "dropout": 0.0},
                  "set_train": {"epochs": 2, "batch_size": 16}, "pct_train": {"epochs": 1, "batch_size": 16},
