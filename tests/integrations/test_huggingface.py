@@ -97,6 +97,8 @@ def test_a_causal_mask_in_a_bidirectional_layer_is_refused(excluded):
     q, k, v = torch.randn(3, 2, 2, 5, 4).unbind(0)
     with pytest.raises(ValueError, match="leak from the future"):
         sinkhorn_attention_forward(Layer(), q, k, v, mask, n_iters=3)
+    if excluded != torch.finfo(torch.float32).min:  # compiled once, with what transformers writes
+        return
     torch._dynamo.reset()
     compiled = torch.compile(lambda q, k, v: sinkhorn_attention_forward(Layer(), q, k, v, mask, n_iters=3)[0],
                              fullgraph=True, backend="aot_eager")
