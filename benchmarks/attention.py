@@ -1,6 +1,7 @@
 """Speed and memory of Sinkhorn attention against SoftMax attention and the paper's algorithm.
 
     python -m benchmarks attention [--quick] [--long] [--n N ..] [--iters I ..] [--rounds R] [--out benchmarks/results]
+    python -m benchmarks attention --grid [--n N ..] [--out benchmarks/results]
 
 Methods, all on ``(b, h, n, d) = (4, 8, n, 64)`` float32, forward and forward+backward:
 
@@ -10,10 +11,15 @@ Methods, all on ``(b, h, n, d) = (4, 8, n, 64)`` float32, forward and forward+ba
   iterations unrolled through autograd, every iterate stored;
 * ``ours`` — ``sinkformer.attention`` (the tiled engine, custom ops);
 * ``ours-chunked`` — ``sinkformer.attention(..., chunk_size=c)`` (the streamed engine, no ``n × n`` matrix;
-  ``c`` the automatic choice: about 2^20 scores per block, at least 64 query rows);
+  ``c`` the automatic choice: blocks of about 2^18 scores, at least 64 query rows);
 * ``ours-softmax`` — ``sinkformer.attention(..., n_iters=1, backend="tiled")``: SoftMax through the
   tiled engine's passes (``n_iters=1`` alone would run SDPA), what those passes cost without any
   Sinkhorn iteration.
+
+``--grid`` measures instead the sizes people run (:func:`run_grid`): n in {16, 64, 128, 256, 512,
+1024, 4096, 16384}, n_iters in {1, 3, 5}, forward and forward+backward, as ratios to SDPA (causal
+Sinkhorn to causal SDPA), every method of one n timed in turn in one fresh process, several rounds;
+it writes ``attention_grid.{json,md,png}``.
 
 Each configuration runs in two fresh subprocesses. Memory: with ``MALLOC_MMAP_THRESHOLD_`` fixed so
 that freed blocks return to the system at once, the peak resident set size during one
@@ -89,12 +95,11 @@ def make_fn(method: str, n_iters: int):
 
 
 def _chunk(q, k) -> int:
-    """The automatic choice of the streamed engine: (batch*heads, rows, n_k) tiles of about 2^20 scores,
+    """The automatic choice of the streamed engine: blocks of query rows of one slice, about 2^18 scores,
     at least 64 rows."""
-    from sinkformer.sinkhorn.problem import row_block
+    from sinkformer.sinkhorn.problem import stream_rows
 
-    slices = q.numel() // (q.shape[-2] * q.shape[-1])
-    return row_block(slices, q.shape[-2], k.shape[-2], None)
+    return stream_rows(q.shape[-2], k.shape[-2], None)
 
 
 def estimated_gib(method: str, b: int, h: int, n: int, n_iters: int) -> float:
@@ -179,6 +184,239 @@ def median_seconds(step, repeats: int, clock=time.perf_counter) -> float:
         step()
         times.append(clock() - start)
     return sorted(times)[len(times) // 2]
+
+
+# ----------------------------------------------------------------------------- the grid of sizes people run
+
+#: Sequence lengths and iteration counts of ``--grid``.
+GRID_NS = (16, 64, 128, 256, 512, 1024, 4096, 16384)
+GRID_ITERS = (1, 3, 5)
+#: Causal Sinkhorn with more than 3 iterations costs one n^3 product per extra normalisation: up to this n.
+GRID_CAUSAL_CUBIC_UP_TO = 512
+#: ... and with 3 iterations it took 436 s for one forward+backward at n = 16384 (b=1, h=2, loaded machine): up to this n.
+GRID_CAUSAL_UP_TO = 4096
+
+
+def grid_shape(n: int) -> dict:
+    """Batch, heads, timing repeats and rounds of one ``n`` of the grid: (4, 8) up to 1024 tokens,
+    fewer slices and repeats above, so that the grid runs in minutes (n = 16384: 2 heads, 1 repeat)."""
+    if n <= 1024:
+        return dict(b=B, h=H, repeats=10 if n <= 256 else 5 if n <= 512 else 3, rounds=5)
+    if n <= 4096:
+        return dict(b=1, h=H, repeats=1, rounds=3)
+    return dict(b=1, h=2, repeats=1, rounds=3)
+
+
+def grid_methods(n: int, iters=GRID_ITERS) -> list[dict]:
+    """The grid's methods at ``n``: SDPA, ours (``backend="auto"``) at each n_iters, causal SDPA and causal
+    Sinkhorn (engine ``"causal"``) at each n_iters > 1 up to :data:`GRID_CAUSAL_UP_TO` (those above 3 up to
+    :data:`GRID_CAUSAL_CUBIC_UP_TO`).
+    ``n_iters=1`` alone would run SDPA: there ``ours`` forces the Sinkhorn engine that ``auto`` picks for
+    more iterations (tiled, or streamed above 2^24 scores per slice), so the row shows what its passes cost."""
+    methods = [dict(method="sdpa", n_iters=1, causal=False)]
+    methods += [dict(method="ours", n_iters=it, causal=False) for it in iters]
+    if n > GRID_CAUSAL_UP_TO:
+        return methods
+    methods.append(dict(method="sdpa", n_iters=1, causal=True))
+    methods += [dict(method="ours", n_iters=it, causal=True) for it in iters
+                if it > 1 and (it <= 3 or n <= GRID_CAUSAL_CUBIC_UP_TO)]
+    return methods
+
+
+def grid_fn(method: str, n_iters: int, causal: bool, engine: str):
+    """The call of one grid method (``engine``: the one :func:`measure_grid` found for it)."""
+    import torch.nn.functional as F
+
+    import sinkformer
+
+    if method == "sdpa":
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if causal:
+        return lambda q, k, v: sinkformer.attention(q, k, v, n_iters=n_iters, is_causal=True)
+    if n_iters == 1:
+        return lambda q, k, v: sinkformer.attention(q, k, v, n_iters=1, backend=engine)
+    return lambda q, k, v: sinkformer.attention(q, k, v, n_iters=n_iters)
+
+
+def measure_grid(n: int, iters=GRID_ITERS) -> list[dict]:
+    """Every method of the grid at ``n`` in this process, in ``rounds`` interleaved rounds: each round
+    times each method's forward (no graph) and forward+backward (medians of ``repeats`` calls). A row's
+    times are medians over rounds; its ratios the medians over rounds of the per-round ratio to SDPA
+    (causal SDPA for causal rows)."""
+    import torch
+
+    import sinkformer
+
+    shape = grid_shape(n)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(shape["b"], shape["h"], n, D, requires_grad=True) for _ in range(3))
+    rows = [dict(m, n=n, b=shape["b"], h=shape["h"], d=D, fwd=[], fb=[]) for m in grid_methods(n, iters)]
+    for r in rows:
+        r["engine"] = "sdpa" if r["method"] == "sdpa" else sinkformer.attention.explain(
+            q, k, v, n_iters=max(r["n_iters"], 3), is_causal=r["causal"]).engine
+    fns = [grid_fn(r["method"], r["n_iters"], r["causal"], r["engine"]) for r in rows]
+
+    def forward(fn):
+        with torch.no_grad():
+            fn(q, k, v)
+
+    def forward_backward(fn):
+        for t in (q, k, v):
+            t.grad = None
+        fn(q, k, v).sum().backward()
+
+    for fn in fns:  # warm-up
+        forward_backward(fn)
+    for _ in range(shape["rounds"]):
+        for r, fn in zip(rows, fns):
+            r["fwd"].append(1e3 * median_seconds(lambda: forward(fn), shape["repeats"]))
+            r["fb"].append(1e3 * median_seconds(lambda: forward_backward(fn), shape["repeats"]))
+    out = []
+    for r in rows:
+        base = next(b for b in rows if b["method"] == "sdpa" and b["causal"] == r["causal"])
+        out.append({key: r[key] for key in ("method", "n_iters", "causal", "engine", "n", "b", "h", "d")} | {
+            "forward_ms": _median(r["fwd"]), "forward_backward_ms": _median(r["fb"]),
+            "forward_ratio": _median([x / y for x, y in zip(r["fwd"], base["fwd"])]),
+            "forward_backward_ratio": _median([x / y for x, y in zip(r["fb"], base["fb"])]),
+            "rounds": shape["rounds"], "repeats": shape["repeats"]})
+    return out
+
+
+def run_grid(ns=GRID_NS, iters=GRID_ITERS) -> list[dict]:
+    """:func:`measure_grid` for each ``n`` in a fresh process (largest sizes last)."""
+    from tqdm import tqdm
+
+    rows = []
+    for n in tqdm(ns, desc="attention grid", unit="n"):
+        cmd = [sys.executable, "-m", "benchmarks.attention", "--grid-worker", json.dumps({"n": n, "iters": list(iters)})]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+        if proc.returncode != 0:
+            error = (proc.stderr.strip().splitlines() or ["killed"])[-1]
+            rows += [dict(m, n=n, error=error) for m in grid_methods(n, iters)]
+            tqdm.write(f"n={n}: {error}")
+            continue
+        rows += json.loads(proc.stdout.strip().splitlines()[-1])
+        for r in rows[-len(grid_methods(n, iters)):]:
+            tqdm.write(f"n={n:<6} {_grid_label(r):<28} {r['engine']:>8}  fwd {r['forward_ratio']:5.2f}x  "
+                       f"fwd+bwd {r['forward_backward_ratio']:5.2f}x")
+    return rows
+
+
+def _grid_label(row: dict) -> str:
+    if row["method"] == "sdpa":
+        return "causal SDPA" if row["causal"] else "SDPA"
+    return f"{'causal ' if row['causal'] else ''}Sinkhorn, n_iters={row['n_iters']}"
+
+
+def grid_summary(rows: list[dict]) -> dict:
+    """The issue's targets read off the grid (5 iterations, forward+backward; causal: 3 iterations)."""
+    def ratio(n, n_iters, causal=False):
+        return next((r["forward_backward_ratio"] for r in rows if r["n"] == n and r["method"] == "ours"
+                     and r["n_iters"] == n_iters and r["causal"] == causal and "error" not in r), None)
+
+    small = [x for x in (ratio(n, 5) for n in (64, 128, 256, 512)) if x is not None]
+    return {"worst_64_512": max(small) if small else None, "at_1024": ratio(1024, 5), "at_4096": ratio(4096, 5),
+            "causal3_at_1024": ratio(1024, 3, True), "causal3_at_4096": ratio(4096, 3, True)}
+
+
+def grid_markdown(rows: list[dict], stamp: str) -> str:
+    ns = sorted({r["n"] for r in rows})
+    iters = sorted({r["n_iters"] for r in rows if r["method"] == "ours" and not r["causal"]})
+    causal_iters = sorted({r["n_iters"] for r in rows if r["method"] == "ours" and r["causal"]})
+
+    def cell(n, method, n_iters, causal):
+        r = next((r for r in rows if r["n"] == n and r["method"] == method and r["n_iters"] == n_iters
+                  and r["causal"] == causal), None)
+        if r is None:
+            return "–"
+        if "error" in r:
+            return r["error"]
+        if method == "sdpa":
+            return f"{r['forward_ms']:.3g} / {r['forward_backward_ms']:.3g}"
+        return f"{r['forward_ratio']:.2f} / {r['forward_backward_ratio']:.2f}"
+
+    shapes = ", ".join(sorted({f"(b, h) = ({r['b']}, {r['h']}) at n {'≤ 1024' if r['n'] <= 1024 else '= ' + str(r['n'])}"
+                               for r in rows if "b" in r}))
+    engines = sorted({(r["n"], r["engine"]) for r in rows if r.get("engine") not in (None, "sdpa") and not r["causal"]})
+    streamed = [n for n, engine in engines if engine == "streamed"]
+    lines = [
+        f"Measured {stamp} on {platform.machine()} ({cpu_model()}) with {os.cpu_count()} CPU cores, torch "
+        f"{_torch_version()}, d = {D}, float32; {shapes}. Each cell: forward / forward+backward, as a multiple of "
+        "SDPA's time (causal columns: of causal SDPA's), the median over interleaved rounds in one process; SDPA "
+        "columns: its times in ms. Sinkhorn rows run `backend=\"auto\"` (n_iters = 1: the Sinkhorn engine it picks "
+        f"for more iterations, forced; the streamed engine from n = {streamed[0]} on)." if streamed else
+        f"Measured {stamp} on {platform.machine()} ({cpu_model()}) with {os.cpu_count()} CPU cores, torch "
+        f"{_torch_version()}, d = {D}, float32; {shapes}. Each cell: forward / forward+backward, as a multiple of "
+        "SDPA's time (causal columns: of causal SDPA's), the median over interleaved rounds in one process; SDPA "
+        "columns: its times in ms.",
+        "",
+        "| n | SDPA (ms) | " + " | ".join(f"n_iters={it}" for it in iters) + " | causal SDPA (ms) | "
+        + " | ".join(f"causal, n_iters={it}" for it in causal_iters) + " |",
+        "|---:|---:|" + "---:|" * len(iters) + "---:|" + "---:|" * len(causal_iters),
+    ]
+    for n in ns:
+        cells = [cell(n, "sdpa", 1, False)] + [cell(n, "ours", it, False) for it in iters]
+        cells += [cell(n, "sdpa", 1, True)] + [cell(n, "ours", it, True) for it in causal_iters]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines += ["", f"–: not run (causal Sinkhorn with more than 3 iterations costs one n³ product per further "
+              f"normalisation: run up to n = {GRID_CAUSAL_CUBIC_UP_TO}; causal Sinkhorn up to n = {GRID_CAUSAL_UP_TO})."]
+    targets = grid_summary(rows)
+    names = {"worst_64_512": ("5 iterations, forward+backward, the worst n from 64 to 512", "≤ 1.5"),
+             "at_1024": ("5 iterations, forward+backward, n = 1024", "≤ 1.25"),
+             "at_4096": ("5 iterations, forward+backward, n = 4096", "≤ 1.5"),
+             "causal3_at_1024": ("causal, 3 iterations, forward+backward, n = 1024 (× causal SDPA)", "≤ 3"),
+             "causal3_at_4096": ("causal, 3 iterations, forward+backward, n = 4096 (× causal SDPA)", "≤ 3")}
+    lines += ["", "Targets (issue 26):", ""]
+    lines += [f"- {label}: **{targets[key]:.2f}** (target {goal})" for key, (label, goal) in names.items()
+              if targets.get(key) is not None]
+    return "\n".join(lines) + "\n"
+
+
+def plot_grid(rows: list[dict], path: Path):
+    """Forward and forward+backward time as a multiple of SDPA's against n: one colour per n_iters,
+    solid for Sinkhorn attention, dashed for causal Sinkhorn (against causal SDPA)."""
+    from matplotlib.ticker import FuncFormatter
+
+    from sinkformer.plotting import pyplot, save_png
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    ours = [r for r in rows if r["method"] == "ours" and "error" not in r]
+    palette = {1: "#8da0cb", 3: "#fc8d62", 5: "#d62728"}
+    for ax, key, title in zip(axes, ("forward_ratio", "forward_backward_ratio"), ("forward", "forward+backward")):
+        for causal in (False, True):
+            for it in sorted({r["n_iters"] for r in ours if r["causal"] == causal}):
+                pts = sorted((r for r in ours if r["causal"] == causal and r["n_iters"] == it), key=lambda r: r["n"])
+                ax.plot([r["n"] for r in pts], [r[key] for r in pts], color=palette.get(it, "0.3"),
+                        linestyle="--" if causal else "-", marker="s" if causal else "o", markersize=4,
+                        label=f"{'causal, ' if causal else ''}n_iters={it}")
+        ax.axhline(1.0, color="0.4", linewidth=0.8)
+        ax.axhline(1.5, color="0.6", linewidth=0.8, linestyle=":")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xticks(sorted({r["n"] for r in ours}))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+        ax.set_xlabel("sequence length n")
+        ax.set_title(title)
+        ax.grid(alpha=0.3, which="both", linewidth=0.5)
+    axes[0].set_ylabel("time / SDPA's (causal: / causal SDPA's)")
+    axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    fig.suptitle(f"Sinkhorn attention against SDPA on the CPU, d={D}, float32 (dotted: 1.5x)", fontsize=10.5)
+    fig.tight_layout()
+    save_png(fig, path)
+    return fig
+
+
+def write_grid(rows: list[dict], out: Path, stamp: str) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "attention_grid.json").write_text(json.dumps(
+        {"date": stamp, "cpu": cpu_model(), "torch": _torch_version(), "rows": rows, "targets": grid_summary(rows)},
+        indent=2))
+    text = grid_markdown(rows, stamp)
+    (out / "attention_grid.md").write_text(text)
+    plot_grid([r for r in rows if "error" not in r], out / "attention_grid.png")
+    return text
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -513,8 +751,23 @@ def main(argv: list[str] | None = None) -> int:
                              "(same method, n and n_iters; each row keeps its date)")
     parser.add_argument("--plot-only", action="store_true",
                         help="measure nothing: redraw OUT/attention.png from the existing OUT/attention.json")
+    parser.add_argument("--grid", action="store_true",
+                        help="the sizes people run instead: n in 16 .. 16384 (or --n), n_iters in {1, 3, 5} (or --iters), "
+                             "ratios to SDPA; writes OUT/attention_grid.{json,md,png}")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--grid-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.grid_worker:
+        config = json.loads(args.grid_worker)
+        print(json.dumps(measure_grid(config["n"], tuple(config["iters"]))))
+        return 0
+    if args.grid:
+        stamp = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
+        rows = run_grid(tuple(args.n or GRID_NS), tuple(args.iters or GRID_ITERS))
+        text = write_grid(rows, Path(args.out), stamp)
+        print("\n" + text)
+        print(f"written: {Path(args.out) / 'attention_grid.json'}, .md, .png")
+        return 0
     if args.plot_only:
         out = Path(args.out)
         plot(json.loads((out / "attention.json").read_text())["rows"], out / "attention.png")

@@ -1,0 +1,64 @@
+"""The attention benchmark's grid over the sizes people run (``python -m benchmarks attention --grid``)."""
+
+import json
+
+import pytest
+
+from benchmarks import attention as bench
+
+
+def test_grid_methods_leave_out_what_cannot_run():
+    names = lambda n: {(m["method"], m["n_iters"], m["causal"]) for m in bench.grid_methods(n)}  # noqa: E731
+    assert names(512) == {("sdpa", 1, False), ("ours", 1, False), ("ours", 3, False), ("ours", 5, False),
+                          ("sdpa", 1, True), ("ours", 3, True), ("ours", 5, True)}
+    assert ("ours", 5, True) not in names(1024) and ("ours", 3, True) in names(4096)  # causal: cubic above 3
+    assert names(16384) == {("sdpa", 1, False), ("ours", 1, False), ("ours", 3, False), ("ours", 5, False)}
+    shapes = [bench.grid_shape(n) for n in bench.GRID_NS]
+    assert all(s["rounds"] >= 3 for s in shapes) and bench.grid_shape(16384)["h"] < bench.H
+
+
+def test_measure_grid_times_every_method_against_its_sdpa(monkeypatch):
+    monkeypatch.setattr(bench, "grid_shape", lambda n: dict(b=1, h=2, repeats=1, rounds=2))
+    rows = bench.measure_grid(16, iters=(1, 3))
+    assert [(r["method"], r["n_iters"], r["causal"], r["engine"]) for r in rows] == [
+        ("sdpa", 1, False, "sdpa"), ("ours", 1, False, "tiled"), ("ours", 3, False, "tiled"),
+        ("sdpa", 1, True, "sdpa"), ("ours", 3, True, "causal")]
+    for r in rows:
+        assert r["forward_ms"] > 0 and r["forward_backward_ms"] > 0 and r["rounds"] == 2
+        if r["method"] == "sdpa":
+            assert r["forward_ratio"] == r["forward_backward_ratio"] == 1.0
+        else:
+            assert r["forward_backward_ratio"] > 0
+
+
+def _rows():
+    rows = []
+    for n in (64, 1024, 4096):
+        for m in bench.grid_methods(n):
+            ratio = 1.0 if m["method"] == "sdpa" else 1.2 + m["n_iters"] / 10 + (0.5 if m["causal"] else 0)
+            rows.append(dict(m, n=n, b=4, h=8, d=64, engine="tiled", forward_ms=2.0, forward_backward_ms=5.0,
+                             forward_ratio=ratio, forward_backward_ratio=ratio, rounds=3, repeats=1))
+    return rows
+
+
+def test_grid_table_plot_and_targets(tmp_path):
+    text = bench.write_grid(_rows(), tmp_path, "2026-01-01 00:00")
+    assert (tmp_path / "attention_grid.png").read_bytes()[:4] == b"\x89PNG"
+    saved = json.loads((tmp_path / "attention_grid.json").read_text())
+    assert saved["targets"] == {"worst_64_512": pytest.approx(1.7), "at_1024": pytest.approx(1.7),
+                                "at_4096": pytest.approx(1.7), "causal3_at_1024": pytest.approx(2.0),
+                                "causal3_at_4096": pytest.approx(2.0)}
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| n | SDPA (ms) | n_iters=1 | n_iters=3 | n_iters=5 | causal SDPA (ms) |")
+    assert table[1:] == ["| 64 | 2 / 5 | 1.30 / 1.30 | 1.50 / 1.50 | 1.70 / 1.70 | 2 / 5 | 2.00 / 2.00 | 2.20 / 2.20 |",
+                         "| 1024 | 2 / 5 | 1.30 / 1.30 | 1.50 / 1.50 | 1.70 / 1.70 | 2 / 5 | 2.00 / 2.00 | – |",
+                         "| 4096 | 2 / 5 | 1.30 / 1.30 | 1.50 / 1.50 | 1.70 / 1.70 | 2 / 5 | 2.00 / 2.00 | – |"]
+    assert "- 5 iterations, forward+backward, n = 4096: **1.70** (target ≤ 1.5)" in text
+
+
+def test_grid_command_writes_its_three_files(tmp_path):
+    assert bench.main(["--grid", "--n", "16", "--iters", "3", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "attention_grid.json").read_text())["rows"]
+    assert {(r["method"], r["causal"]) for r in rows} == {("sdpa", False), ("ours", False), ("sdpa", True),
+                                                         ("ours", True)}
+    assert (tmp_path / "attention_grid.md").read_text().count("\n| 16 |") == 1
