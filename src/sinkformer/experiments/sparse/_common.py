@@ -40,8 +40,8 @@ from ...runs import fit, training_seconds
 from ...runs.verdicts import Comparison, paired, paper_kind
 from ...training.tasks import TokenLevel
 
-__all__ = ["short_label", "TokenLevel", "Model", "scale_blocks", "table_models", "blocks_line", "seeded", "mean_length", "train",
-           "train_language_model", "train_classifier", "bar_figure", "LN2", "SINKHORN_KINDS", "paper_row",
+__all__ = ["short_label", "TokenLevel", "Model", "scale_blocks", "table_models", "blocks_line", "seeded", "mean_length",
+           "train", "train_language_model", "train_classifier", "bar_figure", "LN2", "SINKHORN_KINDS", "paper_row",
            "versus_vanilla"]
 
 LN2 = math.log(2.0)
