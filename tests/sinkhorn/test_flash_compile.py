@@ -3,7 +3,8 @@
 ``python -m benchmarks flash-compile`` runs the engine's own launcher on ``meta`` tensors with every
 kernel compiled instead of launched: the binder types each argument from the real tensors and ints
 (so a mask stride past 2^31 is ``i64`` there, and only there), and the report gives each kernel's
-shared memory, registers and spills. Slow (minutes of compiling), so marked; the Triton versions of
+shared memory, registers and spills. Slow (minutes of compiling: the target configuration and one
+each of float32 and float64; every configuration with ``SINKFORMER_COMPILE_ALL=1``), so marked; the Triton versions of
 other machines run with ``SINKFORMER_TRITON_PYTHONS`` naming their interpreters (os.pathsep-separated,
 e.g. a venv with ``pip install triton==3.6.0`` whose torch is this one's).
 """
@@ -26,11 +27,11 @@ ROOT = Path(__file__).resolve().parents[2]
 OTHER_PYTHONS = [p for p in os.environ.get("SINKFORMER_TRITON_PYTHONS", "").split(os.pathsep) if p]
 
 
-def compile_report(python: str, out: Path) -> dict:
+def compile_report(python: str, out: Path, quick: bool = True) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
-    done = subprocess.run([python, "-m", "benchmarks.flash_compile", "--quick", "--out", str(out)], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=3600)
+    cmd = [python, "-m", "benchmarks.flash_compile", "--out", str(out)] + (["--quick"] if quick else [])
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=3 * 3600)
     assert (out / "flash_compile.json").exists(), done.stderr[-3000:]
     return json.loads((out / "flash_compile.json").read_text())
 
@@ -55,6 +56,18 @@ def check(report: dict) -> None:
 @pytest.mark.slow
 def test_kernels_compile_for_sm90(tmp_path):
     check(compile_report(sys.executable, tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("SINKFORMER_COMPILE_ALL"), reason="every configuration: about an hour on "
+                    "2 cores; set SINKFORMER_COMPILE_ALL=1")
+def test_every_configuration_compiles_for_sm90(tmp_path):
+    """Every dtype and head dim of GPU_CONFIGS (d = 80 and 128 for the 128 bucket)."""
+    report = compile_report(sys.executable, tmp_path, quick=False)
+    check(report)
+    served = {(str(dtype).removeprefix("torch."), d) for dtype, d in flash.GPU_CONFIGS if d >= 64}
+    compiled = {(k["dtype"], 1 << (max(k["d"], 16) - 1).bit_length()) for k in report["kernels"]}
+    assert served <= compiled
 
 
 @pytest.mark.slow
