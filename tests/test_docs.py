@@ -66,9 +66,10 @@ SHELL_BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
 PYTHON_BLOCK = re.compile(r"(<!-- runnable -->\n)?```python\n(.*?)```", re.S)
 INLINE_COMMAND = re.compile(r"`((?:sinkformer|torchrun) [^`]*--[^`]*)`")
 #: Examples that need what a test machine does not have: a real dataset under ~/data (the test's HOME is empty, so
-#: each must fail with one error line naming the missing path, before writing anything), or many minutes.
+#: each must fail with one error line naming the missing path, before writing anything) ...
 NEEDS_DATA = re.compile(r"--data ~/")
-SLOW = re.compile(r"^(torchrun |sinkformer run( |$))")
+#: ... or minutes: several processes, the experiments, longer trainings than the first example's (slow-marked).
+SLOW = re.compile(r"^(torchrun |sinkformer run( |$)|sinkformer train --config quick_|.* --n-iters |.* --out runs/digits)")
 
 
 def _shell_lines(text: str) -> list[str]:
@@ -133,21 +134,45 @@ def test_the_examples_are_found():
     assert any(NEEDS_DATA.search(e) for e in shell) and sum(not SLOW.match(e) for e in shell) >= 8
 
 
+def _run_in_process(example: str, capsys) -> tuple[int, str]:
+    """A ``sinkformer ...`` example through :func:`sinkformer.cli.main` in this process (as the shell would
+    split it, ``~`` expanded): its exit code and stderr. Saves a Python start per example."""
+    import shlex
+
+    from sinkformer.cli import main
+
+    argv = [os.path.expanduser(arg) for arg in shlex.split(example)[1:]]
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # --help
+        code = exit_.code
+    return code, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("source, kind, example", [pytest.param(*e, marks=_marks(e[1], e[2])) for e in EXAMPLES],
                          ids=[f"{s}: {e.splitlines()[0][:60]}" for s, _, e in EXAMPLES])
-def test_every_example_runs_as_written(source, kind, example, example_folders):
+def test_every_example_runs_as_written(source, kind, example, example_folders, monkeypatch, capsys):
+    """Python blocks and torchrun run in a fresh process; ``sinkformer`` commands (plain words and quotes,
+    nothing else of the shell) in this one; each source's examples in order, in one folder of their own."""
     home, folders = example_folders
     folder = folders.setdefault(source, home.parent / re.sub(r"\W+", "_", source))
     folder.mkdir(exist_ok=True)
-    env = {**os.environ, "HOME": str(home), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    argv = [sys.executable, "-c", example] if kind == "python" else ["bash", "-c", example]
+    monkeypatch.chdir(folder)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
-    done = subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=1200)
+    if kind == "shell" and example.startswith("sinkformer ") and not re.search(r"[|&;<>$`*]", example):
+        code, stderr = _run_in_process(example, capsys)
+    else:
+        argv = [sys.executable, "-c", example] if kind == "python" else ["bash", "-c", example]
+        done = subprocess.run(argv, cwd=folder, capture_output=True, text=True, timeout=1200)
+        code, stderr = done.returncode, done.stderr
     if kind == "shell" and NEEDS_DATA.search(example):
         # no dataset here: one error line naming the missing folder, no traceback, and nothing left behind
-        errors = [line for line in done.stderr.splitlines() if ": error: " in line]
-        assert done.returncode == 2 and len(errors) == 1 and str(home / "data") in errors[0], done.stderr[-3000:]
-        assert "Traceback" not in done.stderr
+        errors = [line for line in stderr.splitlines() if ": error: " in line]
+        assert code == 2 and len(errors) == 1 and str(home / "data") in errors[0], stderr[-3000:]
+        assert "Traceback" not in stderr
         assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before
         return
-    assert done.returncode == 0, f"{source}: {example}\n{done.stderr[-3000:]}"
+    assert code == 0, f"{source}: {example}\n{stderr[-3000:]}"

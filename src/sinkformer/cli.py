@@ -389,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(text classifiers) or its translation (translation models). Images and point\n"
                     "clouds: use sinkformer.load_run and sinkformer.predict from Python.",
         epilog="examples:\n"
-               "  sinkformer train --model text_classifier --dataset sentiment --out runs/sentiment\n"
+               "  sinkformer train --model text_classifier --dataset sentiment --set train.epochs=3 --out runs/sentiment\n"
                "  sinkformer predict runs/sentiment \"a superb film\" \"the cast was dull\"",
         formatter_class=_HelpFormatter,
     )
