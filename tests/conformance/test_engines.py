@@ -306,15 +306,11 @@ def test_extreme_score_ranges(engine, n_iters, dtype):
 @pytest.mark.parametrize("n_iters", [2, 5, 21])
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "key_padding"])
 @pytest.mark.parametrize("spread", [19, 60], ids=["scores-4e3", "scores-4e4"])
-def test_extreme_score_ranges_float32_gradients(request, engine, spread, padded, n_iters):
+def test_extreme_score_ranges_float32_gradients(engine, spread, padded, n_iters):
     """float32 forward and gradients at score ranges of ~4e3 and ~4e4, to the grid's float32 tolerance
     (absolute where the true value is ~0). The scores are integers, exact in float32, so only an
     engine's own arithmetic can err: the tiled engine's errors stay below 1e-4, the streamed engine's
     reached 7e-3 (issue 23.4: its potentials of size max|S| added to the scores in every sweep)."""
-    if engine == "flash" and (spread == 60 or (padded and n_iters < 21)):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "flash engine, float32: forward errors 1e-4..1e-3 at score ranges of ~4e4 (potentials of size "
-            "max|S| added to unshifted scores, the cause of issue 23.4 in the streamed engine); not fixed yet")))
     base = make_case("plain", batch=(2,), n=10, d=4)
     case = Case(*(t.mul(spread).round() for t in (base.q, base.k)), base.v, {"scale": 1.0})
     if padded:
@@ -521,6 +517,19 @@ def test_tiled_engine_in_small_cache_blocks(monkeypatch, block, n_iters, case_na
     monkeypatch.setattr(problem, "WHOLE_SLICE_BUDGETS", 1)
     check_cell("tiled", make_case(case_name), torch.float64, n_iters=n_iters)
     check_cell("tiled", make_case(case_name), torch.float32, n_iters=n_iters, grads=False)
+
+
+@pytest.mark.parametrize("n_iters", [2, 5, 21])
+@pytest.mark.parametrize("case_name", ["plain", "cross", "key_padding", "query_and_key_padding", "bool_mask",
+                                       "float_mask", "all_keys_padded"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_tiled_engine_recomputing_its_tiles(monkeypatch, case_name, n_iters, dtype):
+    """Calls of up to ``SAVED_TILE_SCORES`` scores (every call of the grid) keep the tiles of the forward for
+    the backward; larger ones recompute them there. Here every call recomputes."""
+    from sinkformer.sinkhorn import problem
+
+    monkeypatch.setattr(problem, "SAVED_TILE_SCORES", 0)
+    check_cell("tiled", make_case(case_name), dtype, n_iters=n_iters)
 
 
 @pytest.mark.parametrize("n_iters", [1, 4, 5, None])

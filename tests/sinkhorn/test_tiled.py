@@ -183,13 +183,34 @@ def test_half_inputs_computed_in_float32(dtype):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=0)
 
 
-def test_forward_saves_no_quadratic_tensor():
-    """Everything kept for the backward is O(n) per slice beyond q, k, v and the output."""
+def test_forward_saves_no_quadratic_tensor(monkeypatch):
+    """Above :data:`~sinkformer.sinkhorn.problem.SAVED_TILE_SCORES` scores per call, everything kept for the
+    backward is O(n) per slice beyond q, k, v and the output; below, also the tiles (one (B, n, m) tensor)."""
     B, n, d = 4, 64, 8
     q, k, v = (torch.randn(B, n, d, requires_grad=True) for _ in range(3))
+    small = saved_numels(lambda: attention(q, k, v, n_iters=21))
+    monkeypatch.setattr(problem, "SAVED_TILE_SCORES", B * n * n - 1)
     sizes = saved_numels(lambda: attention(q, k, v, n_iters=21))
     assert max(sizes) <= B * n * max(d, 11)  # q, k, v, out, 11 scalings of each side; nothing of size n * n
     assert sum(sizes) - 4 * B * n * d <= B * (n * (21 + 3) + 8)  # beyond q, k, v, out: O(n * n_iters) per slice
+    assert sorted(x for x in small if x) == sorted([x for x in sizes if x] + [B * n * n])  # and the tile
+
+
+@pytest.mark.parametrize("n_iters", [2, 5])
+@pytest.mark.parametrize("masked", [False, True])
+def test_kept_tiles_give_the_gradient_of_recomputed_ones(monkeypatch, n_iters, masked):
+    q, k, v = (t.float() for t in inputs(n=12, m=10))
+    keep = masks(n=12, m=10) if masked else None
+    grad_out = torch.randn(2, 3, 12, 4)
+
+    def grads():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(attention(*leaves, n_iters=n_iters, attn_mask=keep), leaves, grad_out)
+
+    kept = grads()
+    monkeypatch.setattr(problem, "SAVED_TILE_SCORES", 0)
+    for a, b in zip(kept, grads()):
+        torch.testing.assert_close(a, b, atol=1e-6 * b.abs().max().item(), rtol=0)
 
 
 def test_tiled_engine_is_the_default():

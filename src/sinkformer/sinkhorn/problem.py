@@ -58,6 +58,7 @@ __all__ = [
     "BLOCK_ELEMENTS",
     "MIN_BLOCK_ROWS",
     "STREAM_ABOVE",
+    "SAVED_TILE_SCORES",
     "CONVERGED_TOL",
     "compute_in_float32_under_autocast",
 ]
@@ -78,6 +79,9 @@ BLOCK_ELEMENTS = 1 << 20
 #: ... but at least this many query rows per block: thinner blocks waste the matrix products
 #: (b=4, h=8, n=2048: forward 2.0 s with 16 rows, 0.8 s with 64). Memory stays linear in ``m``.
 MIN_BLOCK_ROWS = 64
+#: Calls of at most this many scores (all slices) keep their tiles from the forward for the backward,
+#: which then recomputes nothing (b=4, h=8: n <= 256; 8 MiB of float32).
+SAVED_TILE_SCORES = 1 << 21
 #: Above this many scores per slice, ``backend="auto"`` streams (never an ``n × m`` tile).
 STREAM_ABOVE = 1 << 24
 #: Marginal error under which a fixed-count run reports ``converged=True``.

@@ -47,6 +47,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from . import problem
 from .cpu_parallel import map_groups
 from .problem import (
     CacheBlocks,
@@ -103,6 +104,13 @@ class Options:
             return CacheBlocks(c, n, 1, None) if self.rows >= n else CacheBlocks(c, n, 1, self.rows)
         return cache_blocks(c, n, m, self.block)
 
+    def saves_tile(self, B: int, n: int, m: int, device: torch.device) -> bool:
+        """Whether the forward keeps the call's tiles :math:`\tilde K` for the backward (which then
+        recomputes nothing): stored tiles on the CPU, a call of at most :data:`~.problem.SAVED_TILE_SCORES`
+        scores, a fixed ``n_iters >= 2`` and no dropout (the tile then ends the forward as :math:`\tilde K`)."""
+        return (self.stored and self.starts_in_scaling(device) and B * n * m <= problem.SAVED_TILE_SCORES
+                and self.tol is None and self.n_iters >= 2 and not self.dropout_p)
+
     def starts_in_scaling(self, device: torch.device) -> bool:
         """Whether a group starts in the scaling domain (``domain="auto"``: on the CPU; GPUs use the
         log domain, which has no data-dependent branch)."""
@@ -139,22 +147,25 @@ LogBackward = Callable[..., None]
 def run_forward(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, batch: list[int],
                 seed: Tensor | None, options: Options, log_forward: LogForward) -> tuple[Tensor, ...]:
     """The forward of every group; returns ``out (B, n, e)``, the shifts ``(B, n)``, ``(B, m)``, the
-    iterates ``(B, n, Lu)``, ``(B, m, Lv)``, the normalisations run ``(B,)`` and the domain of each
-    slice ``(B,)`` (True: log)."""
+    iterates ``(B, n, Lu)``, ``(B, m, Lv)``, the normalisations run ``(B,)``, the domain of each
+    slice ``(B,)`` (True: log) and the tiles ``(B, n, m)`` kept for the backward (:meth:`Options.saves_tile`;
+    else an empty tensor)."""
     B, n, m = q.shape[0], q.shape[1], k.shape[1]
     masks = Masks(keep, bias, tuple(batch))
     out = q.new_empty(B, n, v.shape[-1])
+    tiles = q.new_empty(B, n, m) if options.saves_tile(B, n, m, q.device) else q.new_empty(0)
     if B == 0:
         lu, lv = options.history_length() or (0, 0)
         return (out, q.new_zeros(0, n), q.new_zeros(0, m), q.new_zeros(0, n, lu), q.new_zeros(0, m, lv),
-                torch.zeros(0, dtype=torch.int64, device=q.device), torch.zeros(0, dtype=torch.bool, device=q.device))
+                torch.zeros(0, dtype=torch.int64, device=q.device), torch.zeros(0, dtype=torch.bool, device=q.device),
+                tiles)
     scaling = options.starts_in_scaling(q.device)
 
     def run(start: int, scratch: dict) -> GroupState:
         end = min(B, start + options.group)
         sl = slice(start, end)
         if scaling:
-            memory = scratch.get("memory")
+            memory = tiles[sl].view(-1) if tiles.numel() else scratch.get("memory")
             if memory is None:
                 memory = scratch["memory"] = Tile.memory(q, k, options)
             tile = Tile(q[sl], k[sl], masks, start, options, memory)
@@ -174,15 +185,15 @@ def run_forward(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tens
     logs = [torch.full((s.counts.shape[0],), s.log_domain, dtype=torch.bool, device=q.device) for s in states]
     return (out, _cat([s.row_shift for s in states]), _cat([s.col_shift for s in states]),
             _pad_cat([s.us for s in states]), _pad_cat([s.vs for s in states]), _cat([s.counts for s in states]),
-            _cat(logs))
+            _cat(logs), tiles)
 
 
 def run_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, keep: Tensor | None,
                  bias: Tensor | None, batch: list[int], seed: Tensor | None, row_shift: Tensor, col_shift: Tensor,
-                 us: Tensor, vs: Tensor, counts: Tensor, log_domain: Tensor, options: Options,
+                 us: Tensor, vs: Tensor, counts: Tensor, log_domain: Tensor, tiles: Tensor, options: Options,
                  log_backward: LogBackward) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`run_forward`'s call from what it saved, group by group in
-    the domain the forward used."""
+    the domain the forward used (from the kept tiles, if any)."""
     B, n, m = q.shape[0], q.shape[1], k.shape[1]
     masks = Masks(keep, bias, tuple(batch))
     grad_out = grad_out.contiguous()
@@ -196,10 +207,11 @@ def run_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
             log_backward(grad_out[sl], q[sl], k[sl], v[sl], out[sl], masks, sl.start, sl.stop, options, seed,
                          row_shift[sl], col_shift[sl], us[sl], vs[sl], counts[sl], grads)
             return
-        memory = scratch.get("memory")
+        kept = tiles.numel() > 0
+        memory = tiles[sl].view(-1) if kept else scratch.get("memory")
         if memory is None:
             memory = scratch["memory"] = Tile.memory(q, k, options)
-        tile = Tile(q[sl], k[sl], masks, start, options, memory, shifts=(row_shift[sl], col_shift[sl]))
+        tile = Tile(q[sl], k[sl], masks, start, options, memory, shifts=(row_shift[sl], col_shift[sl]), ready=kept)
         scaling_backward(tile, masks.keep_of(sl.start, sl.stop), seed, us[sl], vs[sl], counts[sl], grad_out[sl],
                          v[sl], out[sl], options, grads)
 
@@ -240,10 +252,11 @@ class Tile:
     e^{S - m_i - c_j}` block by block. A stored tile holds the row-shifted scores after pass 1 and
     :math:`\\tilde K` after the first visit; a recomputed block goes through the same operations
     (scores, minus the row shift, minus the column shift, exponential), so every visit sees the same
-    values. ``shifts``: the saved shifts (the backward), instead of pass 1."""
+    values. ``shifts``: the saved shifts (the backward), instead of pass 1; ``ready``: ``memory`` already
+    holds the tile's :math:`\tilde K` (kept by the forward)."""
 
     def __init__(self, q: Tensor, k: Tensor, masks: Masks, start: int, options: Options, memory: Tensor,
-                 shifts: tuple[Tensor, Tensor] | None = None):
+                 shifts: tuple[Tensor, Tensor] | None = None, ready: bool = False):
         self.q, self.k, self.masks, self.start, self.scale = q, k, masks, start, options.scale
         c, n, m = q.shape[0], q.shape[1], k.shape[1]
         self.shape = (c, n, m)
@@ -257,7 +270,7 @@ class Tile:
         self.Kb = self.blocks.rows_of(self.K) if self.stored else None
         self.masked = masks.keep is not None or masks.bias is not None
         self._index = self.blocks.index if self.masked else None
-        self._ready = False  # a stored tile holds K̃
+        self._ready = ready and self.stored  # a stored tile holds K̃
         self._scaled = False  # a stored tile holds the first sweep's E
         self.row_shift = self.col_shift = None
         if shifts is not None:

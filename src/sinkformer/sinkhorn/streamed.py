@@ -394,7 +394,7 @@ def _forward_op(
     ``(B, m, Lv)`` (scalings, or potentials where the log domain ran), the normalisations run ``(B,)``
     and the domain of each slice ``(B,)`` (True: log)."""
     options = _options(q, rows, scale, n_iters, tol, max_iters)
-    return run_forward(q, k, v, keep, bias, batch, None, options, _log_forward)
+    return run_forward(q, k, v, keep, bias, batch, None, options, _log_forward)[:7]  # tiles: never kept
 
 
 @_forward_op.register_fake
@@ -416,7 +416,7 @@ def _backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     options = _options(q, rows, scale, n_iters, tol, max_iters)
     return run_backward(grad_out, q, k, v, out, keep, bias, batch, None, row_shift, col_shift, us, vs, counts,
-                        log_domain, options, _log_backward)
+                        log_domain, q.new_empty(0), options, _log_backward)
 
 
 @_backward_op.register_fake

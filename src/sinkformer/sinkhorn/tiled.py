@@ -101,9 +101,10 @@ def _forward_op(
     q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, batch: list[int], seed: Tensor | None,
     scale: float, n_iters: int | None, tol: float | None, max_iters: int, backward: str, dropout_p: float, domain: str,
     group: int, block: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns ``out (B, n, e)``, the shifts ``(B, n)``, ``(B, m)``, the iterates ``(B, n, Lu)``,
-    ``(B, m, Lv)``, the normalisations run ``(B,)`` and the domain of each slice ``(B,)`` (True: log).
+    ``(B, m, Lv)``, the normalisations run ``(B,)``, the domain of each slice ``(B,)`` (True: log) and
+    the tiles kept for the backward (small calls, :meth:`~.scaling.Options.saves_tile`; else empty).
     ``group``: slices per group (the backward and the dropout masks use the same groups)."""
     options = _options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group, block)
     return run_forward(q, k, v, keep, bias, batch, seed, options, _log_forward)
@@ -112,25 +113,27 @@ def _forward_op(
 @_forward_op.register_fake
 def _(q, k, v, keep, bias, batch, seed, scale, n_iters, tol, max_iters, backward, dropout_p, domain, group, block):
     B, n, m = q.shape[0], q.shape[1], k.shape[1]
-    lengths = _options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group, block).history_length()
+    options = _options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group, block)
+    lengths = options.history_length()
     if lengths is None:
         length = torch.library.get_ctx().new_dynamic_size()
         lengths = (length, length)
+    tiles = q.new_empty(B, n, m) if options.saves_tile(B, n, m, q.device) else q.new_empty(0)
     return (q.new_empty(B, n, v.shape[-1]), q.new_empty(B, n), q.new_empty(B, m), q.new_empty(B, n, lengths[0]),
-            q.new_empty(B, m, lengths[1]), q.new_empty(B, dtype=torch.int64), q.new_empty(B, dtype=torch.bool))
+            q.new_empty(B, m, lengths[1]), q.new_empty(B, dtype=torch.int64), q.new_empty(B, dtype=torch.bool), tiles)
 
 
 @torch.library.custom_op("sinkformer::tiled_backward", mutates_args=())
 def _backward_op(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, keep: Tensor | None, bias: Tensor | None,
     batch: list[int], seed: Tensor | None, row_shift: Tensor, col_shift: Tensor, us: Tensor, vs: Tensor,
-    counts: Tensor, log_domain: Tensor, scale: float, n_iters: int | None, tol: float | None, max_iters: int,
-    backward: str, dropout_p: float, domain: str, group: int, block: int,
+    counts: Tensor, log_domain: Tensor, tiles: Tensor, scale: float, n_iters: int | None, tol: float | None,
+    max_iters: int, backward: str, dropout_p: float, domain: str, group: int, block: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients ``(dq, dk, dv)`` of the forward op (its saved state: shifts, iterates, counts)."""
+    """Gradients ``(dq, dk, dv)`` of the forward op (its saved state: shifts, iterates, counts, tiles)."""
     options = _options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group, block)
     return run_backward(grad_out, q, k, v, out, keep, bias, batch, seed, row_shift, col_shift, us, vs, counts,
-                        log_domain, options, _log_backward)
+                        log_domain, tiles, options, _log_backward)
 
 
 @_backward_op.register_fake
@@ -271,19 +274,19 @@ def _log_gradients(x, a, b, fs, gs, counts, dO, V, drop, options):
 
 def _setup_context(ctx, inputs, output):
     q, k, v, keep, bias, batch, seed, *options = inputs
-    out, row_shift, col_shift, us, vs, counts, log_domain = output
-    ctx.save_for_backward(q, k, v, out, keep, bias, seed, row_shift, col_shift, us, vs, counts, log_domain)
+    out, row_shift, col_shift, us, vs, counts, log_domain, tiles = output
+    ctx.save_for_backward(q, k, v, out, keep, bias, seed, row_shift, col_shift, us, vs, counts, log_domain, tiles)
     ctx.batch, ctx.options = batch, options
 
 
 def _backward(ctx, grad_out, *unused):
-    q, k, v, out, keep, bias, seed, row_shift, col_shift, us, vs, counts, log_domain = ctx.saved_tensors
+    q, k, v, out, keep, bias, seed, row_shift, col_shift, us, vs, counts, log_domain, tiles = ctx.saved_tensors
     if torch.is_grad_enabled():  # create_graph=True: second derivatives through the dense engine
         dq, dk, dv = _dense_grads(grad_out, q, k, v, keep, bias, ctx.batch, seed, _options(*ctx.options))
     else:
         dq, dk, dv = torch.ops.sinkformer.tiled_backward(
             grad_out, q, k, v, out, keep, bias, ctx.batch, seed, row_shift, col_shift, us, vs, counts, log_domain,
-            *ctx.options,
+            tiles, *ctx.options,
         )
     return (dq, dk, dv) + (None,) * 13
 
