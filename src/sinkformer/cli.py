@@ -305,11 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "form: small models on embedded data, minutes on a CPU. Without NAME: the quick\n"
                     "form of every experiment, and a summary report in runs/summary/<timestamp>/.",
         epilog="examples:\n"
-               "  sinkformer run                     every experiment, quick form, and a summary\n"
-               "  sinkformer run vit                 one experiment, quick form\n"
-               "  sinkformer run vit --set n_iters=5 ... with a setting changed\n"
+               "  sinkformer run                      every experiment, quick form, and a summary\n"
+               "  sinkformer run vit                  one experiment, quick form\n"
+               "  sinkformer run vit --set n_iters=5  the same, with a setting changed\n"
                "  sinkformer run vit --full --data ~/data/cats_dogs --device cuda\n"
-               "                                     the paper's configuration on the real data",
+               "                                      the paper's configuration on the real data",
         formatter_class=_HelpFormatter,
     )
     run.add_argument("name", nargs="?", default=None, metavar="NAME",
