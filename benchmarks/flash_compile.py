@@ -79,7 +79,7 @@ class _CompileOnly:
 
 
 def _variant(kwargs: dict) -> dict:
-    keep = ("MODE", "FOLDED", "HAS_KEEP", "HAS_BIAS", "HAS_W", "HAS_DUAL", "HAS_INV", "HAS_LOG_A", "BLOCK_R",
+    keep = ("MODE", "FIND_SHIFT", "FOLDED", "HAS_KEEP", "HAS_BIAS", "HAS_W", "HAS_DUAL", "HAS_INV", "HAS_LOG_A", "BLOCK_R",
             "BLOCK_C", "D", "E", "BLOCK_T", "num_warps", "num_stages")
     return {k: kwargs[k] for k in keep if k in kwargs}
 
@@ -191,7 +191,7 @@ def run_scenario(flash, dtype, d: int, e: int, scenario: str, n: int = 4096, m: 
     p = flash._Problem(q, k, e, keep, bias, [B], 0.125, interpreted=False)
     n_iters = 5 if scenario in ("odd", "implicit") else 4
     backward = "implicit" if scenario == "implicit" else "unrolled"
-    out, fs, gs, counts = flash._forward(p, v, n_iters, None, 1000, "unrolled")
+    out, fs, gs, counts, *_ = flash._forward(p, v, n_iters, None, 1000, "unrolled")
     if backward == "implicit":
         fs, gs = fs[:, -1:], gs[:, -1:]
     flash._backward(p, torch.empty_like(out), v, out, fs, gs, counts, backward, fixed=scenario != "tolerance")

@@ -441,14 +441,15 @@ def _count_ops(fn):
 @on_cpu
 def test_a_call_is_a_handful_of_launches():
     """Forward and backward (5 iterations, no mask) are their kernel launches and a few small ops:
-    5 sweeps and 3 ops forward; backward 1 rowdot, the dV pass (fused with the last step), 3
-    matrix-vector sweeps, the fold, 2 x 2 dscore launches and 3 ops (it was ~22 + ~74 ops before)."""
+    5 sweeps and 5 ops forward (two of them for the shifts); backward 1 rowdot, the dV pass (fused with
+    the last step), 3 matrix-vector sweeps, the fold, 2 x 2 dscore launches and 4 ops (it was ~22 + ~74
+    ops before)."""
     q, k, v, _ = make("plain", batch=(4,), n=40, d=16)
     q, k, v = q.float(), k.float(), v.float()
-    ops, launches, (out, fs, gs, counts) = _count_ops(
+    ops, launches, (out, fs, gs, counts, shift_q, shift_k) = _count_ops(
         lambda: flash._forward_op._init_fn(q, k, v, None, None, [4], 0.25, 5, None, 1000, "unrolled"))
     assert launches == 5 and ops <= 5
     grad = torch.randn_like(out)
     ops, launches, _ = _count_ops(lambda: flash._backward_op._init_fn(grad, q, k, v, out, None, None, [4], fs, gs,
-                                                                      counts, 0.25, "unrolled", True))
+                                                                      counts, shift_q, shift_k, 0.25, "unrolled", True))
     assert launches == 1 + 1 + 3 + 1 + 4 and ops <= 5

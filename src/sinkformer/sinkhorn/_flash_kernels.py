@@ -1,10 +1,21 @@
 r"""Triton kernels of the flash engine (:mod:`.flash`); imported only when that engine runs.
 
 Every kernel works in one *orientation*: rows ``R (B, n_r, d)`` against columns ``C (B, n_c, d)``,
-scores in base 2, :math:`s_{ij} = \log_2 e\,(\mathrm{scale}\; r_i\cdot c_j + \mathrm{bias}_{ij})`
-(``-inf`` where ``keep`` is 0), and potentials in base 2 too, so that every exponential is one
-``exp2``. The column sweeps of Sinkhorn are the same kernels in the transposed orientation (rows =
-keys, columns = queries, the mask strides swapped), so no kernel needs atomics.
+on the *doubly shifted* scores
+
+.. math::
+
+    x_{ij} = (\mathrm{scale}\; r_i\cdot c_j + \mathrm{bias}_{ij}) - \rho_i - \kappa_j
+
+(``-inf`` where ``keep`` is 0), the shifts :math:`\rho` (rows) and :math:`\kappa` (columns) found by
+the first two sweeps (``FIND_SHIFT``: a row's largest score, then a column's largest row-shifted
+score; as :func:`~.problem.double_shift`). Every potential is relative to them and stays of the size
+of :math:`\log n`, so the exponent :math:`s_{ij} = \log_2 e\; x_{ij} + f_i + g_j` of an entry that
+matters is computed from numbers of that size: potentials of the unshifted scores are as large as the
+scores (:math:`10^4` in float32 loses 1e-3 of every weight). Potentials are in base 2, so that every
+exponential is one ``exp2``. The column sweeps of Sinkhorn are the same kernels in the transposed
+orientation (rows = keys, columns = queries, the mask strides and the shifts swapped), so no kernel
+needs atomics.
 
 * :func:`sweep` — one program per block of rows, streaming over column blocks; by ``MODE``:
 
@@ -85,39 +96,52 @@ def _load_vec(ptr, idx, n, MASK: tl.constexpr, other):
 
 
 @triton.jit
-def _scores(r, C, KEEP, BIAS, rows, cols, n_r, n_c, scale2, s_cn, s_cd, s_kr, s_kc, s_br, s_bc,
+def _scores(r, C, KEEP, BIAS, SHIFT_C, shift_r, rows, cols, n_r, n_c, scale, s_cn, s_cd, s_kr, s_kc, s_br, s_bc,
             HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr, BLOCK_D: tl.constexpr,
             D: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
-    """``(s, c)``: base-2 scores ``(BLOCK_R, BLOCK_C)`` (dtype ``ACC``) of the row tile ``r`` against
-    the columns ``cols`` (``-inf`` where masked or out of range), and the column tile ``c``."""
+    """``(x, c)``: the doubly shifted scores ``x = (scale r.c + bias) - shift_r - shift_c`` (natural
+    units, ``(BLOCK_R, BLOCK_C)``, dtype ``ACC``; ``-inf`` where masked or out of range) of the row
+    tile ``r`` against the columns ``cols``, and the column tile ``c``. The shifts are subtracted one
+    after the other from the score, so an entry near its row's and column's maxima keeps the precision
+    of the score itself (adding ``shift_r + shift_c`` at once would round at their size)."""
     c = _load_tile(C, cols, n_c, s_cn, s_cd, BLOCK_D, D, COL_MASK)
-    s = tl.dot(r, tl.trans(c), input_precision=PRECISION, out_dtype=ACC) * scale2
-    if HAS_KEEP or HAS_BIAS:
+    x = tl.dot(r, tl.trans(c), input_precision=PRECISION, out_dtype=ACC) * scale
+    if HAS_BIAS or HAS_KEEP:
         inside = (rows[:, None] < n_r) & (cols[None, :] < n_c)
         off_r, off_c = rows.to(tl.int64)[:, None], cols.to(tl.int64)[None, :]
         if HAS_BIAS:
-            s += tl.load(BIAS + off_r * s_br + off_c * s_bc, mask=inside, other=0.0).to(ACC) * _LOG2E
+            x += tl.load(BIAS + off_r * s_br + off_c * s_bc, mask=inside, other=0.0).to(ACC)
+    x = x - shift_r[:, None] - _load_vec(SHIFT_C, cols, n_c, COL_MASK, 0.0)[None, :]
+    if HAS_KEEP or HAS_BIAS:
         if HAS_KEEP:
             inside = inside & (tl.load(KEEP + off_r * s_kr + off_c * s_kc, mask=inside, other=0) != 0)
-        s = tl.where(inside, s, float("-inf"))
+        x = tl.where(inside, x, float("-inf"))
     elif COL_MASK:
-        s = tl.where(cols[None, :] < n_c, s, float("-inf"))
-    return s, c
+        x = tl.where(cols[None, :] < n_c, x, float("-inf"))
+    return x, c
 
 
 @triton.jit
-def _sweep_block(r, C, V, POT_C, W, KEEP, BIAS, m_i, l_i, acc, y, pot_r, rows, start, n_r, n_c, scale2,
-                 s_cn, s_cd, s_vn, s_ve, s_kr, s_kc, s_br, s_bc,
-                 MODE: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_W: tl.constexpr,
-                 COL_MASK: tl.constexpr, BLOCK_C: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                 E: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr):
+def _sweep_block(r, C, V, POT_C, SHIFT_C, W, KEEP, BIAS, m_i, l_i, acc, y, pot_r, shift_r, rows, start, n_r, n_c,
+                 scale, s_cn, s_cd, s_vn, s_ve, s_kr, s_kc, s_br, s_bc,
+                 MODE: tl.constexpr, FIND_SHIFT: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 HAS_W: tl.constexpr, COL_MASK: tl.constexpr, BLOCK_C: tl.constexpr, D: tl.constexpr,
+                 BLOCK_D: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr):
     """One column block of :func:`sweep`: the updated ``(m_i, l_i, acc, y)``."""
     acc_t = POT_C.dtype.element_ty
     cols = start + tl.arange(0, BLOCK_C)
-    s, c = _scores(r, C, KEEP, BIAS, rows, cols, n_r, n_c, scale2, s_cn, s_cd, s_kr, s_kc, s_br, s_bc,
-                   HAS_KEEP, HAS_BIAS, COL_MASK, BLOCK_D, D, PRECISION, acc_t)
-    s += _load_vec(POT_C, cols, n_c, COL_MASK, 0.0)[None, :]
-    if MODE <= _LSE_OUT:  # online log-sum-exp (a row of -inf keeps m = -inf and l = 0)
+    x, c = _scores(r, C, KEEP, BIAS, SHIFT_C, shift_r, rows, cols, n_r, n_c, scale, s_cn, s_cd, s_kr, s_kc, s_br,
+                   s_bc, HAS_KEEP, HAS_BIAS, COL_MASK, BLOCK_D, D, PRECISION, acc_t)
+    pot_c = _load_vec(POT_C, cols, n_c, COL_MASK, 0.0)[None, :]
+    if FIND_SHIFT:  # the running maximum m_i of x (natural units) is the row's shift
+        m_new = tl.maximum(m_i, tl.max(x, 1))
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2((m_i - base) * _LOG2E)
+        p = tl.exp2((x - base[:, None]) * _LOG2E + pot_c)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    elif MODE <= _LSE_OUT:  # online log-sum-exp (a row of -inf keeps m = -inf and l = 0)
+        s = x * _LOG2E + pot_c
         m_new = tl.maximum(m_i, tl.max(s, 1))
         base = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - base)
@@ -126,7 +150,7 @@ def _sweep_block(r, C, V, POT_C, W, KEEP, BIAS, m_i, l_i, acc, y, pot_r, rows, s
         m_i = m_new
     else:
         alpha = tl.full([1], 1.0, dtype=acc_t)
-        p = tl.exp2(s + pot_r[:, None])
+        p = tl.exp2(x * _LOG2E + pot_c + pot_r[:, None])
     if MODE == _MATVEC or HAS_W:
         y += tl.sum(p * _load_vec(W, cols, n_c, COL_MASK, 0.0)[None, :], 1)
     if MODE == _LSE_OUT or MODE == _FIXED_OUT or MODE == _DV:
@@ -137,18 +161,21 @@ def _sweep_block(r, C, V, POT_C, W, KEEP, BIAS, m_i, l_i, acc, y, pot_r, rows, s
 
 @triton.jit
 def sweep(
-    R, C, V, OUT, POT_R, POT_C, LOG_A, W, DUAL, XROW, INV, POT_OUT, KEEP, BIAS,
-    n_r, n_c, scale2, log_a0, inv0,
+    R, C, V, OUT, POT_R, POT_C, SHIFT_R, SHIFT_C, LOG_A, W, DUAL, XROW, INV, POT_OUT, KEEP, BIAS,
+    n_r, n_c, scale, log_a0, inv0,
     s_rb, s_rn, s_rd, s_cb, s_cn, s_cd, s_vb, s_vn, s_ve, s_ob, s_on, s_oe, s_xb, s_xn, s_xe,
-    s_pr, s_pc, s_la, s_w, s_du, s_inv, s_po, s_kb, s_kr, s_kc, s_bb, s_br, s_bc,
-    MODE: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LOG_A: tl.constexpr,
-    HAS_W: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_INV: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr,
-    PRECISION: tl.constexpr,
+    s_pr, s_pc, s_sr, s_sc, s_la, s_w, s_du, s_inv, s_po, s_kb, s_kr, s_kc, s_bb, s_br, s_bc,
+    MODE: tl.constexpr, FIND_SHIFT: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_LOG_A: tl.constexpr, HAS_W: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_INV: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, E: tl.constexpr,
+    BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One block of rows of one slice; see the module docstring for ``MODE``. Vectors
-    (potentials, ``LOG_A``, ``W``, ``DUAL``, ``INV``, ``POT_OUT``) are ``(B, n)`` views with their own
-    batch strides ``s_pr .. s_po``; ``log_a0``/``inv0`` stand for ``LOG_A``/``INV`` when absent."""
+    (potentials, shifts, ``LOG_A``, ``W``, ``DUAL``, ``INV``, ``POT_OUT``) are ``(B, n)`` views with
+    their own batch strides ``s_pr .. s_po``; ``log_a0``/``inv0`` stand for ``LOG_A``/``INV`` when
+    absent. ``FIND_SHIFT`` (``LSE`` modes, with column potentials of at most a few units): the rows'
+    shifts are not read but found, the maximum of each row's scores written to ``SHIFT_R``, and the
+    potential written is relative to it."""
     block, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
     row_in = rows < n_r
@@ -156,6 +183,7 @@ def sweep(
     C += b * s_cb
     V += b * s_vb
     POT_C += b * s_pc
+    SHIFT_C += b * s_sc
     W += b * s_w
     KEEP += b * s_kb
     BIAS += b * s_bb
@@ -164,26 +192,35 @@ def sweep(
     pot_r = tl.zeros([BLOCK_R], dtype=acc_t)
     if MODE >= _FIXED_OUT:  # (-inf past the last row: no overflow in rows that are never stored)
         pot_r = tl.load(POT_R + b * s_pr + rows, mask=row_in, other=float("-inf"))
+    shift_r = tl.zeros([BLOCK_R], dtype=acc_t)
+    if not FIND_SHIFT:
+        shift_r = tl.load(SHIFT_R + b * s_sr + rows, mask=row_in, other=0.0)
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=acc_t)
     l_i = tl.zeros([BLOCK_R], dtype=acc_t)
     y = tl.zeros([BLOCK_R], dtype=acc_t)
     acc = tl.zeros([BLOCK_R, BLOCK_E], dtype=acc_t)
     interior = (n_c // BLOCK_C) * BLOCK_C
     for start in range(0, interior, BLOCK_C):
-        m_i, l_i, acc, y = _sweep_block(r, C, V, POT_C, W, KEEP, BIAS, m_i, l_i, acc, y, pot_r, rows, start, n_r, n_c,
-                                        scale2, s_cn, s_cd, s_vn, s_ve, s_kr, s_kc, s_br, s_bc, MODE, HAS_KEEP,
-                                        HAS_BIAS, HAS_W, False, BLOCK_C, D, BLOCK_D, E, BLOCK_E, PRECISION)
+        m_i, l_i, acc, y = _sweep_block(r, C, V, POT_C, SHIFT_C, W, KEEP, BIAS, m_i, l_i, acc, y, pot_r, shift_r, rows,
+                                        start, n_r, n_c, scale, s_cn, s_cd, s_vn, s_ve, s_kr, s_kc, s_br, s_bc, MODE,
+                                        FIND_SHIFT, HAS_KEEP, HAS_BIAS, HAS_W, False, BLOCK_C, D, BLOCK_D, E, BLOCK_E,
+                                        PRECISION)
     if interior < n_c:
-        m_i, l_i, acc, y = _sweep_block(r, C, V, POT_C, W, KEEP, BIAS, m_i, l_i, acc, y, pot_r, rows, interior, n_r,
-                                        n_c, scale2, s_cn, s_cd, s_vn, s_ve, s_kr, s_kc, s_br, s_bc, MODE, HAS_KEEP,
-                                        HAS_BIAS, HAS_W, True, BLOCK_C, D, BLOCK_D, E, BLOCK_E, PRECISION)
+        m_i, l_i, acc, y = _sweep_block(r, C, V, POT_C, SHIFT_C, W, KEEP, BIAS, m_i, l_i, acc, y, pot_r, shift_r, rows,
+                                        interior, n_r, n_c, scale, s_cn, s_cd, s_vn, s_ve, s_kr, s_kc, s_br, s_bc, MODE,
+                                        FIND_SHIFT, HAS_KEEP, HAS_BIAS, HAS_W, True, BLOCK_C, D, BLOCK_D, E, BLOCK_E,
+                                        PRECISION)
     if MODE <= _LSE_OUT:
         if HAS_LOG_A:
             log_a = tl.load(LOG_A + b * s_la + rows, mask=row_in, other=float("-inf"))
         else:
             log_a = tl.full([BLOCK_R], log_a0, dtype=acc_t)
         ok = (log_a > float("-inf")) & (l_i > 0)
-        f = tl.where(ok, log_a, 0.0) - tl.where(ok, m_i, 0.0) - tl.log2(tl.where(ok, l_i, 1.0))
+        if FIND_SHIFT:  # l_i = sum_j 2^{(x_ij - m_i) log2 e + g_j}: relative to the shift m_i
+            tl.store(SHIFT_R + b * s_sr + rows, tl.where(l_i > 0, m_i, 0.0), mask=row_in)
+            f = tl.where(ok, log_a, 0.0) - tl.log2(tl.where(ok, l_i, 1.0))
+        else:
+            f = tl.where(ok, log_a, 0.0) - tl.where(ok, m_i, 0.0) - tl.log2(tl.where(ok, l_i, 1.0))
         tl.store(POT_OUT + b * s_po + rows, f, mask=row_in)
         if MODE == _LSE_OUT:  # P_ij = a_i 2^{s_ij + g_j - m_i} / l_i
             acc = acc * tl.where(ok, tl.exp2(log_a) / tl.where(ok, l_i, 1.0), 0.0)[:, None]
@@ -205,8 +242,8 @@ def sweep(
 
 
 @triton.jit
-def _dscore_block(r, x, xa, pot_r, C, Y, YA, POT_C, A, BT, U, WT, KEEP, BIAS, acc, rows, start, n_r, n_c, n_terms,
-                  scale2, s_cn, s_cd, s_yn, s_ye, s_kr, s_kc, s_br, s_bc,
+def _dscore_block(r, x, xa, pot_r, shift_r, C, Y, YA, POT_C, SHIFT_C, A, BT, U, WT, KEEP, BIAS, acc, rows, start, n_r,
+                  n_c, n_terms, scale, s_cn, s_cd, s_yn, s_ye, s_kr, s_kc, s_br, s_bc,
                   FOLDED: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr,
                   BLOCK_C: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, E: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, PRECISION: tl.constexpr,
@@ -214,9 +251,9 @@ def _dscore_block(r, x, xa, pot_r, C, Y, YA, POT_C, A, BT, U, WT, KEEP, BIAS, ac
     """One column block of :func:`dscore`: ``acc + dS[rows, cols] @ C[cols]``."""
     acc_t = POT_C.dtype.element_ty
     cols = start + tl.arange(0, BLOCK_C)
-    s, c = _scores(r, C, KEEP, BIAS, rows, cols, n_r, n_c, scale2, s_cn, s_cd, s_kr, s_kc, s_br, s_bc,
-                   HAS_KEEP, HAS_BIAS, COL_MASK, BLOCK_D, D, PRECISION, acc_t)
-    s += pot_r[:, None] + _load_vec(POT_C, cols, n_c, COL_MASK, 0.0)[None, :]
+    z, c = _scores(r, C, KEEP, BIAS, SHIFT_C, shift_r, rows, cols, n_r, n_c, scale, s_cn, s_cd, s_kr, s_kc, s_br,
+                   s_bc, HAS_KEEP, HAS_BIAS, COL_MASK, BLOCK_D, D, PRECISION, acc_t)
+    s = z * _LOG2E + (pot_r[:, None] + _load_vec(POT_C, cols, n_c, COL_MASK, 0.0)[None, :])
     p = tl.exp2(s)
     y = _load_tile(Y, cols, n_c, s_yn, s_ye, BLOCK_E, E, COL_MASK)
     dp = tl.dot(x, tl.trans(y), input_precision=PRECISION, out_dtype=acc_t)
@@ -240,10 +277,10 @@ def _dscore_block(r, x, xa, pot_r, C, Y, YA, POT_C, A, BT, U, WT, KEEP, BIAS, ac
 
 @triton.jit
 def dscore(
-    R, C, X, Y, OUT, POT_R, POT_C, OK, XA, YA, A, BT, U, WT, KEEP, BIAS,
-    n_r, n_c, n_terms, scale2, scale,
+    R, C, X, Y, OUT, POT_R, POT_C, SHIFT_R, SHIFT_C, OK, XA, YA, A, BT, U, WT, KEEP, BIAS,
+    n_r, n_c, n_terms, scale,
     s_rb, s_rn, s_rd, s_cb, s_cn, s_cd, s_xb, s_xn, s_xe, s_yb, s_yn, s_ye, s_ob, s_on, s_od,
-    s_pr, s_pc, s_tr, s_tc, s_kb, s_kr, s_kc, s_bb, s_br, s_bc,
+    s_pr, s_pc, s_sr, s_sc, s_tr, s_tc, s_kb, s_kr, s_kc, s_bb, s_br, s_bc,
     FOLDED: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_T: tl.constexpr, PRECISION: tl.constexpr, TERM_PRECISION: tl.constexpr,
@@ -251,8 +288,9 @@ def dscore(
     """``OUT[rows] = scale * dS[rows, :] @ C`` for one block of rows (module docstring), on the
     slices whose flags ``OK[b, :]`` (one per term, ``(B, T)``) all fold (``FOLDED`` 1) or not all (0).
 
-    ``POT_R/POT_C`` are the final potentials; the terms ``XA, A, U (B, T, n_r)`` and
-    ``YA, BT, WT (B, T, n_c)`` are contiguous per slice with batch strides ``s_tr``/``s_tc``."""
+    ``POT_R/POT_C`` are the final potentials, ``SHIFT_R/SHIFT_C`` the shifts; the terms
+    ``XA, A, U (B, T, n_r)`` and ``YA, BT, WT (B, T, n_c)`` are contiguous per slice with batch
+    strides ``s_tr``/``s_tc``."""
     block, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     terms = tl.arange(0, BLOCK_T)
     if tl.min(tl.load(OK + b * n_terms + terms, mask=terms < n_terms, other=1), 0) != FOLDED:
@@ -263,6 +301,7 @@ def dscore(
     C += b * s_cb
     Y += b * s_yb
     POT_C += b * s_pc
+    SHIFT_C += b * s_sc
     KEEP += b * s_kb
     BIAS += b * s_bb
     YA += b * s_tc
@@ -274,6 +313,7 @@ def dscore(
     r = _load_tile(R, rows, n_r, s_rn, s_rd, BLOCK_D, D, True)
     x = _load_tile(X + b * s_xb, rows, n_r, s_xn, s_xe, BLOCK_E, E, True)
     pot_r = tl.load(POT_R + b * s_pr + rows, mask=row_in, other=float("-inf"))  # (P = 0 past the last row)
+    shift_r = tl.load(SHIFT_R + b * s_sr + rows, mask=row_in, other=0.0)
     xa = tl.zeros([BLOCK_R, BLOCK_T], dtype=acc_t)
     if FOLDED:
         xa = tl.load(XA + b * s_tr + terms[None, :] * n_r + rows[:, None],
@@ -281,13 +321,15 @@ def dscore(
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_t)
     interior = (n_c // BLOCK_C) * BLOCK_C
     for start in range(0, interior, BLOCK_C):
-        acc = _dscore_block(r, x, xa, pot_r, C, Y, YA, POT_C, A, BT, U, WT, KEEP, BIAS, acc, rows, start, n_r, n_c,
-                            n_terms, scale2, s_cn, s_cd, s_yn, s_ye, s_kr, s_kc, s_br, s_bc, FOLDED, HAS_KEEP, HAS_BIAS,
-                            False, BLOCK_C, D, BLOCK_D, E, BLOCK_E, BLOCK_T, PRECISION, TERM_PRECISION)
+        acc = _dscore_block(r, x, xa, pot_r, shift_r, C, Y, YA, POT_C, SHIFT_C, A, BT, U, WT, KEEP, BIAS, acc, rows,
+                            start, n_r, n_c, n_terms, scale, s_cn, s_cd, s_yn, s_ye, s_kr, s_kc, s_br, s_bc, FOLDED,
+                            HAS_KEEP, HAS_BIAS, False, BLOCK_C, D, BLOCK_D, E, BLOCK_E, BLOCK_T, PRECISION,
+                            TERM_PRECISION)
     if interior < n_c:
-        acc = _dscore_block(r, x, xa, pot_r, C, Y, YA, POT_C, A, BT, U, WT, KEEP, BIAS, acc, rows, interior, n_r, n_c,
-                            n_terms, scale2, s_cn, s_cd, s_yn, s_ye, s_kr, s_kc, s_br, s_bc, FOLDED, HAS_KEEP, HAS_BIAS,
-                            True, BLOCK_C, D, BLOCK_D, E, BLOCK_E, BLOCK_T, PRECISION, TERM_PRECISION)
+        acc = _dscore_block(r, x, xa, pot_r, shift_r, C, Y, YA, POT_C, SHIFT_C, A, BT, U, WT, KEEP, BIAS, acc, rows,
+                            interior, n_r, n_c, n_terms, scale, s_cn, s_cd, s_yn, s_ye, s_kr, s_kc, s_br, s_bc, FOLDED,
+                            HAS_KEEP, HAS_BIAS, True, BLOCK_C, D, BLOCK_D, E, BLOCK_E, BLOCK_T, PRECISION,
+                            TERM_PRECISION)
     dims = tl.arange(0, BLOCK_D)
     out = OUT + b * s_ob + rows.to(tl.int64)[:, None] * s_on + dims[None, :] * s_od
     tl.store(out, (acc * scale).to(OUT.dtype.element_ty), mask=row_in[:, None] & (dims[None, :] < D))

@@ -15,6 +15,15 @@ is fused with the output :math:`o = Pv` (online rescaling); after an even count 
 more sweep with both potentials known. Only the potentials of every iteration are saved,
 :math:`O((n+m)\,n\_iters)` per slice.
 
+The sweeps run on the *doubly shifted* scores :math:`x_{ij} = s_{ij} - \rho_i - \kappa_j`
+(:func:`~.problem.double_shift`: :math:`\rho_i = \max_j s_{ij}`,
+:math:`\kappa_j = \max_i (s_{ij} - \rho_i)`), which change no plan (Proposition 1: the potentials
+move by the shifts) but keep the potentials of the size of :math:`\log n` instead of
+:math:`\max|s|`: in float32, potentials of 1e4 added to the scores cost 1e-3 of every weight. The
+shifts cost no pass of their own: the first row update finds :math:`\rho` (its running maximum of
+the scores, in natural units) and the first column update :math:`\kappa`; both are saved for the
+backward, and the start :math:`g^{(0)} = 0` of the plain scores is :math:`\kappa` of the shifted ones.
+
 The backward is the **exact gradient of the** ``n_iters`` **map**, the recursion of the tiled
 engine's log domain (:func:`.tiled._log_backward`) without its tile: with
 :math:`P = e^{s + F\oplus G}` the final plan and :math:`dP = dO\,V^\top`,
@@ -290,7 +299,7 @@ class _Problem:
 
     def __init__(self, q: Tensor, k: Tensor, e: int, keep: Tensor | None, bias: Tensor | None, batch: list[int],
                  scale: float, interpreted: bool | None = None):
-        self.q, self.k, self.scale, self.scale2 = q, k, scale, scale * LOG2E
+        self.q, self.k, self.scale = q, k, scale
         self.B, self.n, self.m, self.d, self.e = q.shape[0], q.shape[1], k.shape[1], q.shape[2], e
         self.acc = _acc_dtype(q.dtype)
         masks = Masks(keep, bias, tuple(batch))
@@ -305,6 +314,10 @@ class _Problem:
             a, b = marginals(*valid_rows_cols(keep_s, shape), shape, q.new_empty((), dtype=self.acc))
             self.rows, self.cols = _Marginal.of(a), _Marginal.of(b)
         self.dummy = torch.zeros(1, dtype=self.acc, device=q.device)
+        #: the shifts of the scores (:mod:`._flash_kernels`), ``(B, n)`` and ``(B, m)``: found by the
+        #: forward's first two sweeps (0 until then), saved for the backward
+        self.shift_q: Tensor | None = None
+        self.shift_k: Tensor | None = None
         interpreted = q.device.type == "cpu" if interpreted is None else interpreted
         self.config = launch_config(q.dtype, self.d, e, interpreted)
         self.precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
@@ -318,10 +331,12 @@ class _Problem:
         return (t, sb, sc, sr) if transposed else (t, sb, sr, sc)
 
     def _orient(self, transposed: bool) -> tuple:
-        """``(R, C, n_r, n_c, keep, bias)``: the query orientation, or the key orientation."""
+        """``(R, C, n_r, n_c, keep, bias, shift_r, shift_c)``: the query orientation, or the key orientation."""
         if transposed:
-            return self.k, self.q, self.m, self.n, self._mask(self.keep, True), self._mask(self.bias, True)
-        return self.q, self.k, self.n, self.m, self._mask(self.keep, False), self._mask(self.bias, False)
+            return (self.k, self.q, self.m, self.n, self._mask(self.keep, True), self._mask(self.bias, True),
+                    self.shift_k, self.shift_q)
+        return (self.q, self.k, self.n, self.m, self._mask(self.keep, False), self._mask(self.bias, False),
+                self.shift_q, self.shift_k)
 
     def _vec(self, t: Tensor | float | None) -> tuple[Tensor, int]:
         """``(pointer, batch stride)`` of a ``(B, n)`` vector (a dummy for a float or ``None``)."""
@@ -340,26 +355,29 @@ class _Problem:
     def sweep(self, mode: int, transposed: bool, pot_c: Tensor, *, pot_r: Tensor | None = None,
               log_a: Tensor | float = 0.0, w: Tensor | None = None, dual: Tensor | None = None,
               xrow: Tensor | None = None, inv: Tensor | float = 1.0, v: Tensor | None = None,
-              vec: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+              vec: Tensor | None = None, find_shift: bool = False) -> tuple[Tensor, Tensor | None]:
         """Run :func:`._flash_kernels.sweep`; returns ``(row vector, output or None)``. ``vec`` is
-        where the row vector goes (a view into the potentials; a new tensor by default)."""
+        where the row vector goes (a view into the potentials; a new tensor by default);
+        ``find_shift``: the rows' shift is written, not read (the forward's first two sweeps)."""
         K = _kernels()
-        R, C, n_r, n_c, keep, bias = self._orient(transposed)
+        R, C, n_r, n_c, keep, bias, shift_r, shift_c = self._orient(transposed)
         vec = torch.empty(self.B, n_r, dtype=self.acc, device=R.device) if vec is None else vec
         e = v.shape[-1] if v is not None else 0
         out = torch.empty(self.B, n_r, e, dtype=_out_dtype(v), device=R.device) if v is not None else None
         cfg = self.config["sweep"]
         dummy3 = self.dummy.view(1, 1, 1)
         for take, slices in self._chunks():
-            vectors = [self._vec(take(x) if isinstance(x, Tensor) else x) for x in (pot_r, pot_c, log_a, w, dual, inv, vec)]
-            (pr, s_pr), (pc, s_pc), (la, s_la), (ww, s_w), (du, s_du), (iv, s_inv), (po, s_po) = vectors
+            vectors = [self._vec(take(x) if isinstance(x, Tensor) else x)
+                       for x in (pot_r, pot_c, shift_r, shift_c, log_a, w, dual, inv, vec)]
+            (pr, s_pr), (pc, s_pc), (sr, s_sr), (sc, s_sc), (la, s_la), (ww, s_w), (du, s_du), (iv, s_inv), \
+                (po, s_po) = vectors
             vv, oo, xx = (dummy3 if x is None else take(x) for x in (v, out, xrow))
             K.sweep[(_cdiv(n_r, cfg.block_r), slices)](
-                take(R), take(C), vv, oo, pr, pc, la, ww, du, xx, iv, po, _at(keep, take), _at(bias, take),
-                n_r, n_c, self.scale2, log_a if isinstance(log_a, float) else 0.0, inv if isinstance(inv, float) else 1.0,
+                take(R), take(C), vv, oo, pr, pc, sr, sc, la, ww, du, xx, iv, po, _at(keep, take), _at(bias, take),
+                n_r, n_c, self.scale, log_a if isinstance(log_a, float) else 0.0, inv if isinstance(inv, float) else 1.0,
                 *R.stride(), *C.stride(), *_strides3(v), *_strides3(out), *_strides3(xrow),
-                s_pr, s_pc, s_la, s_w, s_du, s_inv, s_po, keep[1], keep[2], keep[3], bias[1], bias[2], bias[3],
-                MODE=mode, HAS_KEEP=self.keep is not None, HAS_BIAS=self.bias is not None,
+                s_pr, s_pc, s_sr, s_sc, s_la, s_w, s_du, s_inv, s_po, keep[1], keep[2], keep[3], bias[1], bias[2],
+                bias[3], MODE=mode, FIND_SHIFT=find_shift, HAS_KEEP=self.keep is not None, HAS_BIAS=self.bias is not None,
                 HAS_LOG_A=isinstance(log_a, Tensor), HAS_W=w is not None, HAS_DUAL=dual is not None,
                 HAS_INV=isinstance(inv, Tensor), BLOCK_R=cfg.block_r, BLOCK_C=cfg.block_c, D=self.d,
                 BLOCK_D=_pow2(self.d), E=e, BLOCK_E=_pow2(e), PRECISION=self.precision,
@@ -399,7 +417,7 @@ class _Problem:
         """Run :func:`._flash_kernels.dscore` (both variants, each on its slices): ``scale * dS @ C``
         (``dq``; ``dk`` when transposed)."""
         K = _kernels()
-        R, C, n_r, n_c, keep, bias = self._orient(transposed)
+        R, C, n_r, n_c, keep, bias, shift_r, shift_c = self._orient(transposed)
         terms = terms.transposed() if transposed else terms
         out = torch.empty(self.B, n_r, self.d, dtype=_out_dtype(R), device=R.device)
         e, T = x.shape[-1], terms.count
@@ -407,11 +425,11 @@ class _Problem:
         for take, slices in self._chunks():
             for folded in (1, 0):
                 K.dscore[(_cdiv(n_r, cfg.block_r), slices)](
-                    *map(take, (R, C, x, y, out, pot_r, pot_c, terms.ok, terms.xa, terms.ya, terms.a, terms.b, terms.u,
-                                terms.w)), _at(keep, take), _at(bias, take),
-                    n_r, n_c, T, self.scale2, self.scale,
+                    *map(take, (R, C, x, y, out, pot_r, pot_c, shift_r, shift_c, terms.ok, terms.xa, terms.ya,
+                                terms.a, terms.b, terms.u, terms.w)), _at(keep, take), _at(bias, take),
+                    n_r, n_c, T, self.scale,
                     *R.stride(), *C.stride(), *x.stride(), *y.stride(), *out.stride(), pot_r.stride(0),
-                    pot_c.stride(0), T * n_r, T * n_c, keep[1], keep[2], keep[3], bias[1], bias[2], bias[3],
+                    pot_c.stride(0), shift_r.stride(0), shift_c.stride(0), T * n_r, T * n_c, keep[1], keep[2], keep[3], bias[1], bias[2], bias[3],
                     FOLDED=folded, HAS_KEEP=self.keep is not None, HAS_BIAS=self.bias is not None,
                     BLOCK_R=cfg.block_r, BLOCK_C=cfg.block_c, D=self.d, BLOCK_D=_pow2(self.d), E=e,
                     BLOCK_E=_pow2(e), BLOCK_T=_pow2(T), PRECISION=self.precision,
@@ -451,15 +469,19 @@ def _out_dtype(operand: Tensor) -> torch.dtype:
 def _forward_op(
     q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, batch: list[int], scale: float,
     n_iters: int | None, tol: float | None, max_iters: int, backward: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns ``out (B, n, e)``, the row potentials ``(B, Lf, n)`` (``f_1, f_3, ..``), the column
-    potentials ``(B, Lg, m)`` (``g_0 = 0, g_2, ..``), both in base 2, and the normalisations each
-    slice ran ``(B,)``. ``backward="implicit"`` keeps the last potentials only (``Lf = Lg = 1``)."""
+    potentials ``(B, Lg, m)`` (``g_0, g_2, ..``), both in base 2 and relative to the doubly shifted
+    scores, the normalisations each slice ran ``(B,)`` and the shifts of the queries ``(B, n)`` and
+    keys ``(B, m)``. ``backward="implicit"`` keeps the last potentials only (``Lf = Lg = 1``)."""
     with _on_device(q):
         return _forward(_Problem(q, k, v.shape[-1], keep, bias, batch, scale), v, n_iters, tol, max_iters, backward)
 
 
 def _forward(p: _Problem, v: Tensor, n_iters: int | None, tol: float | None, max_iters: int, backward: str):
+    """The forward op's outputs; the shifts also stay on ``p`` (for a backward on the same problem)."""
+    p.shift_q = torch.empty(p.B, p.n, dtype=p.acc, device=v.device)
+    p.shift_k = torch.zeros(p.B, p.m, dtype=p.acc, device=v.device)  # 0 in the first sweep
     if tol is None:
         fs, gs, out = _fixed_iterations(p, v, n_iters)
         counts = torch.full((p.B,), n_iters, dtype=torch.int64, device=v.device)
@@ -471,7 +493,7 @@ def _forward(p: _Problem, v: Tensor, n_iters: int | None, tol: float | None, max
             col_sums = p.sweep(_kernels().MATVEC, True, fs[:, 0], pot_r=gs[:, 0], w=torch.ones_like(fs[:, 0]), inv=-1.0)[0]
             b = p.cols.mass if isinstance(p.cols.mass, Tensor) else torch.full_like(col_sums, p.cols.mass)
             warn_unbalanced(column_error(col_sums, b), n_iters, converged_tol(v.dtype), ENGINE)
-    return out, fs, gs, counts
+    return out, fs, gs, counts, p.shift_q, p.shift_k
 
 
 @_forward_op.register_fake
@@ -486,12 +508,14 @@ def _(q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters, backward):
         lf = torch.library.get_ctx().new_dynamic_size()
         lg = lf
     return (q.new_empty(B, n, v.shape[-1], dtype=_out_dtype(v)), q.new_empty(B, lf, n, dtype=acc),
-            q.new_empty(B, lg, m, dtype=acc), q.new_empty(B, dtype=torch.int64))
+            q.new_empty(B, lg, m, dtype=acc), q.new_empty(B, dtype=torch.int64), q.new_empty(B, n, dtype=acc),
+            q.new_empty(B, m, dtype=acc))
 
 
 def _fixed_iterations(p: _Problem, v: Tensor, n_iters: int):
     """``n_iters`` normalisations from ``g = 0`` into ``fs = [f1, f3, ..] (B, Lf, n)`` and
-    ``gs = [g0, g2, ..] (B, Lg, m)``; and the output."""
+    ``gs = [g0, g2, ..] (B, Lg, m)``; and the output. The first row and column updates find the shifts
+    (:meth:`_Problem.sweep`), and ``g0 = 0`` of the plain scores is ``log2 e · shift_k`` of the shifted ones."""
     K = _kernels()
     fs = torch.empty(p.B, (n_iters + 1) // 2, p.n, dtype=p.acc, device=v.device)
     gs = torch.zeros(p.B, n_iters // 2 + 1, p.m, dtype=p.acc, device=v.device)
@@ -500,9 +524,11 @@ def _fixed_iterations(p: _Problem, v: Tensor, n_iters: int):
         if t % 2:
             last = t == n_iters
             out = p.sweep(K.LSE_OUT if last else K.LSE, False, gs[:, t // 2], log_a=p.rows.log2,
-                          v=v if last else None, vec=fs[:, t // 2])[1]
+                          v=v if last else None, vec=fs[:, t // 2], find_shift=t == 1)[1]
         else:
-            p.sweep(K.LSE, True, fs[:, t // 2 - 1], log_a=p.cols.log2, vec=gs[:, t // 2])
+            p.sweep(K.LSE, True, fs[:, t // 2 - 1], log_a=p.cols.log2, vec=gs[:, t // 2], find_shift=t == 2)
+            if t == 2:
+                torch.mul(p.shift_k, LOG2E, out=gs[:, 0])
     if out is None:  # an even count ends on a column update: o = e^{s + f ⊕ g} v
         out = p.sweep(K.FIXED_OUT, False, gs[:, -1], pot_r=fs[:, -1], v=v)[1]
     return fs, gs, out
@@ -517,10 +543,12 @@ def _tolerance_iterations(p: _Problem, v: Tensor, tol: float, max_iters: int, im
     fs, gs = [], [torch.zeros(p.B, p.m, dtype=p.acc, device=v.device)]
     done = 0
     while True:
-        f = p.sweep(K.LSE, False, gs[-1], log_a=p.rows.log2)[0]
+        f = p.sweep(K.LSE, False, gs[-1], log_a=p.rows.log2, find_shift=done == 0)[0]
         fs.append(f if not fs else torch.where(stop.active.unsqueeze(-1), f, fs[-1]))
         done += 1
-        g = p.sweep(K.LSE, True, fs[-1], log_a=p.cols.log2)[0]
+        g = p.sweep(K.LSE, True, fs[-1], log_a=p.cols.log2, find_shift=done == 1)[0]
+        if done == 1:  # g0 = 0 of the plain scores, relative to the shifted ones
+            torch.mul(p.shift_k, LOG2E, out=gs[0])
         gap = (p.cols.mass * torch.exp2(gs[-1] - g) - p.cols.mass).abs()  # 0 where b_j = 0
         gap = gap if isinstance(p.cols.mass, float) else torch.where(p.cols.mass > 0, gap, 0.0)
         if stop.check(gap.amax(-1) if p.m else gap.sum(-1), done):
@@ -562,13 +590,15 @@ class _Terms:
 @torch.library.custom_op("sinkformer::flash_backward", mutates_args=())
 def _backward_op(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, keep: Tensor | None, bias: Tensor | None,
-    batch: list[int], fs: Tensor, gs: Tensor, counts: Tensor, scale: float, backward: str, fixed: bool,
+    batch: list[int], fs: Tensor, gs: Tensor, counts: Tensor, shift_q: Tensor, shift_k: Tensor, scale: float,
+    backward: str, fixed: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients ``(dq, dk, dv)`` of the forward op from its saved potentials (``fixed``: every slice
-    ran the same count, ``n_iters``)."""
+    """Gradients ``(dq, dk, dv)`` of the forward op from its saved potentials and shifts (``fixed``:
+    every slice ran the same count, ``n_iters``)."""
     with _on_device(q):
-        return _backward(_Problem(q, k, v.shape[-1], keep, bias, batch, scale), grad_out, v, out, fs, gs, counts,
-                         backward, fixed)
+        p = _Problem(q, k, v.shape[-1], keep, bias, batch, scale)
+        p.shift_q, p.shift_k = shift_q, shift_k
+        return _backward(p, grad_out, v, out, fs, gs, counts, backward, fixed)
 
 
 def _backward(p: _Problem, grad_out: Tensor, v: Tensor, out: Tensor, fs: Tensor, gs: Tensor, counts: Tensor,
@@ -592,7 +622,7 @@ def _backward(p: _Problem, grad_out: Tensor, v: Tensor, out: Tensor, fs: Tensor,
 
 
 @_backward_op.register_fake
-def _(grad_out, q, k, v, out, keep, bias, batch, fs, gs, counts, scale, backward, fixed):
+def _(grad_out, q, k, v, out, keep, bias, batch, fs, gs, counts, shift_q, shift_k, scale, backward, fixed):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -670,13 +700,13 @@ def _implicit_duals(p: _Problem, F: Tensor, G: Tensor, r: Tensor, c: Tensor, max
 
 def _setup_context(ctx, inputs, output):
     q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters, backward = inputs
-    out, fs, gs, counts = output
-    ctx.save_for_backward(q, k, v, out, keep, bias, fs, gs, counts)
+    out, fs, gs, counts, shift_q, shift_k = output
+    ctx.save_for_backward(q, k, v, out, keep, bias, fs, gs, counts, shift_q, shift_k)
     ctx.batch, ctx.options = batch, (scale, n_iters, tol, max_iters, backward)
 
 
 def _backward_autograd(ctx, grad_out, *unused):
-    q, k, v, out, keep, bias, fs, gs, counts = ctx.saved_tensors
+    q, k, v, out, keep, bias, fs, gs, counts, shift_q, shift_k = ctx.saved_tensors
     scale, n_iters, tol, max_iters, backward = ctx.options
     if torch.is_grad_enabled():  # create_graph=True: second derivatives through the dense engine
         from .dense import attention_grads_with_graph
@@ -692,7 +722,7 @@ def _backward_autograd(ctx, grad_out, *unused):
             max_iters=max_iters, drop=None)
     else:
         dq, dk, dv = torch.ops.sinkformer.flash_backward(grad_out, q, k, v, out, keep, bias, ctx.batch, fs, gs,
-                                                         counts, scale, backward, tol is None)
+                                                         counts, shift_q, shift_k, scale, backward, tol is None)
     return (dq, dk, dv) + (None,) * 8
 
 
