@@ -4,17 +4,19 @@ recomputed from ``q`` and ``k`` when a pass visits it, memory linear in ``n``) s
 
 **The tile.** For a group of ``c`` (batch·head) slices, :class:`Tile` covers the ``(c, n, m)`` scores
 :math:`S = \mathrm{scale}\,QK^\top + \mathrm{bias}` with cache blocks (:class:`~.problem.CacheBlocks`:
-rows of one slice, or whole slices). The first pass (:meth:`Tile.shift`) computes the double shift
-of :func:`~.problem.double_shift` (every row and column of :math:`x = S - m_i - c_j` has maximum 0);
-every later pass visits :math:`\tilde K = e^{x}` block by block (:meth:`Tile.visit`), from the
-stored tile or recomputed by the same operations (so with the same values, bit for bit).
+rows of one slice, or whole slices). The forward's first pass (:meth:`Tile.first_sweep`) computes the
+double shift of :func:`~.problem.double_shift` (every row and column of :math:`x = S - m_i - c_j` has
+maximum 0) together with the first row normalisation; every later pass visits :math:`\tilde K = e^{x}`
+block by block (:meth:`Tile.visit`), from the stored tile or recomputed by the same operations (so
+every recomputation gives the same values, bit for bit). Calls of at most
+:data:`~.problem.SAVED_TILE_SCORES` scores keep the stored tiles for the backward.
 
 **Forward** (:func:`scaling_forward`). From :math:`\tilde v^{(0)} = e^{c}`, each normalisation is
 one matrix-vector product: :math:`u \leftarrow a \oslash \tilde K\tilde v`,
 :math:`\tilde v \leftarrow b \oslash \tilde K^\top u`. One pass per row normalisation computes ``u``
 block by block (final for the block's rows) and, on the same blocks, the column sums of the
 following column normalisation; the last one writes :math:`u\odot\tilde K(\tilde v\odot V)`.
-``n_iters`` normalisations take :math:`1 + \lceil n\_iters/2\rceil` passes (one more when even).
+``n_iters`` normalisations take :math:`\lceil n\_iters/2\rceil` passes (one more when even).
 Scalings whose product reaches :math:`e^{60}` (score ranges of ~1e4) are not trusted: the engine
 then runs that group in the log domain (its own fallback).
 
@@ -248,11 +250,11 @@ class Tile:
     """The ``(c, n, m)`` scores of one group, visited in cache blocks; kept (``options.stored``) or
     recomputed on every visit into one block of scratch memory.
 
-    :meth:`shift` (pass 1) computes the double shift; :meth:`visit` yields :math:`\\tilde K =
-    e^{S - m_i - c_j}` block by block. A stored tile holds the row-shifted scores after pass 1 and
-    :math:`\\tilde K` after the first visit; a recomputed block goes through the same operations
-    (scores, minus the row shift, minus the column shift, exponential), so every visit sees the same
-    values. ``shifts``: the saved shifts (the backward), instead of pass 1; ``ready``: ``memory`` already
+    :meth:`first_sweep` (the forward's pass 1) computes the double shift; :meth:`visit` yields
+    :math:`\\tilde K = e^{S - m_i - c_j}` block by block. A stored tile holds the first sweep's blocks
+    (scaled to :math:`\\tilde K` on their next visit), then :math:`\\tilde K`; a recomputed block goes
+    through the same operations (scores, minus the row shift, minus the column shift, exponential), so
+    every recomputation gives the same values. ``shifts``: the saved shifts (the backward), instead of pass 1; ``ready``: ``memory`` already
     holds the tile's :math:`\tilde K` (kept by the forward)."""
 
     def __init__(self, q: Tensor, k: Tensor, masks: Masks, start: int, options: Options, memory: Tensor,
@@ -515,7 +517,7 @@ def scaling_backward(tile: Tile, keep: Tensor | None, seed: Tensor | None, us: T
     a, b = marginals(*valid_rows_cols(keep, tile.shape), tile.shape, V)
     drop = dropout_mask(tile.shape, V, options.dropout_p, seed, tile.start)
     u, vt = us[..., -1], vs[..., -1]
-    rev = None if options.backward == "implicit" else _Reverse(a, b, us, vs, counts)
+    rev = None if options.backward == "implicit" else _Reverse(a, b, us, vs, counts, options.tol is not None)
     L = 2 if rev is None else rev.L
     left = dO.new_empty(c, n, e + L)  # [u ⊙ dO, X]: X column j is the step t = L - j
     torch.mul(u.unsqueeze(-1), dO, out=left[..., :e])
@@ -633,10 +635,10 @@ class _Reverse:
     :math:`u_{t-1}\\,ds^\\top` to :math:`\\partial\\ell/\\partial\\tilde K`, stored as column ``L - t``
     of ``X (c, n, L)``, ``Y (c, m, L)``."""
 
-    def __init__(self, a: Tensor, b: Tensor, us: Tensor, vs: Tensor, counts: Tensor):
+    def __init__(self, a: Tensor, b: Tensor, us: Tensor, vs: Tensor, counts: Tensor, frozen: bool):
         self.us, self.vs, self.counts = us, vs, counts
         self.L = us.shape[-1] + vs.shape[-1] - 1
-        self.frozen = bool((counts < self.L).any())  # tol mode: some matrices stopped early
+        self.frozen = frozen  # tol mode: matrices may have stopped early
         # the factors of every step at once: -u_t^2 / a and -v_t^2 / b (0 where a or b is 0)
         self.row_factors = us.square().mul_(_neg_inverse(a).unsqueeze(-1))
         self.col_factors = vs.square().mul_(_neg_inverse(b).unsqueeze(-1))
