@@ -1,5 +1,15 @@
+import os
+
 import pytest
 import torch
+
+# Triton's interpreter (the flash engine's kernels on CPU tensors) is chosen when triton is first
+# imported: its own jitted helpers are then built for it or for a GPU, for the whole process. Any test
+# module may import triton first (directly, through the flash engine, or through torch.compile's
+# checks for it), so it is switched on here, before every test module, wherever no GPU could compile
+# the kernels. With CUDA present the kernels compile for the GPU and the CPU-interpreted tests skip.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,6 @@ NaN or a different answer anywhere, fails. A new engine joins by being listed in
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 import pytest
@@ -19,12 +18,6 @@ import torch
 import sinkformer
 from sinkformer import SinkhornConvergenceWarning, attention
 from sinkformer.sinkhorn import flash, tiled
-
-# The flash engine's Triton kernels run on this suite's CPU tensors under Triton's interpreter, which
-# must be on before the kernels are first imported. With CUDA present the process compiles them for
-# the GPU instead (tests/sinkhorn/test_flash_engine.py runs them there) and the CPU cells skip.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 #: engine name -> keyword arguments of ``attention`` that select it. "tiled-log" is the tiled
 #: engine in the log domain that GPUs use, run here on the CPU.

@@ -18,12 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-
-# Triton's interpreter must be on before triton is first imported (as in test_flash_engine.py),
-# or the flash tests collected after this module would find the kernels' helpers compiled for a GPU.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton", reason="compiling the flash kernels needs triton")
 

@@ -1,7 +1,7 @@
 """The flash engine (fused Triton kernels): forward and exact gradients equal the dense reference.
 
 Without a GPU the kernels run on CPU tensors under Triton's interpreter, which must be switched on
-before they are first imported (below, at collection). With CUDA present this process compiles them
+before triton is first imported (tests/conftest.py does it). With CUDA present this process compiles them
 for the GPU: the CPU cells skip and the CUDA cells run the real kernels (bfloat16 included — the
 interpreter's bfloat16 matrix products are wrong in triton 3.9, so bfloat16 is checked on GPUs only).
 Every test skips, saying why, when triton is not installed.
@@ -18,12 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from sinkformer import attention  # noqa: E402
-from sinkformer.attention.backends import Call, choose  # noqa: E402
-from sinkformer.sinkhorn import flash  # noqa: E402
+from sinkformer import attention
+from sinkformer.attention.backends import Call, choose
+from sinkformer.sinkhorn import flash
 
 pytest.importorskip("triton", reason="the flash engine needs triton (pip install 'sinkformer[gpu]')")
 
@@ -244,6 +241,25 @@ def test_cpu_without_interpreter_is_refused():
     assert "backend='flash'" in done.stdout and "CUDA" in done.stdout and "TRITON_INTERPRET=1" in done.stdout
 
 
+def test_triton_imported_before_the_interpreter_was_switched_on_is_refused():
+    """The interpreter is chosen when triton is first imported: switched on later, the kernels would fail
+    in triton's own helpers. flash refuses by name and says what to do; auto serves the call elsewhere."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import os, torch, triton, sinkformer\n"
+            "from sinkformer.attention import explain\n"
+            "os.environ['TRITON_INTERPRET'] = '1'\n"
+            "q = torch.randn(1, 8, 4)\n"
+            "print(explain(q, q, q, n_iters=3, backend='auto').engine)\n"
+            "print(sinkformer.attention(q, q, q, n_iters=3).shape)\n"
+            "try:\n    sinkformer.attention(q, q, q, n_iters=3, backend='flash')\n"
+            "except ValueError as err:\n    print(err)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    engine, shape, error = done.stdout.strip().splitlines()
+    assert engine != "flash" and shape == "torch.Size([1, 8, 4])"
+    assert "backend='flash'" in error and "imported before TRITON_INTERPRET=1" in error
+
+
 @on_cpu
 def test_benchmark_smoke(tmp_path):
     """``benchmarks/attention_cuda.py --smoke`` runs end to end on CPU (tiny sizes, interpreter)."""
@@ -334,6 +350,35 @@ def test_guards_name_what_cannot_be_served(monkeypatch):
     assert "triton >= 3.6" in flash.unavailable("cuda", torch.bfloat16, 64, 64)
 
 
+def test_the_extras_install_a_triton_the_engine_serves():
+    """``pip install 'sinkformer[gpu]'`` (and ``[test]``) ask for the oldest Triton the engine accepts."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    floor = ".".join(map(str, flash.MIN_TRITON))
+    for extra in ("gpu", "test"):
+        pins = [req.split(";")[0].strip() for req in extras[extra] if req.startswith("triton")]
+        assert pins == [f"triton>={floor}"], (extra, pins)
+
+
+@on_cpu
+def test_an_interpreter_that_cannot_run_the_kernels_is_refused(monkeypatch):
+    """Triton 3.6's interpreter fails every kernel with numpy >= 2.4 (an InterpreterError from the loops'
+    bounds, triton-lang/triton#9171): CPU tensors are then refused naming both versions and the fix;
+    3.7 runs them, and so does 3.6 with numpy 2.3 (checked by hand: this module passes there)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(flash, "_triton_version", lambda: (3, 6))
+    monkeypatch.setattr(flash, "_numpy_version", lambda: (2, 4))
+    why = flash.unavailable("cpu")
+    assert "numpy >= 2.4" in why and "triton 3.6" in why and "pip install -U triton" in why
+    assert flash.unavailable("cuda", torch.bfloat16, 64, 64) is None  # compiled kernels are not concerned
+    monkeypatch.setattr(flash, "_numpy_version", lambda: (2, 3))
+    assert flash.unavailable("cpu") is None
+    monkeypatch.setattr(flash, "_triton_version", lambda: (3, 7))
+    monkeypatch.setattr(flash, "_numpy_version", lambda: (2, 4))
+    assert flash.unavailable("cpu") is None
+
+
 def test_every_served_configuration_has_a_launch():
     """Each (dtype, head dim <= 256) served on GPUs has a launch configuration, and nothing else is served."""
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -350,6 +395,7 @@ def test_attention_refuses_a_head_dim_past_a_block():
         attention(q, k, v, n_iters=3, backend="flash")
 
 
+@on_cpu
 def test_mask_offsets_past_2_31(tmp_path):
     """A boolean mask whose rows lie 2^31 bytes apart (a strided view of a buffer the OS never backs)
     gives the dense engine's answer: the kernels' mask offsets are 64-bit (32-bit ones wrap and read

@@ -10,14 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-# Triton's interpreter must be on before triton is first imported (as in test_flash_engine.py),
-# or the flash tests collected after this module would find the kernels' helpers compiled for a GPU.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 pytest.importorskip("triton", reason="the flash engine needs triton (pip install 'sinkformer[gpu]')")
 
 

@@ -101,6 +101,10 @@ MIN_TRITON = (3, 6)
 #: float64 matrix products fail to compile for sm_90 on Tritons 3.6 and 3.8 ("Currently fp64 don't
 #: support largeK MMA", when a product's operand comes from registers next to a byte mask); 3.9 compiles them.
 MIN_TRITON_FLOAT64 = (3, 9)
+#: Triton's interpreter (CPU tensors) before 3.7 cannot run a loop whose bound is a kernel argument
+#: under numpy >= 2.4, which no longer converts its 1-element arrays to an index (triton-lang/triton#9171);
+#: every kernel here has such a loop.
+MIN_TRITON_INTERPRETER_NUMPY_2_4 = (3, 7)
 #: Largest head (and value) dimension a block of the kernels holds.
 MAX_HEAD_DIM = 256
 
@@ -177,6 +181,25 @@ def _triton_version() -> tuple[int, int]:
     return major, minor
 
 
+def _triton_built_for_a_gpu() -> bool:
+    """Whether triton is already imported with its jitted helpers built for a GPU (the interpreter
+    is chosen once, when triton is first imported; the kernels cannot run interpreted then)."""
+    import sys
+
+    language = sys.modules.get("triton.language")
+    return language is not None and type(language.standard.max).__name__ != "InterpretedFunction"
+
+
+def _numpy_version() -> tuple[int, int]:
+    import numpy
+
+    return tuple(int(part) for part in numpy.__version__.split(".")[:2])
+
+
+def _version(v: tuple[int, ...]) -> str:
+    return ".".join(map(str, v))
+
+
 def launch_config(dtype: torch.dtype, head_dim: int, value_dim: int, interpreted: bool) -> dict[str, LaunchConfig] | None:
     """The launches of a call (:data:`GPU_CONFIGS`), ``None`` when no configuration fits."""
     if interpreted:
@@ -204,18 +227,27 @@ def unavailable(device_type: str, dtype: torch.dtype | None = None, head_dim: in
         if not interpreted:
             return (f"engine 'flash' runs Triton kernels on CUDA tensors, got device {device_type!r} (CPU tensors run "
                     "only under Triton's interpreter: set TRITON_INTERPRET=1 before the first call)")
+        if _triton_built_for_a_gpu():
+            return ("engine 'flash' on CPU tensors needs Triton's interpreter, but triton was imported before "
+                    "TRITON_INTERPRET=1 was set, so its own helpers are built for a GPU: set it before anything "
+                    "imports triton")
     elif device_type != "cuda":
         return f"engine 'flash' runs Triton kernels on CUDA tensors, got device {device_type!r}"
     version = _triton_version()
     if version < MIN_TRITON:
-        return (f"engine 'flash' needs triton >= {'.'.join(map(str, MIN_TRITON))} (the oldest its kernels are "
-                f"compiled with), found {'.'.join(map(str, version))}: pip install -U triton")
+        return (f"engine 'flash' needs triton >= {_version(MIN_TRITON)} (the oldest its kernels are "
+                f"compiled with), found {_version(version)}: pip install -U triton")
+    if interpreted and version < MIN_TRITON_INTERPRETER_NUMPY_2_4 and _numpy_version() >= (2, 4):
+        return (f"engine 'flash' on CPU tensors runs Triton's interpreter, which before triton "
+                f"{_version(MIN_TRITON_INTERPRETER_NUMPY_2_4)} cannot run its kernels with numpy >= 2.4 (found triton "
+                f"{_version(version)}, numpy {_version(_numpy_version())}; triton-lang/triton#9171): "
+                "pip install -U triton, or 'numpy<2.4'")
     if dtype is None:
         return None
     kernel_dtype = operand_dtype(dtype, device_type)
     if kernel_dtype == torch.float64 and not interpreted and version < MIN_TRITON_FLOAT64:
-        return (f"engine 'flash' cannot compile float64 on triton {'.'.join(map(str, version))} (its float64 matrix "
-                f"products need triton >= {'.'.join(map(str, MIN_TRITON_FLOAT64))}): use float32 inputs, another "
+        return (f"engine 'flash' cannot compile float64 on triton {_version(version)} (its float64 matrix "
+                f"products need triton >= {_version(MIN_TRITON_FLOAT64)}): use float32 inputs, another "
                 "backend, or pip install -U triton")
     if head_dim is None:
         return None
