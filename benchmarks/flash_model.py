@@ -11,6 +11,13 @@ output and dV sweeps; ``dO Vᵀ``, the correction product and ``dS K`` for ``dsc
 FlashAttention-2 as published: a forward pass (``QKᵀ``, ``PV``, one exponential per score) and one
 backward pass (``QKᵀ``, ``dO Vᵀ``, ``Pᵀ dO``, ``dS K``, ``dSᵀ Q``, one exponential).
 
+Also modelled, not built: ``dq`` computed in the ``dk`` pass (FlashAttention-2's way), from the same
+launches with the ``dq`` pass removed and the ``dk`` pass doing one more product, ``dS K``, whose
+rows it adds into a float32 ``dq`` with atomic adds: 4 bytes per query row, head dim and key block
+of that pass. The floors do not price those adds, so the model gives the rate at which the GPU would
+have to absorb them for the fused pass to pay (its floor saving over the bytes), and that rate over
+the H100's memory bandwidth.
+
 Floors on an H100 (SXM, 132 multiprocessors): tensor-core products at 800 TFLOP/s (a bf16 8192³
 product measured on this workplace's H100s), exponentials on the special-function units at
 3.9 T/s (16 per multiprocessor and clock at 1.83 GHz), the larger of the two per configuration
@@ -30,6 +37,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 #: 798 TFLOP/s), the special-function rate from its datasheet figures (132 SMs x 16 x 1.83 GHz)
 TENSOR_FLOPS = 800e12
 EXP_PER_S = 132 * 16 * 1.83e9
+#: an H100 SXM's memory bandwidth (datasheet: 3.35 TB/s), the scale the atomic adds' rate is read against
+HBM_BYTES_PER_S = 3.35e12
 SHAPE = dict(B=32, n=4096, d=64)
 ITERS = (3, 5, 21)
 
@@ -70,28 +79,46 @@ def launches(n_iters: int, B: int, n: int, d: int) -> list[dict]:
 
 
 def cost_of(launch: dict, B: int) -> dict:
-    """Scores visited, exponentials and tensor-core FLOPs of one launch (0 for the vector kernels,
-    rowdot and fold, and for the term-by-term dscore variant, which returns at once on slices that fold)."""
+    """Scores visited, exponentials, tensor-core FLOPs and float32 atomic bytes of one launch (0 for
+    the vector kernels, rowdot and fold, and for the term-by-term dscore variant, which returns at
+    once on slices that fold). ``FUSED_DQ`` marks a dk pass modelled with dq in it."""
     kernel = launch["kernel"]
     if kernel in ("rowdot", "fold") or (kernel == "dscore" and not launch["FOLDED"]):
-        return dict(passes=0, exps=0, flops=0)
+        return dict(passes=0, exps=0, flops=0, atomic_bytes=0)
     scores = B * launch["n_r"] * launch["n_c"]
     d, e = launch["D"], launch["E"]
+    atomic_bytes = 0
     if kernel == "sweep":
         products = 2 * d + (2 * e if launch["MODE"] in (1, 2, 4) else 0)  # QK^T, and PV (LSE_OUT, FIXED_OUT, DV)
     else:  # dscore: QK^T, dO V^T, the folded correction (inner size BLOCK_T), dS C
         products = 2 * d + 2 * e + 2 * launch["BLOCK_T"] + 2 * d
-    return dict(passes=1, exps=scores, flops=scores * products)
+        if launch.get("FUSED_DQ"):  # and dS^T of the other side, added into dq by each block of rows
+            products += 2 * d
+            atomic_bytes = 4 * B * launch["n_c"] * d * -(-launch["n_r"] // launch["BLOCK_R"])
+    return dict(passes=1, exps=scores, flops=scores * products, atomic_bytes=atomic_bytes)
 
 
-def flash_model(n_iters: int, B: int, n: int, d: int) -> dict:
+def fuse_dq(recorded: list[dict]) -> list[dict]:
+    """The launches with dq computed in the dk pass: the folded query-orientation dscore launch (dq,
+    launched first) removed, the folded key-orientation one (dk) marked ``FUSED_DQ``."""
+    folded = [i for i, x in enumerate(recorded) if x["kernel"] == "dscore" and x["FOLDED"]]
+    assert len(folded) == 2, "one folded dscore launch each for dq and dk"
+    dq, dk = folded
+    return [dict(x, FUSED_DQ=True) if i == dk else x for i, x in enumerate(recorded) if i != dq]
+
+
+def flash_model(n_iters: int, B: int, n: int, d: int, fused_dq: bool = False) -> dict:
     recorded = launches(n_iters, B, n, d)
-    row = dict(engine="flash", n_iters=n_iters, launches=len(recorded))
+    if fused_dq:
+        recorded = fuse_dq(recorded)
+    row = dict(engine="flash, dq in the dk pass" if fused_dq else "flash", n_iters=n_iters, launches=len(recorded),
+               atomic_bytes=0)
     for phase in ("forward", "backward"):
         costs = [cost_of(x, B) for x in recorded if x["phase"] == phase]
         row[f"{phase}_passes"] = sum(c["passes"] for c in costs)
         row[f"{phase}_exps"] = sum(c["exps"] for c in costs)
         row[f"{phase}_flops"] = sum(c["flops"] for c in costs)
+        row["atomic_bytes"] += sum(c["atomic_bytes"] for c in costs)
     return _floors(row, B * n * n)
 
 
@@ -125,10 +152,16 @@ def measured(data: dict) -> dict:
 def model(results: Path = RESULTS) -> dict:
     B, n, d = SHAPE["B"], SHAPE["n"], SHAPE["d"]
     rows = [sdpa_model(B, n, d)] + [flash_model(t, B, n, d) for t in ITERS]
+    fused = [flash_model(t, B, n, d, fused_dq=True) for t in ITERS]
+    for row, plain in zip(fused, rows[1:]):
+        saving_s = (plain["floor_ms"] - row["floor_ms"]) / 1e3
+        row["break_even_tb_per_s"] = row["atomic_bytes"] / saving_s / 1e12 if saving_s > 0 else None
     check = results / "attention_cuda.json"
     data = json.loads(check.read_text()) if check.exists() else {}
     times = measured(data)
     sdpa_floor, sdpa_time = rows[0]["floor_ms"], times.get(("sdpa-flash", 1))
+    for r in fused:
+        r["floor_over_sdpa"] = r["floor_ms"] / sdpa_floor
     for r in rows:
         r["floor_over_sdpa"] = r["floor_ms"] / sdpa_floor
         r["measured_ms"] = times.get((r["engine"], r["n_iters"]))
@@ -136,7 +169,7 @@ def model(results: Path = RESULTS) -> dict:
     from benchmarks.attention_cuda import targets
 
     env = data.get("environment", data.get("meta", {}))
-    return dict(shape=SHAPE, tensor_flops=TENSOR_FLOPS, exp_per_s=EXP_PER_S, rows=rows,
+    return dict(shape=SHAPE, tensor_flops=TENSOR_FLOPS, exp_per_s=EXP_PER_S, rows=rows, fused_dq=fused,
                 targets=targets(data.get("rows", []), data.get("graph")), measured_on=env.get("gpu") if data else None,
                 smoke=bool(data.get("smoke", False)))
 
@@ -156,6 +189,20 @@ def markdown(data: dict) -> str:
         lines.append(f"| {r['engine']} | {r['n_iters']} | {r['forward_passes']} + {r['backward_passes']} | "
                      f"{r['exps_per_score']:.0f} | {r['tflop']:.2f} | {r['exp_ms']:.3f} | {r['mma_ms']:.3f} | "
                      f"{r['floor_ms']:.3f} | {r['floor_over_sdpa']:.2f} | {meas} | {ratio} |")
+    lines += ["", "Not built, modelled: dq computed in the dk pass (FlashAttention-2's way), its rows added into a "
+              "float32 dq with atomic adds. The floors above do not price those adds: it pays only if the GPU "
+              "absorbs them at the rate below (unmeasured), and it makes dq differ from run to run (the order "
+              "of the adds).", "",
+              "| n_iters | passes (fwd + bwd) | exponentials per score | floor ms | floor / SDPA's | "
+              "floor saved ms | float32 atomic adds GB | pays if atomics run faster than TB/s | "
+              "that rate / the H100's memory bandwidth |",
+              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r, plain in zip(data["fused_dq"], data["rows"][1:]):
+        rate = "never" if r["break_even_tb_per_s"] is None else f"{r['break_even_tb_per_s']:.1f}"
+        over = "" if r["break_even_tb_per_s"] is None else f"{r['break_even_tb_per_s'] * 1e12 / HBM_BYTES_PER_S:.1f}"
+        lines.append(f"| {r['n_iters']} | {r['forward_passes']} + {r['backward_passes']} | {r['exps_per_score']:.0f} | "
+                     f"{r['floor_ms']:.3f} | {r['floor_over_sdpa']:.2f} | {plain['floor_ms'] - r['floor_ms']:.3f} | "
+                     f"{r['atomic_bytes'] / 1e9:.2f} | {rate} | {over} |")
     if data["measured_on"]:
         lines += ["", f"Measured on {data['measured_on']}{' (a smoke run: not a measurement)' if data['smoke'] else ''}"
                       f"; every figure of the check: [attention_cuda.md](../benchmarks/results/attention_cuda.md)."]

@@ -51,6 +51,10 @@ def test_performance_model_in_the_docs_is_rendered():
     assert (five["forward_passes"], five["backward_passes"], five["exps_per_score"]) == (5, 6, 11)
     sdpa = data["rows"][0]
     assert sdpa["exps_per_score"] == 2 and five["floor_over_sdpa"] > 1
+    fused = next(r for r in data["fused_dq"] if r["n_iters"] == 5)  # dq in the dk pass: one pass, one exp fewer
+    assert (fused["forward_passes"], fused["backward_passes"], fused["exps_per_score"]) == (5, 5, 10)
+    assert fused["atomic_bytes"] == 4 * 32 * 4096 * 64 * (4096 // 64)  # a dq row per key block of 64
+    assert fused["floor_ms"] < five["floor_ms"] and fused["break_even_tb_per_s"] > 0
     assert "include benchmarks/results/flash_model.md" in (ROOT / "docs" / "speed.md").read_text()
 
 
