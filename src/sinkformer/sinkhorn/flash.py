@@ -346,8 +346,8 @@ class _Problem:
             a, b = marginals(*valid_rows_cols(keep_s, shape), shape, q.new_empty((), dtype=self.acc))
             self.rows, self.cols = _Marginal.of(a), _Marginal.of(b)
         self.dummy = torch.zeros(1, dtype=self.acc, device=q.device)
-        #: the shifts of the scores (:mod:`._flash_kernels`), ``(B, n)`` and ``(B, m)``: found by the
-        #: forward's first two sweeps (0 until then), saved for the backward
+        #: the shifts of the scores (:mod:`._flash_kernels`), ``(B, n)`` and ``(B, m)``: allocated by
+        #: :func:`_forward` (the keys' 0 until the first column sweep finds it), saved for the backward
         self.shift_q: Tensor | None = None
         self.shift_k: Tensor | None = None
         interpreted = q.device.type == "cpu" if interpreted is None else interpreted
@@ -364,6 +364,8 @@ class _Problem:
 
     def _orient(self, transposed: bool) -> tuple:
         """``(R, C, n_r, n_c, keep, bias, shift_r, shift_c)``: the query orientation, or the key orientation."""
+        if self.shift_q is None or self.shift_k is None:  # the kernels would read them out of bounds
+            raise RuntimeError("flash: the score shifts are set by _forward (or from its outputs) before a sweep")
         if transposed:
             return (self.k, self.q, self.m, self.n, self._mask(self.keep, True), self._mask(self.bias, True),
                     self.shift_k, self.shift_q)
