@@ -347,11 +347,17 @@ class Tile:
             w = t_safe.exp().transpose(1, 2)  # (s, m, 1): K̃ v0 = E e^t
             add_rows_times(eb[i], E, w, out=ub[i])
             torch.div(ab[i], ub[i], out=ub[i])
-            new_top = torch.maximum(topb[i], t)
-            if colb is not None:
-                safe = new_top.nan_to_num(neginf=0.0) if self.masked else new_top
-                colb[i].mul_((topb[i] - safe).exp_()).add_(torch.bmm(ub[i].transpose(1, 2), E).mul_((t - safe).exp_()))
-            topb[i].copy_(new_top)
+            if blocks.rows is None:  # whole slices: t is the column shift itself
+                topb[i].copy_(t)
+                if colb is not None:
+                    torch.bmm(ub[i].transpose(1, 2), E, out=colb[i])
+            else:
+                new_top = torch.maximum(topb[i], t)
+                if colb is not None:
+                    safe = new_top.nan_to_num(neginf=0.0) if self.masked else new_top
+                    colb[i].mul_((topb[i] - safe).exp_()).add_(
+                        torch.bmm(ub[i].transpose(1, 2), E).mul_((t - safe).exp_()))
+                topb[i].copy_(new_top)
             if output is not None:
                 torch.bmm(E if dropb is None else E.mul_(dropb[i]), w * Vb[i], out=outb[i]).mul_(ub[i])
             if self.stored:
