@@ -11,7 +11,7 @@ Methods, all on ``(b, h, n, d) = (4, 8, n, 64)`` float32, forward and forward+ba
   iterations unrolled through autograd, every iterate stored;
 * ``ours`` — ``sinkformer.attention`` (the tiled engine, custom ops);
 * ``ours-chunked`` — ``sinkformer.attention(..., chunk_size=c)`` (the streamed engine, no ``n × n`` matrix;
-  ``c`` the automatic choice: blocks of about 2^18 scores, at least 64 query rows);
+  ``c`` the automatic choice: blocks of about 2^19 scores, at least 64 query rows);
 * ``ours-softmax`` — ``sinkformer.attention(..., n_iters=1, backend="tiled")``: SoftMax through the
   tiled engine's passes (``n_iters=1`` alone would run SDPA), what those passes cost without any
   Sinkhorn iteration.
@@ -95,7 +95,7 @@ def make_fn(method: str, n_iters: int):
 
 
 def _chunk(q, k) -> int:
-    """The automatic choice of the streamed engine: blocks of query rows of one slice, about 2^18 scores,
+    """The automatic choice of the streamed engine: blocks of query rows of one slice, about 2^19 scores,
     at least 64 rows."""
     from sinkformer.sinkhorn.problem import stream_rows
 

@@ -25,6 +25,7 @@ def test_views_cover_the_tile_in_block_order(c, n, m, budget):
 
 
 def test_small_slices_are_whole_blocks_large_ones_row_ranges():
-    assert cache_blocks(32, 1024, 1024, 1 << 18).rows is None  # 4 budgets: one block per slice
-    plan = cache_blocks(1, 4096, 4096, 1 << 18)
-    assert plan.rows == 64 and len(plan.index) == 64
+    assert cache_blocks(32, 1024, 1024, 1 << 19).rows is None  # 2 budgets: one block per slice
+    assert cache_blocks(32, 128, 128, 1 << 19).step == 32  # the 32 slices in one block
+    plan = cache_blocks(1, 4096, 4096, 1 << 19)
+    assert plan.rows == 128 and len(plan.index) == 32

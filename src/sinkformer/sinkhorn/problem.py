@@ -68,12 +68,16 @@ TILE_ELEMENTS = 1 << 20
 #: Scores per group on a GPU: a memory budget (512 MiB of float32 per tile), not a cache size.
 GPU_TILE_ELEMENTS = 1 << 27
 #: Scores per cache block of the tiled engine: each pass over a group's tile visits it in blocks of
-#: about this many scores, and runs every product that needs a block while it is in the L2 cache.
-CACHE_BLOCK_ELEMENTS = 1 << 18
+#: about this many scores (2 MiB, a core's L2 on the 2-core EPYC the benchmarks run on), and runs
+#: every product that needs a block while it is in cache. Against 2^18, one thread, CPU time,
+#: forward+backward, 5 iterations, b=4, h=8: n=128 -9 % (one block instead of two), 256 +3 %,
+#: 512 -1 %; b=1, n=4096 (128-row blocks instead of 64) -7 %.
+CACHE_BLOCK_ELEMENTS = 1 << 19
 #: ... but a slice of at most this many budgets is one block: splitting it costs more operations
 #: than the cache saves (2-core Xeon, b=4, h=8, n=1024, 5 iterations, forward+backward: 225 ms in
-#: whole slices, 246 ms in 256-row blocks; n=4096: 64-row blocks, 3.4 s, beat 256-row ones, 3.6 s).
-WHOLE_SLICE_BUDGETS = 4
+#: whole slices, 246 ms in 256-row blocks; on the EPYC whole slices and 256- or 512-row blocks are
+#: within 3 %).
+WHOLE_SLICE_BUDGETS = 2
 #: Scores per row block of the streamed log domain (blocks over all slices: GPUs, building blocks) ...
 BLOCK_ELEMENTS = 1 << 20
 #: ... but at least this many query rows per block: thinner blocks waste the matrix products
