@@ -107,9 +107,10 @@ class Options:
         return cache_blocks(c, n, m, self.block)
 
     def saves_tile(self, B: int, n: int, m: int, device: torch.device) -> bool:
-        """Whether the forward keeps the call's tiles :math:`\tilde K` for the backward (which then
-        recomputes nothing): stored tiles on the CPU, a call of at most :data:`~.problem.SAVED_TILE_SCORES`
-        scores, a fixed ``n_iters >= 2`` and no dropout (the tile then ends the forward as :math:`\tilde K`)."""
+        """Whether the forward keeps the call's tiles :math:`\\tilde K` for the backward (which then
+        recomputes nothing): stored tiles on the CPU, a call of at most
+        :data:`~.problem.SAVED_TILE_SCORES` scores, a fixed ``n_iters >= 2`` and no dropout (the tile
+        then ends the forward as :math:`\\tilde K`)."""
         return (self.stored and self.starts_in_scaling(device) and B * n * m <= problem.SAVED_TILE_SCORES
                 and self.tol is None and self.n_iters >= 2 and not self.dropout_p)
 
@@ -254,8 +255,8 @@ class Tile:
     :math:`\\tilde K = e^{S - m_i - c_j}` block by block. A stored tile holds the first sweep's blocks
     (scaled to :math:`\\tilde K` on their next visit), then :math:`\\tilde K`; a recomputed block goes
     through the same operations (scores, minus the row shift, minus the column shift, exponential), so
-    every recomputation gives the same values. ``shifts``: the saved shifts (the backward), instead of pass 1; ``ready``: ``memory`` already
-    holds the tile's :math:`\tilde K` (kept by the forward)."""
+    every recomputation gives the same values. ``shifts``: the saved shifts (the backward), instead of
+    pass 1; ``ready``: ``memory`` already holds the tile's :math:`\\tilde K` (kept by the forward)."""
 
     def __init__(self, q: Tensor, k: Tensor, masks: Masks, start: int, options: Options, memory: Tensor,
                  shifts: tuple[Tensor, Tensor] | None = None, ready: bool = False):
@@ -515,7 +516,8 @@ def _trustworthy(us: Tensor, vs: Tensor) -> bool:
 
 
 def scaling_backward(tile: Tile, keep: Tensor | None, seed: Tensor | None, us: Tensor, vs: Tensor, counts: Tensor,
-                     dO: Tensor, V: Tensor, out: Tensor, options: Options, grads: tuple[Tensor, Tensor, Tensor]) -> None:
+                     dO: Tensor, V: Tensor, out: Tensor, options: Options,
+                     grads: tuple[Tensor, Tensor, Tensor]) -> None:
     """Gradients of one group in the scaling domain, written into ``grads = (dq, dk, dv)`` (views);
     the passes of the module docstring."""
     c, n, m = tile.shape

@@ -246,8 +246,9 @@ def _sweeps(problem: Streamed, n_iters: int | None, tol: float | None, max_iters
     ``fs = [f1, f3, ..]`` (after each row update), ``gs = [g0, g2, ..]`` (the start, then after
     each column update), ``counts (B,)`` the normalisations of each matrix, ``out = P V`` of the
     final plan when ``v`` is given, ``stop`` the :class:`~.problem.Tolerance` (``None`` for a fixed
-    count; the caller warns about matrices that did not reach ``tol``). ``symmetric``: one row update per iteration followed by
-    :math:`g \\leftarrow \\tfrac12(g + f - \\log b)` (see :func:`streamed_potentials`)."""
+    count; the caller warns about matrices that did not reach ``tol``). ``symmetric``: one row update
+    per iteration followed by :math:`g \\leftarrow \\tfrac12(g + f - \\log b)` (see
+    :func:`streamed_potentials`)."""
     B, n, m = problem.q.shape[0], problem.n, problem.m
     g = torch.zeros(B, m, dtype=problem.q.dtype, device=problem.q.device) if g0 is None else g0
     f = None
