@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ._capture import capturing, exact_path, patched
+
 __all__ = [
     "check_tensor",
     "check_finite",
@@ -35,11 +37,6 @@ def _skip_data_checks(t: torch.Tensor | None = None) -> bool:
     if capturing():
         return True
     return t is not None and t.device.type not in ("cpu", "meta")
-
-
-def capturing() -> bool:
-    """Whether the code runs under graph capture (``torch.compile``, ``torch.export``, ``torch.jit.trace``)."""
-    return torch.jit.is_tracing() or torch.compiler.is_compiling()
 
 
 def data_checks_run(t: torch.Tensor | None, *, on_gpus: bool = False) -> bool:
@@ -182,12 +179,8 @@ def check_scores_fit(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torch
         bound = bound + bias.detach().abs().amax().double()
     fits = bound <= limit
     operands = (q, k) if bias is None else (q, k, bias)
-    if capturing():  # the true maximum only when the bound says it may be needed, inside the graph
-        fits = torch.cond(fits, lambda *xs: torch.ones((), dtype=torch.bool, device=q.device),
-                          lambda *xs: _largest_score(*xs, scale=scale) <= limit,
-                          tuple(x.detach().clone() for x in operands))  # (torch.cond refuses aliased operands: q is k)
-    elif not bool(fits):
-        fits = _largest_score(*operands, scale=scale) <= limit
+    # the true maximum only when the bound says it may be needed (under capture: inside the graph)
+    fits = patched(fits, ~fits, _scores_fit, *(x.detach() for x in operands), scale=scale, limit=limit)
     what = "scale * q.k" if bias is None else "scale * q.k + attn_mask"
     hint = "scale the queries or keys down, or pass a smaller scale"
     require(fits, f"the attention scores overflow {q.dtype}: |{what}| may exceed finfo.max / {SCORE_HEADROOM:g} = "
@@ -196,6 +189,13 @@ def check_scores_fit(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torch
                            f"{_largest_score(*operands, scale=scale).item():.3g} > finfo.max / {SCORE_HEADROOM:g} = "
                            f"{limit:.3g} (scale={scale:g}, largest |q_i| = {_largest_norm(q):.3g}, largest |k_j| = "
                            f"{_largest_norm(k):.3g}); {hint}"))
+
+
+@exact_path
+def _scores_fit(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None = None, *, scale: float,
+                limit: float) -> torch.Tensor:
+    """Whether ``max |scale * (q @ k^T) + bias| <= limit`` (a 0-dim bool tensor)."""
+    return _largest_score(q, k, bias, scale=scale) <= limit
 
 
 def _largest_norm(x: torch.Tensor) -> float:

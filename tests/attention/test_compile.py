@@ -286,3 +286,52 @@ def test_causal_sinkhorn_inductor_fullgraph(n_iters):
     torch.testing.assert_close(out_c, out, atol=1e-5, rtol=0)
     for a, b in zip(grads_c, grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+class _Recorder:
+    """An object the caller writes to around the attention call, as transformers' output recording does."""
+
+    def __init__(self):
+        self.before, self.after = 0, 0
+
+
+@pytest.mark.parametrize("kwargs", [{"n_iters": 3}, {"n_iters": 3, "is_causal": True}, {"n_iters": 2, "is_causal": True}],
+                         ids=["sinkhorn", "causal-3", "causal-2"])
+def test_compiled_calls_keep_the_callers_python_side_effects(kwargs):
+    """Dynamo (torch 2.13) drops the attribute writes that follow a ``torch.cond`` it traces, in the same
+    compiled frame, to objects written before it: with the overflow check's and the causal fallback's
+    ``torch.cond`` traced by Dynamo, a compiled BERT left ``transformers``' output recorder switched on and
+    every later model returned no hidden states. The data-dependent branches are graph nodes
+    (``sinkformer._capture.patched``) that keep them."""
+    q, k, v, _ = qkv_and_padding()
+    recorder = _Recorder()
+
+    def fn(q, k, v):
+        recorder.before = 1
+        out = sinkformer.attention(q, k, v, **kwargs)
+        recorder.after = 2
+        return out
+
+    for backend in ("eager", "aot_eager"):
+        recorder.before = recorder.after = 0
+        torch._dynamo.reset()
+        out = torch.compile(fn, fullgraph=True, backend=backend)(q, k, v)
+        assert (recorder.before, recorder.after) == (1, 2), backend
+        torch.testing.assert_close(out, sinkformer.attention(q, k, v, **kwargs))
+
+
+def test_compiled_overflow_check_takes_the_exact_maximum_when_the_bound_overflows():
+    """|q| |k| overflows float32 but every q.k is 0 (q and k live in orthogonal coordinates): the bound sends
+    the call to the exact maximum, which fits, so the compiled call runs and equals the eager one."""
+    q, k, v, _ = (t.detach() if t.is_floating_point() else t for t in qkv_and_padding())
+    q, k = q.clone(), k.clone()
+    q[..., 4:], k[..., :4] = 0.0, 0.0
+    q[..., 0, 0], k[..., 0, 4] = 1e30, 1e30
+    fn = lambda q, k, v: sinkformer.attention(q, k, v, n_iters=3)  # noqa: E731
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v), fn(q, k, v))
+    aligned = k.clone()
+    aligned[..., 0, 0] = 1e30  # q_0 . k_0 = 1e60
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="scores overflow"):
+        torch.compile(fn, fullgraph=True, backend="aot_eager")(q, aligned, v)

@@ -37,7 +37,7 @@ from .._validation import (
 )
 from ..sinkhorn import sinkhorn
 from ..sinkhorn.causal_blocks import causal_block_attention
-from ..sinkhorn.prefix import patched, prefix_sinkhorn
+from ..sinkhorn.prefix import exact_path, patched, prefix_sinkhorn
 from ..sinkhorn.problem import check_iterations, check_scale, flatten
 from ..sinkhorn.flash import flash_attention
 from ..sinkhorn.streamed import streamed_attention
@@ -149,6 +149,13 @@ def attention(
         return _prepare(q, k, v, **options).run()
 
 
+@exact_path
+def _prefix_attention(q: Tensor, k: Tensor, v: Tensor, *keep: Tensor, scale: float, n_iters: int) -> Tensor:
+    """Causal Sinkhorn attention from :func:`~sinkformer.sinkhorn.prefix.prefix_sinkhorn`'s weights
+    (log domain where sums underflow): ``(B, n, d)`` → ``(B, n, d_v)``; ``keep`` ``(B, n)``."""
+    return prefix_sinkhorn(scale * (q @ k.transpose(-1, -2)), n_iters, mask=keep[0].unsqueeze(-2) if keep else None) @ v
+
+
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast casts matrix products to on ``device_type``, or ``None`` when it is off."""
     try:
@@ -246,9 +253,8 @@ class _Prepared:
         n_iters, scale = self.options["n_iters"], self.scale
         out, inexact = causal_block_attention(q, k, v, keep, scale, n_iters)
         # the rows whose sums underflow, from the log domain: row t of prefix_sinkhorn (read rows <= t only)
-        exact = lambda q, k, v, *keep: prefix_sinkhorn(scale * (q @ k.transpose(-1, -2)), n_iters,  # noqa: E731
-                                                       mask=keep[0].unsqueeze(-2) if keep else None) @ v
-        out = patched(out, inexact.unsqueeze(-1), exact, q, k, v, *(() if keep is None else (keep,)))
+        out = patched(out, inexact.unsqueeze(-1), _prefix_attention, q, k, v, *(() if keep is None else (keep,)),
+                      scale=scale, n_iters=n_iters)
         return out.reshape(batch + (n, self.v.shape[-1])).to(self.out_dtype)
 
     def _dense(self, causal: bool = False) -> Tensor | tuple[Tensor, Tensor]:

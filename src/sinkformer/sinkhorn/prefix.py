@@ -52,7 +52,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from .._validation import _skip_data_checks, broadcastable, capturing, check_positive_int, check_tensor, compute_dtype
+from .._capture import capturing, exact_path, patched
+from .._validation import _skip_data_checks, broadcastable, check_positive_int, check_tensor, compute_dtype
 
 __all__ = ["MARGINALS", "prefix_sinkhorn", "prefix_column_marginals", "log_matmul", "log_cumsum_exp", "cumsum_rows", "scaled_rows",
            "inverse_count_sums", "patched"]
@@ -105,42 +106,15 @@ def prefix_sinkhorn(
     problem = _Prefix.build(scores, mask, marginals, start)
     if start == "rows" and n_iters in (2, 3):
         weights, inexact = _rows_first_in_scaling_domain(problem, n_iters)
-        return patched(weights, inexact.unsqueeze(-1), lambda *t: _log_domain(_Prefix(*t), n_iters, start),
-                       *problem.tensors())
+        return patched(weights, inexact.unsqueeze(-1), _log_domain_of, *problem.tensors(), n_iters=n_iters,
+                       start=start)
     return _log_domain(problem, n_iters, start)
 
 
-def patched(value: Tensor, bad: Tensor, exact: Callable[..., Tensor], *operands: Tensor) -> Tensor:
-    """``torch.where(bad, exact(*operands), value)``, where ``exact`` runs only if some entry is ``bad``.
-
-    Eagerly a Python branch; under graph capture a ``torch.cond``, so that ``torch.compile(fullgraph=True)``
-    and ``torch.export`` trace it with the same results. ``exact`` reads its ``operands`` only (no other
-    tensor). Under capture they enter as contiguous copies with contiguous gradients: ``torch.cond``
-    refuses operands that alias each other and branches whose gradients differ in layout."""
-    if not capturing():
-        return torch.where(bad, exact(*operands), value) if bool(bad.any()) else value
-
-    def replace(v: Tensor, b: Tensor, *xs: Tensor) -> Tensor:
-        return torch.where(b, exact(*(_ContiguousGrad.apply(x) if x.is_floating_point() else x for x in xs)), v)
-
-    copies = tuple(x.clone(memory_format=torch.contiguous_format) for x in (value, bad) + operands)
-    return torch.cond(bad.any(), replace, lambda v, b, *xs: v.clone(), copies)
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """The identity, whose gradient is made contiguous (both branches of a ``torch.cond`` must agree)."""
-
-    @staticmethod
-    def forward(x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        pass
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        return grad.contiguous()
+@exact_path
+def _log_domain_of(*tensors: Tensor, n_iters: int, start: str) -> Tensor:
+    """:func:`_log_domain` of the problem ``_Prefix(*tensors)`` (an exact path of :func:`patched`)."""
+    return _log_domain(_Prefix(*tensors), n_iters, start)
 
 
 def _log_domain(problem: "_Prefix", n_iters: int, start: str) -> Tensor:
@@ -375,7 +349,13 @@ def log_cumsum_exp(y: Tensor, *, needed: Tensor | None = None) -> Tensor:
     (exact for any range, slower on CPUs).
     """
     sums = cumsum_rows(torch.exp(y))
-    return _checked_log(sums, y.shape[-2], needed, lambda bad, y: torch.logcumsumexp(_finite(y, -2), dim=-2), y)
+    return _checked_log(sums, y.shape[-2], needed, _exact_log_cumsum_exp, y)
+
+
+@exact_path
+def _exact_log_cumsum_exp(bad: Tensor, y: Tensor) -> Tensor:
+    """:func:`log_cumsum_exp` by ``torch.logcumsumexp`` (every entry; ``bad`` unused)."""
+    return torch.logcumsumexp(_finite(y, -2), dim=-2)
 
 
 def log_matmul(a: Tensor, b: Tensor, *, needed: Tensor | None = None, shift_b: bool = False) -> Tensor:
@@ -394,8 +374,7 @@ def log_matmul(a: Tensor, b: Tensor, *, needed: Tensor | None = None, shift_b: b
     shift_rows = _finite_max(b) if shift_b else torch.zeros_like(b[..., :1])
     product = torch.exp(a - shift) @ torch.exp(b - shift_rows).transpose(-1, -2)
     shifts = shift + shift_rows.transpose(-1, -2)
-    exact = lambda bad, a, b, shifts: _exact_log_matmul(a, b, bad) - shifts  # noqa: E731
-    return _checked_log(product, a.shape[-1], needed, exact, a, b, shifts) + shifts
+    return _checked_log(product, a.shape[-1], needed, _shifted_exact_log_matmul, a, b, shifts) + shifts
 
 
 def _checked_log(sums: Tensor, terms: int, needed: Tensor | None, exact: Callable[..., Tensor],
@@ -431,6 +410,12 @@ def _finite_max(x: Tensor) -> Tensor:
 
 def _finite_or_zero(m: Tensor) -> Tensor:
     return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+@exact_path
+def _shifted_exact_log_matmul(bad: Tensor, a: Tensor, b: Tensor, shifts: Tensor) -> Tensor:
+    """:func:`log_matmul`'s sums before its shifts are added back, exact at the ``bad`` entries."""
+    return _exact_log_matmul(a, b, bad) - shifts
 
 
 def _exact_log_matmul(a: Tensor, b: Tensor, where: Tensor) -> Tensor:
