@@ -569,7 +569,7 @@ def _time_ratio(row: dict, base: dict) -> float:
 
 
 def cpu_model() -> str:
-    from sinkformer.runs.provenance import cpu_model
+    from sinkformer.provenance import cpu_model
 
     return cpu_model()
 

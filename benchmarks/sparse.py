@@ -237,7 +237,7 @@ def targets(rows: list[dict]) -> list[dict]:
 
 
 def _cpu_model() -> str:
-    from sinkformer.runs.provenance import cpu_model
+    from sinkformer.provenance import cpu_model
 
     return cpu_model()
 

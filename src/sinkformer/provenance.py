@@ -24,7 +24,7 @@ __all__ = ["provenance", "cpu_model", "git_commit", "library_commit", "source_ch
            "NOT_A_CHECKOUT", "WHAT_CHANGES_RESULTS"]
 
 #: The package's folder (``src/sinkformer`` in a source checkout, ``site-packages/sinkformer`` when installed).
-PACKAGE_DIR = Path(__file__).resolve().parents[1]
+PACKAGE_DIR = Path(__file__).resolve().parent
 #: :func:`library_commit` of a package that does not run from its source checkout.
 NOT_A_CHECKOUT = "not a source checkout (an installed package)"
 
@@ -111,7 +111,7 @@ def provenance(command: str | None = None) -> dict[str, Any]:
     import numpy
     import torch
 
-    from .. import __version__
+    from . import __version__
 
     device = "cpu"
     if torch.cuda.is_available():

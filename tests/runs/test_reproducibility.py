@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from sinkformer.runs.provenance import (
+from sinkformer.provenance import (
     NOT_A_CHECKOUT,
     WHAT_CHANGES_RESULTS,
     cpu_model,

@@ -280,7 +280,7 @@ def test_train_refuses_a_resume_with_other_train_options(one_epoch_run, tmp_path
 # --- what a run folder records, and what a stopped run leaves -----------------------------------------------------
 
 def test_train_run_folders_record_provenance(one_epoch_run):
-    from sinkformer.runs.provenance import library_commit
+    from sinkformer.provenance import library_commit
 
     facts = json.loads((one_epoch_run / "provenance.json").read_text())
     assert facts["sinkformer"] == __import__("sinkformer").__version__ and facts["torch"] == torch.__version__

@@ -28,15 +28,6 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    """Old import paths: the modules moved to :mod:`sinkformer.nn`."""
-    if name == "SparseSinkhornAttention":
-        from ..nn.sparse import SparseSinkhornAttention
-
-        return SparseSinkhornAttention
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # ``sinkformer.attention`` (the attribute of the parent package) is the function ``attention`` itself,
 # so that ``sinkformer.attention(q, k, v)`` is a plain function call, which torch.compile traces (it
 # cannot call a module object). The function carries this package's public names and submodules as

@@ -367,11 +367,3 @@ def _block_keep(sorted_valid: Tensor | None, valid_blocks: Tensor | None, b: int
     keep_sorted, keep_local = torch.broadcast_tensors(keep_sorted, keep_local)
     return torch.cat([keep_sorted, keep_local], -1)
 
-
-def __getattr__(name: str):
-    """Old import paths: the modules moved to :mod:`sinkformer.nn.sparse`."""
-    if name in ("SortNet", "SparseSinkhornAttention"):
-        from ..nn import sparse
-
-        return getattr(sparse, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

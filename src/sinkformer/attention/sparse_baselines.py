@@ -95,11 +95,3 @@ def sparse_transformer_attention(
     return attention(q, k, v, normalization="softmax", attn_mask=mask, key_padding_mask=key_padding_mask,
                      scale=scale, dropout_p=dropout_p)
 
-
-def __getattr__(name: str):
-    """Old import path: the module moved to :mod:`sinkformer.nn.sparse`."""
-    if name == "BaselineSelfAttention":
-        from ..nn.sparse import BaselineSelfAttention
-
-        return BaselineSelfAttention
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

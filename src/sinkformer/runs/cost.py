@@ -111,7 +111,7 @@ def cpu_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
 
 def estimate(name: str, *, time_batch: int = 4, config: dict | None = None) -> dict[str, Any]:
     """The cost of ``sinkformer run NAME --full`` (or of ``config``): per workload and in total."""
-    from .provenance import provenance
+    from ..provenance import provenance
     from .registry import get
 
     exp = get(name)

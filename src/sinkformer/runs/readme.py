@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .provenance import require_clean_source
+from ..provenance import require_clean_source
 from .report import markdown_table
 from .verdicts import CLAIM, EXTENSION, KINDS, NOISE, UNCLASSIFIED, VERDICTS, WORSE, Comparison, family_section, tally
 

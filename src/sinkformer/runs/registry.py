@@ -26,6 +26,7 @@ import pkgutil
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,13 +35,13 @@ from typing import Any
 from .._optional import require
 from .._options import did_you_mean
 from ..plotting import save_png
-from .provenance import provenance
+from ..provenance import provenance
 from .report import atomic_write, new_run_dir, render_html
 
 yaml = require("yaml", "run configurations")
 
 __all__ = ["Experiment", "Run", "register", "registry", "get", "parse_overrides", "run_experiment", "on_log",
-           "on_progress", "progress_beat"]
+           "on_progress", "progress_beat", "on_device"]
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,20 @@ def on_progress(listener: Callable[[], None]) -> Iterator[None]:
         _PROGRESS_LISTENERS.remove(listener)
 
 
+#: The device of the experiment being run (``sinkformer run --device``); ``"auto"``: CUDA when present.
+_DEVICE: ContextVar[str] = ContextVar("device", default="auto")
+
+
+@contextmanager
+def on_device(device: str):
+    """Every :func:`~.training.fit` in the block trains on ``device`` (unless its options name one)."""
+    token = _DEVICE.set(device)
+    try:
+        yield
+    finally:
+        _DEVICE.reset(token)
+
+
 def progress_beat() -> None:
     """Tell the :func:`on_progress` listeners that the running experiment moved on (a step, a row)."""
     for listener in list(_PROGRESS_LISTENERS):
@@ -280,8 +295,6 @@ def run_experiment(
     device and ``command`` — by default this process's command line), ``metrics.csv``,
     ``results.json``, figures and ``report.md``/``report.html``. ``device``: where every model trains
     (``"auto"``: CUDA when present, else the CPU)."""
-    from .training import on_device
-
     exp = get(name)
     config = dict(exp.defaults)
     if full:

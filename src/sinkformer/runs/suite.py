@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from ..plotting import pyplot
-from .provenance import WHAT_CHANGES_RESULTS, provenance
+from ..provenance import WHAT_CHANGES_RESULTS, provenance
 from .._optional import require
 from .._options import did_you_mean
 from .registry import on_log, on_progress, registry, run_experiment

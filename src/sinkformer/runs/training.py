@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Callable
 
@@ -12,23 +10,9 @@ import torch
 from .._optional import require
 from ..data import DataBundle
 from ..training import Callback, TrainConfig, TrainResult, train
-from .registry import Run, progress_beat
+from .registry import _DEVICE, Run, on_device, progress_beat
 
 __all__ = ["fit", "training_seconds", "on_device"]
-
-#: The device of the experiment being run (``sinkformer run --device``); ``"auto"``: CUDA when present.
-_DEVICE: ContextVar[str] = ContextVar("device", default="auto")
-
-
-@contextmanager
-def on_device(device: str):
-    """Every :func:`fit` in the block trains on ``device`` (unless its options name one)."""
-    token = _DEVICE.set(device)
-    try:
-        yield
-    finally:
-        _DEVICE.reset(token)
-
 
 class _EpochBar(Callback):
     """One progress bar per training run, advanced per epoch, showing the latest test metrics; with

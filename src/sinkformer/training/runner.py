@@ -433,7 +433,7 @@ def _check_resume(out_dir: Path, plan: Plan, allow_schedule_changes: bool) -> di
 def _record_start(out_dir: Path, resume: bool, changes: dict[str, list]) -> None:
     """``provenance.json`` for a new run; for a resume, a line of ``resumes.jsonl`` (when, from which
     checkpoint, the options it changed, its own provenance): the start's provenance stays as it was."""
-    from ..runs.provenance import provenance
+    from ..provenance import provenance
 
     facts = provenance()
     if not resume or not (out_dir / PROVENANCE_FILE).exists():
