@@ -143,3 +143,22 @@ def test_the_committed_digest_comes_from_a_clean_commit_of_this_history():
         pytest.skip("a shallow clone: the digest's commit may be outside the fetched history")
     ancestor = subprocess.run(["git", "-C", str(root), "merge-base", "--is-ancestor", commit, "HEAD"])
     assert ancestor.returncode == 0, f"the digest's commit {commit} is not an ancestor of HEAD"
+
+
+#: What the quick forms' numbers depend on besides the library: the experiments and their shipped configs.
+EXPERIMENT_CODE = ("src/sinkformer/experiments", "src/sinkformer/configs")
+
+
+def test_no_experiment_changed_since_the_committed_digest():
+    """The experiments and their configs are as they were at the digest's commit (else: regenerate it)."""
+    from sinkformer.runs.readme import DIGEST
+
+    root = source_checkout()
+    if root is None or _git(root, "rev-parse", "--is-shallow-repository") == "true":
+        pytest.skip("no full history of sinkformer's checkout to compare the digest's commit with")
+    commit = json.loads(DIGEST.read_text())["provenance"]["git_commit"]
+    changed = subprocess.run(["git", "-C", str(root), "diff", "--name-only", commit, "HEAD", "--", *EXPERIMENT_CODE],
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert not changed, (f"experiment code changed since the committed digest's commit {commit[:12]}: {changed}; "
+                         "commit, run `sinkformer run` from the clean tree and `python -m sinkformer.runs.readme "
+                         "digest runs/summary/<time>`, then `python -m sinkformer.runs.readme render`")
