@@ -74,3 +74,19 @@ def test_regeneration_changes_the_flow_only_when_a_new_layer_starts():
     assert torch.equal(fixed.energy_systems, late.energy_systems)
     assert torch.equal(fixed.energy_systems[1], redrawn.energy_systems[1])  # t = 0.5: still the first layer
     assert not torch.allclose(fixed.energy_systems[-1], redrawn.energy_systems[-1])
+
+
+@pytest.mark.parametrize("ensemble, regenerate_every", [("identity", None), ("gaussian", 0.5)])
+def test_chunks_of_systems_give_the_results_of_one_batch(ensemble, regenerate_every):
+    """Systems are simulated in chunks (on a CPU, to stay in the caches): every field equals the one-batch
+    diagram's bit for bit, and progress rises once from 0 to t1."""
+    kwargs = dict(n_systems=10, n_tokens=8, d=3, t1=1.5, dt=0.1, record_every=3, ensemble=ensemble,
+                  regenerate_every=regenerate_every)
+    whole = phase_diagram("softmax", [0.0, 1.0, 4.0], systems_per_chunk=10, **kwargs)
+    times = []
+    chunked = phase_diagram("softmax", [0.0, 1.0, 4.0], systems_per_chunk=3, progress=times.append, **kwargs)
+    for name in ("times", "single_cluster", "n_clusters", "span_dimension", "energy", "energy_systems"):
+        assert torch.equal(getattr(whole, name).nan_to_num(), getattr(chunked, name).nan_to_num()), name
+    assert times[0] == 0.0 and times[-1] == pytest.approx(1.5) and all(a < b for a, b in zip(times, times[1:]))
+    with pytest.raises(ValueError, match="systems_per_chunk"):
+        phase_diagram("softmax", [1.0], systems_per_chunk=0, **kwargs)
