@@ -3,8 +3,8 @@
 PyTorch's CPU kernels split each operation over a pool of threads that wait for one another at
 its end. When other processes keep some of the cores busy, one of those threads is often off its
 core, and every operation waits for it: on a 2-core machine with one busy process beside it, a
-2-thread training epoch of a small model took about 8× as long as alone, a 1-thread epoch about
-as long as alone. So the ``sinkformer`` commands give torch one thread per core that is *not*
+2-thread training epoch of a small model takes several times as long as alone, a 1-thread epoch
+about as long as alone (``python -m benchmarks sharing``; benchmarks/results/sharing.md). So the ``sinkformer`` commands give torch one thread per core that is *not*
 busy with other processes (:func:`free_cores`: the kernel's CPU counters over a fraction of a
 second, this process's own time taken out) and, while ``sinkformer train`` runs, follow the other
 processes' load (:class:`FollowFreeCores`). ``--threads N`` fixes the count instead.
