@@ -31,13 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._capture import exact_path, patched
 from .._validation import (
     capturing, check_choice, check_finite, check_positive_int, check_qkv, check_scores_fit, check_tensor,
     compute_dtype, data_checks_run, require,
 )
 from ..sinkhorn import sinkhorn
 from ..sinkhorn.causal_blocks import causal_block_attention
-from ..sinkhorn.prefix import exact_path, patched, prefix_sinkhorn
+from ..sinkhorn.prefix import prefix_sinkhorn
 from ..sinkhorn.problem import check_iterations, check_scale, flatten
 from ..sinkhorn.flash import flash_attention
 from ..sinkhorn.streamed import streamed_attention

@@ -56,7 +56,7 @@ from .._capture import capturing, exact_path, patched
 from .._validation import _skip_data_checks, broadcastable, check_positive_int, check_tensor, compute_dtype
 
 __all__ = ["MARGINALS", "prefix_sinkhorn", "prefix_column_marginals", "log_matmul", "log_cumsum_exp", "cumsum_rows", "scaled_rows",
-           "inverse_count_sums", "patched"]
+           "inverse_count_sums"]
 
 MARGINALS = ("causal", "uniform")
 _EXACT_CHUNK = 1 << 22  # terms per chunk of the exact log-sum-exp fallback
