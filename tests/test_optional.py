@@ -71,3 +71,42 @@ def test_require_returns_the_module_and_reraises_unrelated_errors(monkeypatch):
     assert require("json") is json
     with pytest.raises(ModuleNotFoundError, match="no_such_module_xyz"):
         require("no_such_module_xyz")
+
+
+def _extras_in_pyproject() -> dict[str, set[str]]:
+    """Each extra of pyproject.toml -> the distributions it installs, included extras resolved (lowercase names)."""
+    import re
+    from pathlib import Path
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    if not pyproject.exists():
+        pytest.skip("not running from sinkformer's source checkout")
+    declared = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+
+    def resolve(extra: str) -> set[str]:
+        names = set()
+        for requirement in declared[extra]:
+            included = re.fullmatch(r"sinkformer\[(.*)\]", requirement.strip())
+            if included:
+                names |= {d for e in included.group(1).split(",") for d in resolve(e.strip())}
+            else:
+                names.add(re.split(r"[<>=!;\[ ]", requirement, maxsplit=1)[0].lower())
+        return names
+
+    return {extra: resolve(extra) for extra in declared}
+
+
+def test_each_extra_installs_the_modules_the_code_says_it_brings():
+    """_optional.EXTRA_MODULES (what the errors tell users to install) agrees with pyproject.toml; the
+    experiments extra brings transformers, which `sinkformer run`'s hidden-states experiment needs."""
+    from sinkformer._optional import EXTRA_MODULES
+
+    installed = _extras_in_pyproject()
+    for extra, modules in EXTRA_MODULES.items():
+        wanted = {EXTRAS[m][0].lower() for m in modules}
+        assert wanted <= installed[extra], f"extra {extra!r} lacks {sorted(wanted - installed[extra])}"
+    assert "transformers" in installed["experiments"]

@@ -6,7 +6,7 @@ distances and the Hugging Face integration need more; :func:`require` imports su
 when it is missing, raises an ``ImportError`` saying which extra brings it::
 
     pip install 'sinkformer[train]'        # trainer, datasets, checkpoints, `sinkformer train`
-    pip install 'sinkformer[experiments]'  # + figures, reports, statistics: `sinkformer run`
+    pip install 'sinkformer[experiments]'  # + dynamics, hf, figures, reports, statistics: `sinkformer run`
     pip install 'sinkformer[dynamics]'     # OT distances and figures of the dynamics toolkit
     pip install 'sinkformer[hf]'           # the Hugging Face backend
     pip install 'sinkformer[all]'          # everything
@@ -47,7 +47,7 @@ EXTRA_MODULES = {
     "hf": ["transformers"],
     "tensorboard": ["tensorboard"],
 }
-EXTRA_MODULES["experiments"] = EXTRA_MODULES["train"] + EXTRA_MODULES["dynamics"] + ["scipy", "markdown"]
+EXTRA_MODULES["experiments"] = EXTRA_MODULES["train"] + EXTRA_MODULES["dynamics"] + EXTRA_MODULES["hf"] + ["scipy", "markdown"]
 
 
 class MissingExtra(ImportError):
