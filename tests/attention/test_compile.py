@@ -154,11 +154,16 @@ def test_no_host_synchronisation_on_cuda(n_iters):
 @pytest.mark.parametrize("n_iters", [pytest.param(2, marks=pytest.mark.slow), 3, 5])
 def test_causal_sinkhorn_compiles_fullgraph(n_iters):
     """2-3 iterations (row blocks), 5 (log-sum-exp matrix products): no data-dependent branch left."""
+    assert_causal_compiled_equals_eager(n_iters, "aot_eager", out_atol=1e-6)
+
+
+def assert_causal_compiled_equals_eager(n_iters, backend, *, out_atol):
+    """Causal Sinkhorn with key padding compiled with ``fullgraph=True``: outputs and gradients of eager mode."""
     q, k, v, pad = qkv_and_padding()
     fn = lambda q, k, v, pad: sinkformer.attention(q, k, v, is_causal=True, n_iters=n_iters,  # noqa: E731
                                                    key_padding_mask=pad)
-    (out, grads), (out_c, grads_c) = eager_and_compiled(fn, (q, k, v, pad), "aot_eager")
-    torch.testing.assert_close(out_c, out, atol=1e-6, rtol=0)
+    (out, grads), (out_c, grads_c) = eager_and_compiled(fn, (q, k, v, pad), backend)
+    torch.testing.assert_close(out_c, out, atol=out_atol, rtol=0)
     for a, b in zip(grads_c, grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
@@ -279,13 +284,7 @@ def test_checks_survive_export():
 @pytest.mark.skipif(COMPILER is None, reason="inductor needs a C++ compiler, none found")
 @pytest.mark.parametrize("n_iters", [3, 5])
 def test_causal_sinkhorn_inductor_fullgraph(n_iters):
-    q, k, v, pad = qkv_and_padding()
-    fn = lambda q, k, v, pad: sinkformer.attention(q, k, v, is_causal=True, n_iters=n_iters,  # noqa: E731
-                                                   key_padding_mask=pad)
-    (out, grads), (out_c, grads_c) = eager_and_compiled(fn, (q, k, v, pad), "inductor")
-    torch.testing.assert_close(out_c, out, atol=1e-5, rtol=0)
-    for a, b in zip(grads_c, grads):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert_causal_compiled_equals_eager(n_iters, "inductor", out_atol=1e-5)
 
 
 class _Recorder:
