@@ -179,8 +179,8 @@ def check_scores_fit(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torch
         bound = bound + bias.detach().abs().amax().double()
     fits = bound <= limit
     operands = (q, k) if bias is None else (q, k, bias)
-    # the true maximum only when the bound says it may be needed (under capture: inside the graph)
-    fits = patched(fits, ~fits, _scores_fit, *(x.detach() for x in operands), scale=scale, limit=limit)
+    if capturing() or not bool(fits):  # the true maximum only when the bound may overflow (under capture: in the graph)
+        fits = patched(fits, ~fits, _scores_fit, *(x.detach() for x in operands), scale=scale, limit=limit)
     what = "scale * q.k" if bias is None else "scale * q.k + attn_mask"
     hint = "scale the queries or keys down, or pass a smaller scale"
     require(fits, f"the attention scores overflow {q.dtype}: |{what}| may exceed finfo.max / {SCORE_HEADROOM:g} = "
