@@ -267,11 +267,11 @@ def test_auto_streams_above_the_threshold(monkeypatch):
     ("sdpa", {}, "engine 'sdpa' computes SoftMax only .* n_iters=5"),
     ("tiled", {"return_weights": True}, "return_weights=True .* engine 'tiled'"),
     ("streamed", {"dropout_p": 0.1}, "dropout_p=0.1 is not served by engine 'streamed'"),
-    ("dense", {"backward": "implicit"}, "backward='implicit' is served by engines 'tiled' and 'flash' only, not 'dense'"),
+    ("dense", {"backward": "implicit"}, "backward='implicit' is not served by engine 'dense'; engines 'flash' and 'tiled' serve it"),
     ("causal", {}, "engine 'causal' serves is_causal=True only"),
-    ("tiled", {"is_causal": True}, "is_causal=True with Sinkhorn attention .* served by engine 'causal' only"),
+    ("tiled", {"is_causal": True}, "is_causal=True with Sinkhorn attention .* not served by engine 'tiled'; engine 'causal' serves it"),
     ("tiled", {"normalization": "relu"}, "engine 'tiled' computes Sinkhorn attention, got normalization='relu'"),
-    ("dense", {"chunk_size": 4}, "chunk_size is an option of the streamed engine"),
+    ("dense", {"chunk_size": 4}, "chunk_size=4 is not served by engine 'dense'; engine 'streamed' serves it"),
     ("fast", {}, "backend must be one of"),
 ])
 def test_a_forced_engine_that_cannot_serve_raises_with_the_reason(backend, kwargs, words):
@@ -281,7 +281,8 @@ def test_a_forced_engine_that_cannot_serve_raises_with_the_reason(backend, kwarg
 
 
 def test_engine_names_are_one_per_concept():
-    assert backends.ENGINES == ("sdpa", "dense", "tiled", "streamed", "causal", "flash")
+    # in "auto"'s priority order
+    assert backends.ENGINES == ("sdpa", "causal", "flash", "streamed", "tiled", "dense")
     assert backends.BACKENDS == ("auto",) + backends.ENGINES
     assert math.isfinite(backends.STREAM_ABOVE)
 
@@ -423,15 +424,15 @@ def test_scores_near_the_limit_are_served(backend, kwargs):
 
 def test_explain_states_the_cubic_cost_of_causal_sinkhorn_and_a_call_warns_once(monkeypatch):
     """Issue 23.11: n_iters >= 4 is O(n^3) (53 s and 6 GB at n = 4096 against 0.3 GB at n_iters = 3)."""
-    from sinkformer.attention import functional
+    from sinkformer.attention import engines
 
     x = torch.randn(2, 40, 4)
     three, five = (attention.explain(x, x, x, is_causal=True, n_iters=n) for n in (3, 5))
     assert "O(n^2)" in three.reason and "O(n^3)" not in three.reason
     assert "n_iters=5 >= 4 costs O(n^3) time" in five.reason and "n_iters <= 3 is O(n^2)" in five.reason
     assert "O(n^3)" in attention.explain(x, x, x, is_causal=True, n_iters=4, backend="causal").reason
-    monkeypatch.setattr(functional, "CUBIC_WARN_FROM", 2 * 40**3 * 2)  # "where it matters", scaled down
-    monkeypatch.setattr(functional, "_cubic_warned", False)
+    monkeypatch.setattr(engines, "CUBIC_WARN_FROM", 2 * 40**3 * 2)  # "where it matters", scaled down
+    monkeypatch.setattr(engines, "_cubic_warned", False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         attention(x, x, x, is_causal=True, n_iters=4)  # 2 * 40^3 * 1 multiply-adds: not yet

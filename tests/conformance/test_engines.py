@@ -3,8 +3,9 @@
 Each cell runs one engine (``backend=``) on one case and either matches the dense engine in
 float64 — forward, first and second derivatives — to the tolerance of its dtype, or raises a
 ``ValueError``/``NotImplementedError`` naming the argument it cannot serve and the engine. Which
-cells may raise is stated once, in ``UNSERVED``; an engine that raises elsewhere, or returns a
-NaN or a different answer anywhere, fails. A new engine joins by being listed in ``ENGINES``.
+cells must raise is read off the engine registry's capabilities, once (``UNSERVED``); an engine that
+raises elsewhere, or returns a NaN or a different answer anywhere, fails. A new engine joins by being
+listed in ``ENGINES``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 import sinkformer
 from sinkformer import SinkhornConvergenceWarning, attention
+from sinkformer.attention import backends
 from sinkformer.sinkhorn import flash, tiled
 
 #: engine name -> keyword arguments of ``attention`` that select it. "tiled-log" is the tiled
@@ -31,17 +33,30 @@ ENGINES = {
     "flash": {"backend": "flash"},
     "causal": {"backend": "causal"},
 }
-#: engine -> the features it does not serve (it must raise, naming the argument and the engine)
-UNSERVED = {
+#: feature of a case -> whether an engine serves it, read off its capabilities in the registry
+SERVES = {
+    "iterations": lambda e: e.iterations,
+    "return_weights": lambda e: e.return_weights,
+    "measure": lambda e: e.measure_weights,
+    "bias_grad": lambda e: e.learned_bias,
+    "implicit": lambda e: e.implicit_backward,
+    "noncausal": lambda e: e.causal != "prefix",
+}
+#: engine -> the features it does not serve (it must raise, naming the argument and the engine): the
+#: registry's capabilities, which the grid holds the engines to (a capability claimed but not served fails)
+UNSERVED = {name: {f for f, serves in SERVES.items() if not serves(backends.engine(kw.get("backend", "tiled")))}
+            for name, kw in ENGINES.items() if name != "auto"} | {"auto": set()}
+#: what the registry says, written out once more: a capability that changes must change here too
+assert UNSERVED == {
     "auto": set(),
-    "sdpa": {"iterations", "return_weights", "measure"},
+    "sdpa": {"iterations", "return_weights", "measure", "implicit"},
     "dense": {"implicit"},
     "tiled": {"return_weights", "measure", "bias_grad"},
     "tiled-log": {"return_weights", "measure", "bias_grad"},
     "streamed": {"return_weights", "measure", "bias_grad", "implicit"},
     "flash": {"return_weights", "measure", "bias_grad"},
-    "causal": {"noncausal"},
-}
+    "causal": {"noncausal", "measure", "implicit"},
+}, UNSERVED
 #: the argument an error must name for each feature
 ARGUMENT = {"iterations": "n_iters", "return_weights": "return_weights", "measure": "key_weights",
             "bias_grad": "attn_mask", "implicit": "backward", "noncausal": "is_causal"}

@@ -1,50 +1,43 @@
-"""Which engine serves an attention call: the one table behind ``backend="auto"``.
+"""Which engine serves an attention call: a registry of engines whose capabilities are data.
 
-Engines (one name per concept, the same in code, errors and docs):
+Each engine is one :class:`Engine` record — its name, what it serves (the capability fields), the
+sentence ``"auto"`` gives when it picks it, and the function that runs a validated call — added by
+:func:`register`. The built-in engines register in :mod:`.engines`; a new engine is one module that
+defines its ``run`` and one ``register(Engine(...))`` line (``tests/attention/test_engine_registry.py``
+adds one).
 
-=============  ====================================================================================
-``"sdpa"``     PyTorch's fused ``scaled_dot_product_attention``: SoftMax, and Sinkhorn with
-               ``n_iters=1`` (exactly SoftMax).
-``"dense"``    the ``n_q × n_k`` weights materialised, autograd through the log-domain iterations
-               (:mod:`sinkformer.sinkhorn.dense`, the reference): every normalisation and option,
-               :math:`O(n_q n_k\\cdot n\\_iters)` memory when differentiated.
-``"tiled"``    Sinkhorn on cached tiles with a custom backward (:mod:`sinkformer.sinkhorn.tiled`):
-               :math:`O(n)` saved per slice; dropout and ``backward="implicit"``.
-``"streamed"`` Sinkhorn streamed over row blocks (:mod:`sinkformer.sinkhorn.streamed`): never an
-               ``n_q × n_k`` tile, for long sequences.
-``"flash"``    fused Triton kernels (:mod:`sinkformer.sinkhorn.flash`): never an ``n_q × n_k``
-               matrix, exact custom backward; CUDA tensors (CPU ones under Triton's interpreter).
-``"causal"``   causal Sinkhorn (``is_causal=True``): row :math:`t` is row :math:`t` of the balanced
-               prefix :math:`0..t` (:mod:`sinkformer.sinkhorn.prefix`). 2 or 3 iterations with at
-               most key padding: row blocks, never an ``n × n`` matrix, custom backward
-               (:mod:`sinkformer.sinkhorn.causal_blocks`); otherwise weights materialised,
-               autograd, :math:`O(n^2)` for ``n_iters <= 3``; from 4 on :math:`O(n^3)` time (one
-               log-sum-exp matrix product per further normalisation), which :func:`causal_cost`
-               states and a one-time warning announces at sizes where it matters.
-=============  ====================================================================================
-
-:func:`choose` applies the rules of ``"auto"`` in order and checks a forced engine against
-:func:`unsupported`; :func:`sinkformer.attention.explain` shows the result for a call.
+* :func:`reasons` lists *every* reason an engine cannot serve a call, read off its capabilities
+  (one generic function, no engine names in it);
+* :func:`choose` is ``"auto"``: the registry in priority order, the first engine that prefers the
+  call and can serve it; or a forced engine, refused with all its reasons;
+* :func:`engine_table` renders the capabilities as the Markdown tables of ``docs/api.md`` and
+  ``docs/architecture.md`` (a test holds the pages equal to it);
+* :func:`sinkformer.attention.explain` shows the choice for a call, with the reasons of every
+  engine passed over.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 
 import torch
+from torch import Tensor
 
-from ..sinkhorn.flash import unavailable as flash_unavailable
 from ..sinkhorn.problem import STREAM_ABOVE
 
-__all__ = ["BACKENDS", "ENGINES", "Call", "Choice", "choose", "unsupported", "causal_cost"]
+__all__ = [
+    "BACKENDS", "ENGINES", "Engine", "Call", "Prepared", "Choice", "register", "unregister", "engine",
+    "reasons", "unsupported", "choose", "causal_cost", "engine_table",
+]
 
-ENGINES = ("sdpa", "dense", "tiled", "streamed", "causal", "flash")
-BACKENDS = ("auto",) + ENGINES
+#: Normalisations computed from the materialised scores entry by entry (no normalisation at all).
+POINTWISE = ("linear", "sigmoid", "relu")
 
 
 @dataclass(frozen=True)
 class Call:
-    """What the choice depends on (shapes, options), read off a validated call."""
+    """The scalar options of a validated call: what the choice and the engines read (no tensors)."""
 
     normalization: str
     n_iters: int | None
@@ -64,6 +57,10 @@ class Call:
     dtype: torch.dtype | None = None
     head_dim: int | None = None
     value_dim: int | None = None
+    max_iters: int = 1000
+    #: ``"dot"``, or ``"l2"`` for the pointwise normalisations (SoftMax and Sinkhorn run L2 as a dot
+    #: product on augmented vectors, so they always see ``"dot"``)
+    cost: str = "dot"
 
     @property
     def softmax(self) -> bool:
@@ -72,114 +69,248 @@ class Call:
             self.normalization == "sinkhorn" and self.tol is None and self.n_iters == 1
         )
 
+    @property
+    def iterations(self) -> bool:
+        """Sinkhorn with a column normalisation: ``n_iters >= 2`` or ``tol=``."""
+        return self.normalization == "sinkhorn" and not self.softmax
+
+    @property
+    def scores(self) -> int:
+        """Scores of one slice, ``n_q * n_k``."""
+        return self.n_q * self.n_k
+
+
+@dataclass
+class Prepared:
+    """A validated call, as every engine receives it: the operands in compute precision (``(*batch,
+    n, d)``; L2 costs of SoftMax/Sinkhorn already augmented into dot products), the masks combined into
+    ``keep`` (bool, True = take part) and ``bias`` (float), the measure weights normalised, the scalar
+    options (``call``) and the chosen engine."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    batch: tuple[int, ...]
+    keep: Tensor | None
+    bias: Tensor | None
+    wk: Tensor | None
+    wq: Tensor | None
+    scale: float
+    call: Call
+    out_dtype: torch.dtype
+    choice: Choice
+    key_padding_mask: Tensor | None = None
+    #: the causal mask is the only one: SDPA's own ``is_causal`` (no ``n_q x n_k`` mask formed)
+    sdpa_is_causal: bool = False
+
 
 @dataclass(frozen=True)
 class Choice:
-    """The engine that serves a call, and why."""
+    """The engine that serves a call, why, and why each engine before it in the registry did not."""
 
     engine: str
     reason: str
+    #: engine -> every reason it cannot serve the call (the engines ``"auto"`` passed over)
+    passed_over: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False)
 
     def __str__(self) -> str:
         return f"{self.engine}: {self.reason}"
 
 
-def unsupported(engine: str, call: Call) -> str | None:
-    """Why ``engine`` cannot serve ``call`` (a sentence naming the argument), or ``None``."""
-    if call.causal and not call.softmax and engine != "causal":
-        return (f"is_causal=True with Sinkhorn attention (n_iters={call.n_iters}) is served by engine 'causal' only "
-                f"(every prefix balanced on its own), not {engine!r}")
-    if engine == "causal":
-        return _unsupported_causal(call)
-    if engine == "sdpa":
-        if not call.softmax:
-            what = f"normalization={call.normalization!r}"
-            if call.normalization == "sinkhorn":
-                what += f" with n_iters={call.n_iters}" if call.tol is None else f" with tol={call.tol}"
-            return f"engine 'sdpa' computes SoftMax only (normalization='softmax' or n_iters=1), got {what}"
-    elif engine in ("tiled", "streamed", "flash") and call.normalization != "sinkhorn":
-        return (f"engine {engine!r} computes Sinkhorn attention, got normalization={call.normalization!r} "
-                "(use backend='dense', or 'sdpa' for SoftMax)")
-    if engine != "dense":
-        if call.return_weights:
-            return f"return_weights=True needs the n_q x n_k weights, which engine {engine!r} never forms; use backend='dense'"
-        if call.measure_weights:
-            return f"key_weights/query_weights are served by the dense engine only, not {engine!r}; use backend='dense'"
-    if engine in ("tiled", "streamed", "flash") and call.bias_requires_grad:
-        return (f"a float attn_mask that requires grad (a learned bias) is differentiated on the dense engine only, "
-                f"not {engine!r}; use backend='dense' or detach the mask")
-    if call.chunk_size is not None and engine != "streamed":
-        return f"chunk_size is an option of the streamed engine, got chunk_size={call.chunk_size} with engine {engine!r}"
-    if engine in ("streamed", "flash") and call.dropout_p > 0:
-        return f"dropout_p={call.dropout_p} is not served by engine {engine!r}; use backend='tiled' or 'dense'"
-    if call.backward == "implicit" and not call.softmax and engine not in ("tiled", "flash"):
-        return (f"backward='implicit' is served by engines 'tiled' and 'flash' only, not {engine!r}; "
-                "use backward='unrolled'")
-    if engine == "flash":
-        return flash_unavailable(call.device, call.dtype, call.head_dim, call.value_dim)
-    return None
+@dataclass(frozen=True)
+class Engine:
+    """An attention engine: what it serves, as data, and how it runs.
+
+    Capabilities (``True`` = served). A call that needs one the engine lacks is refused with a
+    sentence naming the argument; :func:`reasons` reads them and nothing else, except ``limits``.
+    """
+
+    name: str
+    #: one line for the engine tables: what it computes and how
+    summary: str
+    #: memory of the engine, for the tables
+    memory: str
+    #: ``run(prepared) -> out`` (or ``(out, weights)`` with ``return_weights``): ``(*batch, n_q, d_v)``
+    #: in ``prepared.out_dtype``; never called on empty shapes
+    run: Callable[[Prepared], Tensor | tuple[Tensor, Tensor]] = field(repr=False)
+    #: ``normalization=`` values it computes (``"sinkhorn"`` with one normalisation is SoftMax)
+    normalizations: tuple[str, ...] = ("sinkhorn",)
+    #: Sinkhorn with a column normalisation (``n_iters >= 2`` or ``tol``); False: SoftMax only
+    iterations: bool = True
+    #: ``tol=`` (iterate to a column error)
+    tol: bool = True
+    #: ``"mask"``: ``is_causal=True`` served for SoftMax only (a mask); ``"prefix"``: causal Sinkhorn
+    #: only (every prefix balanced on its own, :mod:`sinkformer.sinkhorn.prefix`)
+    causal: str = "mask"
+    #: ``backward="implicit"`` for Sinkhorn iterations
+    implicit_backward: bool = False
+    #: ``return_weights=True``
+    return_weights: bool = False
+    #: ``key_weights=`` / ``query_weights=``
+    measure_weights: bool = False
+    #: ``dropout_p > 0``
+    dropout: bool = False
+    #: a float ``attn_mask`` that requires grad
+    learned_bias: bool = False
+    #: ``chunk_size=`` (query rows per block)
+    chunk_size: bool = False
+    #: devices it runs on; ``None``: any device PyTorch runs on
+    devices: tuple[str, ...] | None = None
+    #: second derivatives (``create_graph=True``), and how
+    double_backward: str = "exact (autograd)"
+    #: takes half-precision operands as given (its kernels accumulate in float32): no float32 copies
+    half_operands: bool = False
+    #: ``prefers(call) -> sentence | None``: when ``"auto"`` picks this engine (if it can serve the call), and why
+    prefers: Callable[[Call], str | None] = field(default=lambda call: None, repr=False)
+    #: ``limits(call) -> sentence | None``: a limit beyond the capabilities (a missing package, a dtype
+    #: or head dimension without compiled kernels), or ``None``
+    limits: Callable[[Call], str | None] | None = field(default=None, repr=False)
+    #: ``cost(call) -> sentence``: what the call costs on this engine, added to the choice's reason
+    cost: Callable[[Call], str] | None = field(default=None, repr=False)
+    #: the module that implements it, for the tables
+    module: str = ""
 
 
-def _unsupported_causal(call: Call) -> str | None:
-    if not call.causal:
-        return "engine 'causal' serves is_causal=True only (each prefix balanced on its own); pass is_causal=True"
-    if call.normalization != "sinkhorn" or call.softmax:
-        return f"engine 'causal' computes causal Sinkhorn attention with n_iters >= 2, got normalization={call.normalization!r}" + (
-            f" with n_iters={call.n_iters}" if call.normalization == "sinkhorn" else "")
-    if call.measure_weights:
-        return "key_weights/query_weights are served by the dense engine only, not 'causal'"
-    if call.backward != "unrolled":
-        return f"backward={call.backward!r} is not served by engine 'causal'; use backward='unrolled'"
-    if call.chunk_size is not None:
-        return f"chunk_size is an option of the streamed engine, got chunk_size={call.chunk_size} with engine 'causal'"
-    return None
+_REGISTRY: dict[str, Engine] = {}
+
+
+def register(engine: Engine, *, before: str | None = None) -> Engine:
+    """Add ``engine`` to the registry, last in ``"auto"``'s priority order or just before the engine
+    named ``before``; returns it. A name already registered raises ``ValueError``."""
+    if engine.name in _REGISTRY or engine.name == "auto":
+        raise ValueError(f"engine name {engine.name!r} is already taken; registered: {', '.join(_REGISTRY)}")
+    if before is not None and before not in _REGISTRY:
+        raise ValueError(f"before must name a registered engine ({', '.join(_REGISTRY)}), got {before!r}")
+    items = list(_REGISTRY.items())
+    at = len(items) if before is None else [name for name, _ in items].index(before)
+    items.insert(at, (engine.name, engine))
+    _REGISTRY.clear()
+    _REGISTRY.update(items)
+    return engine
+
+
+def unregister(name: str) -> Engine:
+    """Remove the engine ``name`` from the registry (returns it)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"no engine named {name!r}; registered: {', '.join(_REGISTRY)}")
+    return _REGISTRY.pop(name)
+
+
+def engine(name: str) -> Engine:
+    """The registered engine ``name``."""
+    return _REGISTRY[name]
+
+
+def engines() -> tuple[Engine, ...]:
+    """The registered engines, in ``"auto"``'s priority order."""
+    return tuple(_REGISTRY.values())
+
+
+def __getattr__(name: str):
+    # ENGINES and BACKENDS follow the registry (an engine registered later is listed too)
+    if name == "ENGINES":
+        return tuple(_REGISTRY)
+    if name == "BACKENDS":
+        return ("auto",) + tuple(_REGISTRY)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def reasons(engine: Engine, call: Call) -> tuple[str, ...]:
+    """Every reason ``engine`` cannot serve ``call`` (sentences naming the argument); ``()`` if it can."""
+    e, name, found = engine, repr(engine.name), []
+    if call.normalization not in e.normalizations:
+        computes = ("SoftMax" if not e.iterations else "Sinkhorn attention" if e.normalizations == ("sinkhorn",)
+                    else "normalization " + " or ".join(repr(x) for x in e.normalizations))
+        found.append(f"engine {name} computes {computes}, got normalization={call.normalization!r}"
+                     + (" (use backend='dense', or 'sdpa' for SoftMax)" if "dense" in _REGISTRY else ""))
+    elif call.iterations and not e.iterations:
+        what = f"n_iters={call.n_iters}" if call.tol is None else f"tol={call.tol}"
+        found.append(f"engine {name} computes SoftMax only (normalization='softmax' or n_iters=1), got "
+                     f"normalization='sinkhorn' with {what}")
+    if e.causal == "prefix":
+        if not call.causal:
+            found.append(f"engine {name} serves is_causal=True only (each prefix balanced on its own); pass is_causal=True")
+        elif not call.iterations and call.normalization in e.normalizations:
+            found.append(f"engine {name} computes causal Sinkhorn attention with n_iters >= 2, got "
+                         f"normalization={call.normalization!r} with n_iters={call.n_iters}")
+    elif call.causal and call.iterations:
+        found.append(_refusal(f"is_causal=True with Sinkhorn attention (n_iters={call.n_iters})", name,
+                              _having("causal", call, value="prefix"), "each prefix balanced on its own"))
+    for capability, (needs, what, otherwise) in _NEEDS.items():
+        if needs(call) and not getattr(e, capability):
+            found.append(_refusal(what(call), name, _having(capability, call), otherwise))
+    if e.devices is not None and call.device not in e.devices:
+        found.append(f"engine {name} runs on {' or '.join(e.devices)} tensors, got device {call.device!r}")
+    if e.limits is not None and (limit := e.limits(call)) is not None:
+        found.append(limit)
+    return tuple(found)
+
+
+#: capability -> (whether a call needs it, what the call asks for in its own words, what else the user can do)
+_NEEDS: dict[str, tuple[Callable[[Call], bool], Callable[[Call], str], str]] = {
+    "tol": (lambda c: c.tol is not None and c.iterations, lambda c: f"tol={c.tol}", "or pass a fixed n_iters"),
+    "implicit_backward": (lambda c: c.backward == "implicit" and c.iterations, lambda c: "backward='implicit'",
+                          "or use backward='unrolled'"),
+    "return_weights": (lambda c: c.return_weights, lambda c: "return_weights=True (the n_q x n_k weights)", ""),
+    "measure_weights": (lambda c: c.measure_weights, lambda c: "key_weights/query_weights", ""),
+    "dropout": (lambda c: c.dropout_p > 0, lambda c: f"dropout_p={c.dropout_p}", ""),
+    "learned_bias": (lambda c: c.bias_requires_grad, lambda c: "a float attn_mask that requires grad (a learned bias)",
+                     "or detach the mask"),
+    "chunk_size": (lambda c: c.chunk_size is not None, lambda c: f"chunk_size={c.chunk_size}",
+                   "or leave chunk_size=None"),
+}
+
+
+def _refusal(what: str, name: str, others: list[str], otherwise: str = "") -> str:
+    """``"dropout_p=0.1 is not served by engine 'streamed'; engines 'dense' and 'tiled' serve it"``."""
+    if not others:
+        where = "no registered engine serves it together with this call's other options"
+    else:
+        listed = others[0] if len(others) == 1 else f"{', '.join(others[:-1])} and {others[-1]}"
+        where = f"engine{'s' if len(others) > 1 else ''} {listed} serve{'' if len(others) > 1 else 's'} it"
+    return f"{what} is not served by engine {name}; {where}" + (f"; {otherwise}" if otherwise else "")
+
+
+def _having(capability: str, call: Call, value=True) -> list[str]:
+    """``["'flash'", "'tiled'"]``: the registered engines, sorted, whose ``capability`` is ``value``
+    among those that compute the call's attention (its normalisation, causal or not)."""
+    def computes(e: Engine) -> bool:
+        return (call.normalization in e.normalizations and (e.iterations or not call.iterations)
+                and (e.causal == "prefix") == (call.causal and call.iterations))
+
+    return sorted(repr(e.name) for e in _REGISTRY.values() if getattr(e, capability) == value and computes(e))
+
+
+def unsupported(name: str, call: Call) -> str | None:
+    """The reasons engine ``name`` cannot serve ``call``, joined in one sentence, or ``None``."""
+    found = reasons(_REGISTRY[name], call)
+    return "; ".join(found) if found else None
 
 
 def choose(call: Call, backend: str = "auto") -> Choice:
-    """The engine for ``call``: the rules of ``"auto"`` in order, or the forced ``backend``
-    (``ValueError`` naming the argument when it cannot serve the call)."""
+    """The engine for ``call``: ``"auto"`` takes the first registered engine that prefers the call and
+    can serve it; a forced ``backend`` is checked. ``ValueError`` with every reason when none can."""
     if backend != "auto":
-        why = unsupported(backend, call)
-        if why is not None:
-            raise ValueError(f"backend={backend!r} cannot serve this call: {why}")
-        return Choice(backend, "forced by backend=" + (f"; {causal_cost(call)}" if backend == "causal" else ""))
-    return _auto(call)
-
-
-def _auto(call: Call) -> Choice:
-    scores = call.n_q * call.n_k
-    if call.normalization not in ("softmax", "sinkhorn"):
-        return Choice("dense", f"normalization={call.normalization!r} is pointwise on the materialised scores")
-    if call.causal and not call.softmax:
-        why = _unsupported_causal(call)
-        if why is not None:
-            raise ValueError(f"is_causal=True with Sinkhorn attention cannot be served: {why}")
-        return Choice("causal", "is_causal=True: every prefix 0..t balanced on its own, row t kept (zero leakage); "
-                      + causal_cost(call))
-    for flag, why in (
-        (call.return_weights, "return_weights=True needs the n_q x n_k weights"),
-        (call.measure_weights, "key_weights/query_weights (weighted point clouds) are served by the dense engine"),
-    ):
-        if flag:
-            return _dense_fallback(call, why)
-    if call.softmax:
-        return Choice("sdpa", "SoftMax (n_iters=1 is exactly SoftMax) runs PyTorch's fused kernel")
-    if call.bias_requires_grad:
-        return _dense_fallback(call, "a float attn_mask that requires grad (a learned bias) is differentiated by autograd")
-    if call.chunk_size is not None:
-        why = unsupported("streamed", call)
-        if why is not None:
-            raise ValueError(f"chunk_size={call.chunk_size} asks for engine 'streamed', which cannot serve this call: {why}")
-        return Choice("streamed", f"chunk_size={call.chunk_size} asks for row blocks (memory linear in the length)")
-    not_flash = ""
-    if call.device == "cuda":
-        why = unsupported("flash", call)
+        found = reasons(_REGISTRY[backend], call)
+        if found:
+            raise ValueError(f"backend={backend!r} cannot serve this call: {'; '.join(found)}")
+        e = _REGISTRY[backend]
+        return Choice(backend, "forced by backend=" + (f"; {e.cost(call)}" if e.cost is not None else ""))
+    passed_over: dict[str, tuple[str, ...]] = {}
+    for e in _REGISTRY.values():
+        why = e.prefers(call)
         if why is None:
-            return Choice("flash", "fused Triton kernels on CUDA: never an n_q x n_k matrix, O(n) saved per slice")
-        not_flash = f" (not 'flash': {why})"
-    if scores > STREAM_ABOVE and call.dropout_p == 0 and call.backward == "unrolled":
-        return Choice("streamed", f"one slice has n_q*n_k = {scores} > 2^24 scores: never an n_q x n_k tile{not_flash}")
-    return Choice("tiled", f"Sinkhorn on cached tiles, O(n) saved per slice{not_flash}")
+            continue
+        found = reasons(e, call)
+        if found:
+            passed_over[e.name] = found
+            continue
+        if e.cost is not None:
+            why = f"{why}; {e.cost(call)}"
+        notes = "".join(f" (not {name!r}: {'; '.join(r)})" for name, r in passed_over.items())
+        return Choice(e.name, why + notes, passed_over)
+    listed = "\n".join(f"  {name}: {'; '.join(r)}" for name, r in passed_over.items())
+    raise ValueError(f"no engine can serve this call; every engine that would take it refuses it:\n{listed}")
 
 
 def causal_cost(call: Call) -> str:
@@ -190,11 +321,36 @@ def causal_cost(call: Call) -> str:
             "log-sum-exp matrix product per slice, with O(n^2 * n_iters) memory (n_iters <= 3 is O(n^2))")
 
 
-def _dense_fallback(call: Call, why: str) -> Choice:
-    if call.backward == "implicit" and not call.softmax:
-        raise ValueError(
-            f"backward='implicit' needs engine 'tiled', but {why} (engine 'dense'); use backward='unrolled'"
-        )
-    if call.chunk_size is not None:
-        raise ValueError(f"chunk_size={call.chunk_size} needs engine 'streamed', but {why} (engine 'dense')")
-    return Choice("dense", f"{why} (O(n_q*n_k*n_iters) memory when differentiated)")
+#: capability field -> column title of the engine table
+_COLUMNS = {
+    "normalizations": "normalization", "iterations": "n_iters ≥ 2", "tol": "`tol`", "causal": "`is_causal`",
+    "implicit_backward": "implicit backward", "return_weights": "`return_weights`",
+    "measure_weights": "key/query weights", "dropout": "dropout", "learned_bias": "learned bias",
+    "chunk_size": "`chunk_size`", "devices": "devices", "double_backward": "2nd derivatives",
+}
+
+
+def _cell(value) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "—"
+    if value is None:
+        return "any"
+    if isinstance(value, tuple):
+        return ", ".join(value)
+    return {"mask": "SoftMax (a mask)", "prefix": "causal Sinkhorn only"}.get(value, str(value))
+
+
+def engine_table() -> str:
+    """The registered engines as Markdown: what each computes and its memory, in ``"auto"``'s priority
+    order, then one row per engine of its capabilities. Rendered into the docs; a test holds them equal."""
+    lines = ["| engine | what it is | memory | module |", "|---|---|---|---|"]
+    for e in _REGISTRY.values():
+        lines.append(f"| `{e.name}` | {e.summary} | {e.memory} | `{e.module}` |")
+    names = list(_COLUMNS)
+    lines += ["", "| engine | " + " | ".join(_COLUMNS[c] for c in names) + " |", "|---" * (len(names) + 1) + "|"]
+    for e in _REGISTRY.values():
+        lines.append(f"| `{e.name}` | " + " | ".join(_cell(getattr(e, c)) for c in names) + " |")
+    return "\n".join(lines)
+
+
+assert set(_COLUMNS) <= {f.name for f in fields(Engine)}

@@ -24,35 +24,24 @@ The engine that computes a call is chosen by :mod:`.backends` (``backend="auto"`
 from __future__ import annotations
 
 import math
-import warnings
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .._capture import exact_path, patched
 from .._validation import (
     capturing, check_choice, check_finite, check_positive_int, check_qkv, check_scores_fit, check_tensor,
     compute_dtype, data_checks_run, require,
 )
-from ..sinkhorn import sinkhorn
-from ..sinkhorn.causal_blocks import causal_block_attention
-from ..sinkhorn.prefix import prefix_sinkhorn
-from ..sinkhorn.problem import check_iterations, check_scale, flatten
-from ..sinkhorn.flash import flash_attention
-from ..sinkhorn.streamed import streamed_attention
-from ..sinkhorn.tiled import tiled_attention
-from .backends import BACKENDS, Call, Choice, choose
+from ..sinkhorn.problem import check_iterations, check_scale
+from . import backends, engines  # noqa: F401  (engines: the built-in engines register on import)
+from .backends import Call, Choice, Prepared, choose
 from .masks import MASKING, align_to_batch, combine_masks, excluded
 
-__all__ = ["attention", "explain", "NORMALIZATIONS", "COSTS", "BACKWARDS", "BACKENDS"]
+__all__ = ["attention", "explain", "NORMALIZATIONS", "COSTS", "BACKWARDS"]
 
-NORMALIZATIONS = ("softmax", "sinkhorn", "linear", "sigmoid", "relu")
+NORMALIZATIONS = ("softmax", "sinkhorn") + backends.POINTWISE
 COSTS = ("dot", "l2")
 BACKWARDS = ("unrolled", "implicit")
-
-_POINTWISE = {"linear": lambda s: s, "sigmoid": torch.sigmoid, "relu": torch.relu}
 
 
 def attention(
@@ -141,20 +130,13 @@ def attention(
         check_tensor(t, name)
     amp = autocast_dtype(q.device.type)
     if amp is None:
-        return _prepare(q, k, v, **options).run()
+        return _run(_prepare(q, k, v, **options))
     # Under autocast, attention behaves like SDPA: q, k, v in the autocast dtype, output in it too. The
     # engines already compute in float32 internally, so autocast is switched off inside (it would turn
     # their float32 products into half-precision ones).
     q, k, v = (t.to(amp) if t.is_floating_point() else t for t in (q, k, v))
     with torch.autocast(q.device.type, enabled=False):
-        return _prepare(q, k, v, **options).run()
-
-
-@exact_path
-def _prefix_attention(q: Tensor, k: Tensor, v: Tensor, *keep: Tensor, scale: float, n_iters: int) -> Tensor:
-    """Causal Sinkhorn attention from :func:`~sinkformer.sinkhorn.prefix.prefix_sinkhorn`'s weights
-    (log domain where sums underflow): ``(B, n, d)`` → ``(B, n, d_v)``; ``keep`` ``(B, n)``."""
-    return prefix_sinkhorn(scale * (q @ k.transpose(-1, -2)), n_iters, mask=keep[0].unsqueeze(-2) if keep else None) @ v
+        return _run(_prepare(q, k, v, **options))
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -179,131 +161,22 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Choice:
     return _prepare(q, k, v, **kwargs).choice
 
 
-@dataclass
-class _Prepared:
-    """A validated call: inputs in compute precision, masks combined, engine chosen."""
-
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    batch: tuple[int, ...]
-    keep: Tensor | None
-    bias: Tensor | None
-    wk: Tensor | None
-    wq: Tensor | None
-    scale: float
-    options: dict
-    out_dtype: torch.dtype
-    choice: Choice
-    key_padding_mask: Tensor | None
-
-    def run(self) -> Tensor | tuple[Tensor, Tensor]:
-        n_q, n_k, d_v = self.q.shape[-2], self.k.shape[-2], self.v.shape[-1]
-        if n_k == 0 or n_q == 0 or d_v == 0 or math.prod(self.batch) == 0:
-            return self._empty()
-        engine = self.choice.engine
-        if engine == "sdpa":
-            if self.options["sdpa_is_causal"]:
-                out = F.scaled_dot_product_attention(self.q, self.k, self.v, dropout_p=self.options["dropout_p"],
-                                                     is_causal=True, scale=self.scale)
-            else:
-                out = _sdpa(self.q, self.k, self.v, self.keep, self.bias, self.scale, self.options["dropout_p"])
-            return out.to(self.out_dtype)
-        if engine == "dense":
-            return self._dense()
-        if engine == "causal":
-            if self._in_causal_blocks():
-                return self._causal_blocks()
-            _warn_if_cubic(self.options["n_iters"], n_q, math.prod(self.batch))
-            return self._dense(causal=True)
-        opts = self.options
-        qf, kf, vf = flatten(self.q, self.batch, n_q), flatten(self.k, self.batch, n_k), flatten(self.v, self.batch, n_k)
-        common = dict(batch=self.batch, scale=self.scale, n_iters=opts["n_iters"], tol=opts["tol"],
-                      max_iters=opts["max_iters"], keep=self.keep, bias=self.bias)
-        if engine == "tiled":
-            out = tiled_attention(qf, kf, vf, backward=opts["backward"], dropout_p=opts["dropout_p"], **common)
-        elif engine == "flash":
-            out = flash_attention(qf, kf, vf, backward=opts["backward"], **common)
-        else:
-            out = streamed_attention(qf, kf, vf, chunk_size=opts["chunk_size"], **common)
-        return out.reshape(self.batch + (n_q, d_v)).to(self.out_dtype)
-
-    def _empty(self) -> Tensor | tuple[Tensor, Tensor]:
-        """No key, no query or no value dimension: zeros (connected to the inputs, zero gradients)."""
-        zero = 0.0 * (self.q.sum() + self.k.sum() + self.v.sum())
-        out = (self.q.new_zeros(self.batch + (self.q.shape[-2], self.v.shape[-1])) + zero).to(self.out_dtype)
-        if not self.options["return_weights"]:
-            return out
-        weights = self.q.new_zeros(self.batch + (self.q.shape[-2], self.k.shape[-2])) + zero
-        return out, weights.to(self.out_dtype)
-
-    def _in_causal_blocks(self) -> bool:
-        """Causal Sinkhorn that :func:`~sinkformer.sinkhorn.causal_blocks.causal_block_attention` serves
-        without an ``n × n`` matrix: 2 or 3 iterations, dot-product scores, no bias, no weights
-        returned, no dropout, at most a key padding mask."""
-        opts = self.options
-        return (opts["n_iters"] in (2, 3) and opts["cost"] == "dot" and self.bias is None
-                and not opts["return_weights"] and not opts["dropout_p"]
-                and (self.keep is None or self.keep.shape[-2] == 1))
-
-    def _causal_blocks(self) -> Tensor:
-        """Causal Sinkhorn in row blocks; rows whose sums underflow come from the log domain (:meth:`_dense`)."""
-        n, batch, B = self.q.shape[-2], self.batch, math.prod(self.batch)
-        q, k, v = flatten(self.q, batch, n), flatten(self.k, batch, n), flatten(self.v, batch, n)
-        keep = None if self.keep is None else self.keep.expand(batch + (1, n)).reshape(B, n)
-        n_iters, scale = self.options["n_iters"], self.scale
-        out, inexact = causal_block_attention(q, k, v, keep, scale, n_iters)
-        # the rows whose sums underflow, from the log domain: row t of prefix_sinkhorn (read rows <= t only)
-        out = patched(out, inexact.unsqueeze(-1), _prefix_attention, q, k, v, *(() if keep is None else (keep,)),
-                      scale=scale, n_iters=n_iters)
-        return out.reshape(batch + (n, self.v.shape[-1])).to(self.out_dtype)
-
-    def _dense(self, causal: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        """The weights materialised: SoftMax, Sinkhorn (the reference), causal Sinkhorn (every prefix
-        balanced on its own, :func:`~sinkformer.sinkhorn.prefix.prefix_sinkhorn`) or pointwise."""
-        q, k, v, opts = self.q, self.k, self.v, self.options
-        scores = self.scale * (q @ k.transpose(-1, -2))
-        if opts["cost"] == "l2":
-            scores = scores - (self.scale / 2) * (q.square().sum(-1, keepdim=True) + k.square().sum(-1).unsqueeze(-2))
-        if self.bias is not None:
-            scores = scores + self.bias
-        normalization = opts["normalization"]
-        if causal:
-            weights = prefix_sinkhorn(scores, opts["n_iters"], mask=self.keep, marginals="causal")
-        elif normalization == "softmax":
-            weights = sinkhorn(_add_log(scores, self.wk), 1, mask=self.keep)
-        elif normalization == "sinkhorn":
-            weights = _sinkhorn(scores, self.keep, self.wk, self.wq, opts["n_iters"], opts["tol"], opts["max_iters"])
-        else:
-            wk = self.wk
-            if wk is None:
-                wk = _uniform_keys(self.key_padding_mask, self.batch, k.shape[-2], q.dtype, q.device)
-            weights = _POINTWISE[normalization](scores) * wk.unsqueeze(-2)
-            if self.keep is not None:
-                weights = weights.masked_fill(~self.keep, 0.0)
-        dropped = F.dropout(weights, opts["dropout_p"]) if opts["dropout_p"] > 0 else weights
-        out = (dropped @ v).to(self.out_dtype)
-        return (out, weights.to(self.out_dtype)) if opts["return_weights"] else out
+def _run(p: Prepared) -> Tensor | tuple[Tensor, Tensor]:
+    """Run a prepared call on its engine; empty shapes give zeros on every engine."""
+    n_q, n_k, d_v = p.q.shape[-2], p.k.shape[-2], p.v.shape[-1]
+    if n_k == 0 or n_q == 0 or d_v == 0 or math.prod(p.batch) == 0:
+        return _empty(p)
+    return backends.engine(p.choice.engine).run(p)
 
 
-#: Multiply-adds of causal Sinkhorn's O(n^3) path (``n_iters >= 4``) from which a call warns, once per
-#: process: ``slices * n^3 * (n_iters - 3)`` (n = 1024, 8 slices, 5 iterations: 1.7e10, seconds on a CPU).
-CUBIC_WARN_FROM = 1 << 33
-_cubic_warned = False
-
-
-def _warn_if_cubic(n_iters: int, n: int, slices: int) -> None:
-    """Warn (once per process) that causal Sinkhorn with ``n_iters >= 4`` is about to cost O(n^3)."""
-    global _cubic_warned
-    work = slices * n**3 * (n_iters - 3)
-    if n_iters < 4 or work < CUBIC_WARN_FROM or _cubic_warned or capturing():
-        return
-    _cubic_warned = True
-    warnings.warn(
-        f"causal Sinkhorn with n_iters={n_iters} at n={n} ({slices} slice(s)) takes the O(n^3) path: each "
-        f"normalisation beyond the third is an n x n x n log-sum-exp matrix product ({work:.2g} multiply-adds here, "
-        f"and O(n^2 * n_iters) memory per slice), while n_iters <= 3 costs O(n^2) like SoftMax. Use n_iters=3 for "
-        "long sequences. (This warning is shown once per process.)", UserWarning, stacklevel=4)
+def _empty(p: Prepared) -> Tensor | tuple[Tensor, Tensor]:
+    """No key, no query or no value dimension: zeros (connected to the inputs, zero gradients)."""
+    zero = 0.0 * (p.q.sum() + p.k.sum() + p.v.sum())
+    out = (p.q.new_zeros(p.batch + (p.q.shape[-2], p.v.shape[-1])) + zero).to(p.out_dtype)
+    if not p.call.return_weights:
+        return out
+    weights = p.q.new_zeros(p.batch + (p.q.shape[-2], p.k.shape[-2])) + zero
+    return out, weights.to(p.out_dtype)
 
 
 def _prepare(
@@ -313,13 +186,13 @@ def _prepare(
     is_causal: bool = False, key_weights: Tensor | None = None, query_weights: Tensor | None = None,
     dropout_p: float = 0.0, return_weights: bool = False, backward: str = "unrolled", backend: str = "auto",
     chunk_size: int | None = None,
-) -> _Prepared:
+) -> Prepared:
     """Validate a call of :func:`attention`, combine its masks and choose its engine."""
     check_qkv(q, k, v)
     check_choice(normalization, "normalization", NORMALIZATIONS)
     check_choice(cost, "cost", COSTS)
     check_choice(backward, "backward", BACKWARDS)
-    check_choice(backend, "backend", BACKENDS)
+    check_choice(backend, "backend", backends.BACKENDS)
     if normalization == "sinkhorn":
         check_iterations(n_iters, tol, max_iters)
     if chunk_size is not None:
@@ -349,23 +222,23 @@ def _prepare(
     wk = _measure(key_weights, "key_weights", batch, n_k, dtype)
     wq = _measure(query_weights, "query_weights", batch, n_q, dtype)
 
+    l2_as_dot = cost == "l2" and normalization in ("softmax", "sinkhorn")
     call = Call(
         normalization, n_iters, tol, n_q, n_k, return_weights=return_weights,
         measure_weights=wk is not None or wq is not None, bias_requires_grad=bias is not None and bias.requires_grad,
         dropout_p=dropout_p, backward=backward, chunk_size=chunk_size, causal=is_causal, device=q.device.type,
-        dtype=out_dtype, head_dim=d + (cost == "l2" and normalization in ("softmax", "sinkhorn")), value_dim=v.shape[-1],
+        dtype=out_dtype, head_dim=d + l2_as_dot, value_dim=v.shape[-1], max_iters=max_iters,
+        cost="dot" if l2_as_dot else cost,
     )
     choice = choose(call, backend)
-    # the flash kernels take half-precision operands on CUDA (tensor cores, float32 accumulation): no copies
-    if not (choice.engine == "flash" and q.is_cuda and out_dtype in (torch.float16, torch.bfloat16)):
+    # an engine whose kernels take half-precision operands (float32 accumulation) gets them without copies
+    if not (backends.engine(choice.engine).half_operands and q.is_cuda and out_dtype in (torch.float16, torch.bfloat16)):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    if cost == "l2" and normalization in ("softmax", "sinkhorn"):
-        q, k, cost = *_l2_as_dot(q, k), "dot"
-    check_scores_fit(*((q, k) if cost == "dot" else _l2_as_dot(q, k, both=True)), scale, bias)
-    options = dict(normalization=normalization, n_iters=n_iters, tol=tol, max_iters=max_iters, cost=cost,
-                   dropout_p=dropout_p, return_weights=return_weights, backward=backward, chunk_size=chunk_size,
-                   sdpa_is_causal=options_causal)
-    return _Prepared(q, k, v, batch, keep, bias, wk, wq, scale, options, out_dtype, choice, key_padding_mask)
+    if l2_as_dot:
+        q, k = _l2_as_dot(q, k)
+    check_scores_fit(*((q, k) if call.cost == "dot" else _l2_as_dot(q, k, both=True)), scale, bias)
+    return Prepared(q, k, v, batch, keep, bias, wk, wq, scale, call, out_dtype, choice, key_padding_mask,
+                    sdpa_is_causal=options_causal)
 
 
 def _check_causal_sinkhorn(is_causal: bool, attn_mask: Tensor | None, n_iters: int | None, tol: float | None,
@@ -420,19 +293,6 @@ def _measure(w: Tensor | None, name: str, batch: tuple[int, ...], n: int, dtype:
     return w / w.sum(-1, keepdim=True)
 
 
-def _add_log(scores: Tensor, wk: Tensor | None) -> Tensor:
-    """``S_ij + log w_j`` (zero weights become -inf, i.e. masked)."""
-    return scores if wk is None else scores + wk.log().unsqueeze(-2)
-
-
-def _uniform_keys(key_padding_mask: Tensor | None, batch: tuple[int, ...], n_k: int, dtype, device) -> Tensor:
-    """The empirical key measure: ``1/n`` on each non-padding key."""
-    if key_padding_mask is None:
-        return torch.full((n_k,), 1.0 / n_k, dtype=dtype, device=device)
-    valid = (~align_to_batch(key_padding_mask, "key_padding_mask", batch, n_k)).to(dtype)
-    return valid / valid.sum(-1, keepdim=True).clamp_min(1)
-
-
 def _l2_as_dot(q: Tensor, k: Tensor, both: bool = False) -> tuple[Tensor, Tensor]:
     """``[q, 1] . [k, -|k|^2/2] = q.k - |k|^2/2``: the L2 cost :math:`-|q-k|^2/2` up to the query
     term :math:`-|q|^2/2`, which cancels in every row normalisation (SoftMax and each Sinkhorn
@@ -444,40 +304,3 @@ def _l2_as_dot(q: Tensor, k: Tensor, both: bool = False) -> tuple[Tensor, Tensor
         return q_aug, k_aug
     q_term = -0.5 * q.square().sum(-1, keepdim=True)
     return torch.cat([q_aug, q_term], -1), torch.cat([k_aug, k.new_ones(k.shape[:-1] + (1,))], -1)
-
-
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, scale: float,
-          dropout_p: float) -> Tensor:
-    """SoftMax attention through PyTorch's fused kernel; rows with no valid key give zeros."""
-    mask = bias
-    if keep is not None:
-        mask = keep if bias is None else bias.masked_fill(~keep, float("-inf"))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
-    if keep is not None:
-        out = out * keep.any(-1, keepdim=True)
-    return out
-
-
-def _sinkhorn(
-    scores: Tensor, keep: Tensor | None, wk: Tensor | None, wq: Tensor | None, n_iters: int | None,
-    tol: float | None, max_iters: int,
-) -> Tensor:
-    """Sinkhorn weights; with measure weights the coupling is taken w.r.t. ``mu_q x mu_k``.
-
-    The coupling :math:`\\pi = e^{S + \\log w_k + f \\oplus g}` has marginals ``(w_q, w_k)`` and
-    the attention is :math:`\\pi_{ij}/w_{q,i}`, so that one iteration is the weighted SoftMax.
-    """
-    if wk is None and wq is None:
-        return sinkhorn(scores, n_iters, tol=tol, max_iters=max_iters, mask=keep)
-    n_q, n_k = scores.shape[-2:]
-    wk = wk if wk is not None else scores.new_full((n_k,), 1.0 / n_k)
-    wq = wq if wq is not None else scores.new_full((n_q,), 1.0 / n_q)
-    if keep is not None:  # no mass on rows/columns that are entirely masked
-        full = keep.expand(scores.shape)
-        wq, wk = wq * full.any(-1), wk * full.any(-2)
-        tiny = torch.finfo(scores.dtype).tiny
-        wq = wq / wq.sum(-1, keepdim=True).clamp_min(tiny)
-        wk = wk / wk.sum(-1, keepdim=True).clamp_min(tiny)
-    plan = sinkhorn(_add_log(scores, wk), n_iters, tol=tol, max_iters=max_iters, mask=keep, row_marginals=wq,
-                    col_marginals=wk)
-    return plan / wq.unsqueeze(-1).clamp_min(torch.finfo(plan.dtype).tiny)

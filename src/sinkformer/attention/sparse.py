@@ -50,7 +50,8 @@ from torch import Tensor
 from .._validation import broadcastable, check_positive_int, check_qkv, check_tensor, compute_dtype
 from ..sinkhorn import sinkhorn
 from ..sinkhorn.prefix import prefix_sinkhorn
-from .functional import _sdpa, attention
+from .engines import sdpa as _sdpa
+from .functional import attention
 from .masks import align_to_batch
 
 __all__ = [
@@ -341,7 +342,7 @@ def _softmax(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, *, scale: flo
     """SoftMax attention of tensors built here from validated inputs (as :func:`attention`, without
     validating them again: that second pass cost a few per cent of a layer at 1k tokens).
 
-    ``fused``: PyTorch's fused kernel (:func:`~sinkformer.attention.functional._sdpa`, in float32 at
+    ``fused``: PyTorch's fused kernel (:func:`~sinkformer.attention.engines.sdpa`, in float32 at
     least, autocast off, as :func:`attention` runs it); else the unfused dense engine, for scores too
     large for the fused kernel's backward (no balancing, see :func:`_block_attention`).
     """

@@ -6,9 +6,11 @@ the findings in words, the run times, the machine) in ``sinkformer/runs/measured
 which is committed (and shipped: ``sinkformer experiments`` reads its times). :func:`render_docs`
 turns it into the headline and the results section of ``docs/experiments.md`` (the paper claims
 counted apart from the other kinds of comparison, before and after Holm's correction) and the summary
-paragraph of the README, each between two markers, and copies committed benchmark tables into the pages that cite
+paragraph of the README, each between two markers, copies committed benchmark tables into the pages that cite
 them (``<!-- begin: include PATH -->`` ... ``<!-- end: include PATH -->``, PATH from the repository
-root). A test checks that every page holds exactly what :func:`render_docs` makes of those files::
+root), and writes the attention engines' tables from the engine registry
+(:func:`sinkformer.attention.backends.engine_table`) between :data:`ENGINES_BEGIN` and :data:`ENGINES_END`
+on every page that has them. A test checks that every page holds exactly what :func:`render_docs` makes of those files::
 
     python -m sinkformer.runs.readme digest runs/summary/<time>   # write runs/measured/quick-run.json
     python -m sinkformer.runs.readme render                        # rewrite the marked sections
@@ -24,13 +26,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..attention.backends import engine_table
 from ..provenance import require_clean_source
 from .report import markdown_table
 from .verdicts import CLAIM, EXTENSION, KINDS, NOISE, UNCLASSIFIED, VERDICTS, WORSE, Comparison, family_section, tally
 
 __all__ = ["digest", "render", "render_summary", "render_headline", "render_docs", "update", "load_quick_run", "DIGEST",
            "README", "DOCS", "BEGIN", "END", "SUMMARY_BEGIN", "SUMMARY_END", "HEADLINE_BEGIN", "HEADLINE_END",
-           "QUICK_FORMS", "SEEDS_VARY"]
+           "QUICK_FORMS", "SEEDS_VARY", "ENGINES_BEGIN", "ENGINES_END"]
 
 DIGEST = Path(__file__).resolve().parent / "measured" / "quick-run.json"
 ROOT = Path(__file__).resolve().parents[3]  # the repository (the docs are not in the wheel)
@@ -44,6 +47,9 @@ SUMMARY_BEGIN = f"<!-- begin: quick-run summary, rendered by `python -m sinkform
 SUMMARY_END = "<!-- end: quick-run summary -->"
 HEADLINE_BEGIN = f"<!-- begin: quick-run headline, rendered by `python -m sinkformer.runs.readme render` {_SOURCE} -->"
 HEADLINE_END = "<!-- end: quick-run headline -->"
+ENGINES_BEGIN = ("<!-- begin: engine tables, rendered by `python -m sinkformer.runs.readme render` from the "
+                 "engine registry (sinkformer.attention.backends) -->")
+ENGINES_END = "<!-- end: engine tables -->"
 #: What the quick forms are: the first words of the README's results and of docs/experiments.md.
 QUICK_FORMS = (
     "The quick forms (`sinkformer run`) train small models for minutes on data that ships with the package: they "
@@ -176,6 +182,8 @@ def render_docs(data: dict[str, Any] | None = None) -> dict[Path, str]:
         new = INCLUDE.sub(_include, text)
         if page == README:
             new = update(new, render_summary(data), SUMMARY_BEGIN, SUMMARY_END)
+        if ENGINES_BEGIN in new:
+            new = update(new, engine_table(), ENGINES_BEGIN, ENGINES_END)
         if page == EXPERIMENTS_PAGE:
             new = update(update(new, render(data)), render_headline(data), HEADLINE_BEGIN, HEADLINE_END)
         pages[page] = new

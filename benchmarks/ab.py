@@ -1,0 +1,114 @@
+"""A change measured before and after: the attention grid of two source trees, in interleaved rounds.
+
+``python -m benchmarks ab --before /tmp/before --after .`` times ``sinkformer.attention`` (forward and
+backward, the default engine, b x h slices of n tokens, d = 64, float32) with the package of each tree
+(``<tree>/src`` on the path), one fresh process per tree and round, the trees alternating round by
+round so that both see the same machine load. It prints, per n, each tree's median time over rounds
+and the median over rounds of the per-round ratio after/before with its range: a ratio above 1 is a
+slowdown. ``--before`` is a folder (a clone at the commit before the change: ``git worktree add
+/tmp/before HEAD``). With ``--out`` it also writes ``ab.json`` and ``ab.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+#: n -> (batch, heads, repeats per round)
+SHAPES = {16: (4, 8, 50), 64: (4, 8, 30), 128: (4, 8, 20), 256: (4, 8, 10), 512: (4, 8, 5), 1024: (4, 8, 3),
+          2048: (1, 8, 2), 4096: (1, 8, 1), 16384: (1, 2, 1)}
+
+_WORKER = r"""
+import json, sys, time, torch
+import sinkformer
+ns, n_iters, causal = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+shapes = json.loads(sys.argv[4])
+torch.manual_seed(0)
+out = {}
+for n in ns:
+    b, h, repeats = shapes[str(n)]
+    q, k, v = (torch.randn(b, h, n, 64, requires_grad=True) for _ in range(3))
+    def step():
+        sinkformer.attention(q, k, v, n_iters=n_iters, is_causal=causal).sum().backward()
+    step()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter(); step(); times.append(time.perf_counter() - t)
+    out[n] = sorted(times)[len(times) // 2] * 1e3
+print(json.dumps(out))
+"""
+
+
+def measure(tree: Path, ns: list[int], n_iters: int, causal: bool, threads: int | None) -> dict[int, float]:
+    """Milliseconds of one forward+backward per n, median of the repeats, in a fresh process on ``tree``."""
+    env = dict(os.environ, PYTHONPATH=str(tree / "src"))
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    shapes = json.dumps({str(n): SHAPES[n] for n in ns})
+    done = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(ns), str(n_iters), "1" if causal else "0", shapes],
+                          env=env, capture_output=True, text=True, check=True)
+    return {int(n): ms for n, ms in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+
+
+def compare(before: Path, after: Path, ns: list[int], n_iters: int, causal: bool, rounds: int,
+            threads: int | None = None, progress=print) -> list[dict]:
+    """Per n: both trees' medians over rounds (ms) and the per-round ratios after/before."""
+    times: dict[str, list[dict[int, float]]] = {"before": [], "after": []}
+    for r in range(rounds):
+        order = [("before", before), ("after", after)] if r % 2 == 0 else [("after", after), ("before", before)]
+        for name, tree in order:
+            times[name].append(measure(tree, ns, n_iters, causal, threads))
+        progress(f"round {r + 1}/{rounds} done")
+    rows = []
+    for n in ns:
+        ratios = [a[n] / b[n] for a, b in zip(times["after"], times["before"])]
+        rows.append({"n": n, "batch_heads": SHAPES[n][:2], "before_ms": statistics.median(t[n] for t in times["before"]),
+                     "after_ms": statistics.median(t[n] for t in times["after"]), "ratio": statistics.median(ratios),
+                     "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": rounds})
+    return rows
+
+
+def table(rows: list[dict], n_iters: int, causal: bool) -> str:
+    what = f"{'causal ' if causal else ''}Sinkhorn, n_iters={n_iters}, forward+backward, float32, d=64"
+    lines = [f"{what}; medians over {rows[0]['rounds']} interleaved rounds", "",
+             "| n | b × h | before (ms) | after (ms) | after / before (range over rounds) |", "|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        b, h = r["batch_heads"]
+        lines.append(f"| {r['n']} | {b} × {h} | {r['before_ms']:.2f} | {r['after_ms']:.2f} | "
+                     f"{r['ratio']:.3f} ({r['ratio_min']:.3f}–{r['ratio_max']:.3f}) |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks ab", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", required=True, type=Path, help="the source tree before the change")
+    parser.add_argument("--after", default=Path("."), type=Path, help="the source tree after it (default: .)")
+    parser.add_argument("--n", nargs="+", type=int, default=[64, 256, 1024, 4096], choices=sorted(SHAPES))
+    parser.add_argument("--iters", type=int, default=5, help="Sinkhorn iterations (default 5)")
+    parser.add_argument("--causal", action="store_true", help="is_causal=True")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS of the workers (default: torch's)")
+    parser.add_argument("--out", type=Path, help="folder for ab.json and ab.md")
+    args = parser.parse_args(argv)
+    for name in ("before", "after"):
+        tree = getattr(args, name)
+        if not (tree / "src" / "sinkformer" / "__init__.py").is_file():
+            parser.error(f"--{name} must be a source tree with src/sinkformer, got {str(tree)!r}")
+    rows = compare(args.before.resolve(), args.after.resolve(), args.n, args.iters, args.causal, args.rounds,
+                   args.threads, progress=lambda s: print(s, file=sys.stderr))
+    text = table(rows, args.iters, args.causal)
+    print(text)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "ab.json").write_text(json.dumps(rows, indent=1) + "\n")
+        (args.out / "ab.md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,39 @@
+"""benchmarks/ab.py: a change before and after, in interleaved rounds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks import ab
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_rounds_alternate_the_trees_and_ratios_are_per_round(monkeypatch):
+    calls = []
+
+    def fake(tree, ns, n_iters, causal, threads):
+        calls.append(tree.name)
+        slow = 2.0 if tree.name == "after" else 1.0
+        return {n: slow * n * (1 + len(calls) / 100) for n in ns}  # the machine slows down round by round
+
+    monkeypatch.setattr(ab, "measure", fake)
+    rows = ab.compare(Path("/x/before"), Path("/x/after"), [16, 64], 5, False, rounds=4, progress=lambda s: None)
+    assert calls == ["before", "after", "after", "before"] * 2
+    assert [r["n"] for r in rows] == [16, 64]
+    # per-round ratios: the drift shared by both trees of a round nearly cancels
+    assert all(1.95 < r["ratio_min"] <= r["ratio"] <= r["ratio_max"] < 2.05 for r in rows)
+    text = ab.table(rows, 5, False)
+    assert "| 16 | 4 × 8 |" in text and "medians over 4 interleaved rounds" in text
+
+
+def test_one_measurement_runs_the_tree_it_is_given():
+    got = ab.measure(ROOT, [16], 3, False, threads=1)
+    assert set(got) == {16} and 0 < got[16] < 10_000
+
+
+def test_a_folder_without_the_package_is_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        ab.main(["--before", str(tmp_path), "--after", str(ROOT)])
