@@ -97,7 +97,7 @@ def make_fn(method: str, n_iters: int):
 def _chunk(q, k) -> int:
     """The automatic choice of the streamed engine: blocks of query rows of one slice, about 2^19 scores,
     at least 64 rows."""
-    from sinkformer.sinkhorn.problem import stream_rows
+    from sinkformer.sinkhorn.sizes import stream_rows
 
     return stream_rows(q.shape[-2], k.shape[-2], None)
 

@@ -11,6 +11,7 @@ from conftest import future_gradient
 import sinkformer
 from sinkformer import SinkhornConvergenceWarning, attention, sinkhorn
 from sinkformer.attention import backends
+from sinkformer.sinkhorn import sizes
 
 
 def qkv(n=12, d=6, batch=(2, 3), dtype=torch.float32, seed=0):
@@ -258,7 +259,7 @@ def test_explain_names_the_engine_and_the_reason():
 
 def test_auto_streams_above_the_threshold(monkeypatch):
     q, k, v = qkv()
-    monkeypatch.setattr(backends, "STREAM_ABOVE", 12 * 12 - 1)
+    monkeypatch.setattr(sizes, "STREAM_ABOVE", 12 * 12 - 1)
     assert attention.explain(q, k, v).engine == "streamed"
     assert "2^24" in attention.explain(q, k, v).reason
 
@@ -284,7 +285,7 @@ def test_engine_names_are_one_per_concept():
     # in "auto"'s priority order
     assert backends.ENGINES == ("sdpa", "causal", "flash", "streamed", "tiled", "dense")
     assert backends.BACKENDS == ("auto",) + backends.ENGINES
-    assert math.isfinite(backends.STREAM_ABOVE)
+    assert math.isfinite(sizes.STREAM_ABOVE)
 
 
 # ---- issue 23: every spelling of a causal mask, large negative masks, compile, overflow, explain ---------

@@ -19,7 +19,7 @@ import torch
 import sinkformer
 from sinkformer import SinkhornConvergenceWarning, attention
 from sinkformer.attention import backends
-from sinkformer.sinkhorn import flash, tiled
+from sinkformer.sinkhorn import flash, tiled, sizes
 
 #: engine name -> keyword arguments of ``attention`` that select it. "tiled-log" is the tiled
 #: engine in the log domain that GPUs use, run here on the CPU.
@@ -519,10 +519,9 @@ def test_unreached_tolerance_warns_with_the_error(engine):
 def test_tiled_engine_in_small_cache_blocks(monkeypatch, block, n_iters, case_name):
     """The tiled engine visits each tile in cache blocks (rows of one slice, or whole slices); the grid's
     tiles are too small to be split, so here blocks of 7 and 30 scores split every tile."""
-    from sinkformer.sinkhorn import problem
 
-    monkeypatch.setattr(problem, "CACHE_BLOCK_ELEMENTS", block)
-    monkeypatch.setattr(problem, "WHOLE_SLICE_BUDGETS", 1)
+    monkeypatch.setattr(sizes, "CACHE_BLOCK_ELEMENTS", block)
+    monkeypatch.setattr(sizes, "WHOLE_SLICE_BUDGETS", 1)
     check_cell("tiled", make_case(case_name), torch.float64, n_iters=n_iters)
     check_cell("tiled", make_case(case_name), torch.float32, n_iters=n_iters, grads=False)
 
@@ -534,9 +533,8 @@ def test_tiled_engine_in_small_cache_blocks(monkeypatch, block, n_iters, case_na
 def test_tiled_engine_recomputing_its_tiles(monkeypatch, case_name, n_iters, dtype):
     """Calls of up to ``SAVED_TILE_SCORES`` scores (every call of the grid) keep the tiles of the forward for
     the backward; larger ones recompute them there. Here every call recomputes."""
-    from sinkformer.sinkhorn import problem
 
-    monkeypatch.setattr(problem, "SAVED_TILE_SCORES", 0)
+    monkeypatch.setattr(sizes, "SAVED_TILE_SCORES", 0)
     check_cell("tiled", make_case(case_name), dtype, n_iters=n_iters)
 
 
@@ -547,11 +545,11 @@ def test_tiled_engine_groups_on_threads(monkeypatch, n_iters, case_name):
     (:mod:`sinkformer.sinkhorn.cpu_parallel`); the grid's calls are too small for it, so here every
     slice is its own group, threads are used at any size, and tiles are split in 7-score blocks
     (``n_iters=None``: tol mode, each matrix stopping on its own)."""
-    from sinkformer.sinkhorn import cpu_parallel, problem
+    from sinkformer.sinkhorn import cpu_parallel
 
-    monkeypatch.setattr(problem, "TILE_ELEMENTS", 1)
-    monkeypatch.setattr(problem, "CACHE_BLOCK_ELEMENTS", 7)
-    monkeypatch.setattr(problem, "WHOLE_SLICE_BUDGETS", 1)
+    monkeypatch.setattr(sizes, "TILE_ELEMENTS", 1)
+    monkeypatch.setattr(sizes, "CACHE_BLOCK_ELEMENTS", 7)
+    monkeypatch.setattr(sizes, "WHOLE_SLICE_BUDGETS", 1)
     monkeypatch.setattr(cpu_parallel, "PARALLEL_ABOVE", 0)
     tol = 1e-10 if n_iters is None else None
     if tol is not None and case_name == "extreme":  # not balanceable: both engines stop at max_iters and say so

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sinkformer.sinkhorn.problem import cache_blocks
+from sinkformer.sinkhorn.sizes import cache_blocks
 
 
 @pytest.mark.parametrize("c, n, m, budget", [(3, 9, 9, 7), (3, 9, 9, 30), (5, 4, 6, 100), (2, 10, 3, 1),

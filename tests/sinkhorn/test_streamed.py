@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sinkformer import attention, sinkhorn
-from sinkformer.attention import backends
+from sinkformer.sinkhorn import sizes
 from sinkformer.sinkhorn.streamed import streamed_potentials, streamed_softmax
 
 
@@ -106,7 +106,7 @@ def test_no_quadratic_tensor_is_saved():
 
 
 def test_auto_selection_above_threshold(monkeypatch):
-    monkeypatch.setattr(backends, "STREAM_ABOVE", 50)
+    monkeypatch.setattr(sizes, "STREAM_ABOVE", 50)
     q, k, v = inputs()
     assert attention.explain(q, k, v, n_iters=3).engine == "streamed"
     out = attention(q.requires_grad_(), k, v, n_iters=3)

@@ -7,17 +7,17 @@ import pytest
 import torch
 
 from sinkformer import attention, sinkhorn
-from sinkformer.sinkhorn import problem
+from sinkformer.sinkhorn import sizes
 
 
 def sinkhorn_attention(q, k, v, *, keep=None, group_elements=None, **kw):
     """The tiled engine through the public API; ``group_elements``: the CPU tile size (scores)."""
-    old = problem.TILE_ELEMENTS
-    problem.TILE_ELEMENTS = group_elements or old
+    old = sizes.TILE_ELEMENTS
+    sizes.TILE_ELEMENTS = group_elements or old
     try:
         return attention(q, k, v, attn_mask=keep, backend="tiled", **kw)
     finally:
-        problem.TILE_ELEMENTS = old
+        sizes.TILE_ELEMENTS = old
 
 
 def saved_numels(fn):
@@ -184,16 +184,16 @@ def test_half_inputs_computed_in_float32(dtype):
 
 
 def test_forward_saves_no_quadratic_tensor(monkeypatch):
-    """Above :data:`~sinkformer.sinkhorn.problem.SAVED_TILE_SCORES` scores per call, everything kept for the
+    """Above :data:`~sinkformer.sinkhorn.sizes.SAVED_TILE_SCORES` scores per call, everything kept for the
     backward is O(n) per slice beyond q, k, v and the output; below, also the tiles (one (B, n, m) tensor)."""
     B, n, d = 4, 64, 8
     q, k, v = (torch.randn(B, n, d, requires_grad=True) for _ in range(3))
     small = saved_numels(lambda: attention(q, k, v, n_iters=21))
-    monkeypatch.setattr(problem, "SAVED_TILE_SCORES", B * n * n - 1)
-    sizes = saved_numels(lambda: attention(q, k, v, n_iters=21))
-    assert max(sizes) <= B * n * max(d, 11)  # q, k, v, out, 11 scalings of each side; nothing of size n * n
-    assert sum(sizes) - 4 * B * n * d <= B * (n * (21 + 3) + 8)  # beyond q, k, v, out: O(n * n_iters) per slice
-    assert sorted(x for x in small if x) == sorted([x for x in sizes if x] + [B * n * n])  # and the tile
+    monkeypatch.setattr(sizes, "SAVED_TILE_SCORES", B * n * n - 1)
+    saved = saved_numels(lambda: attention(q, k, v, n_iters=21))
+    assert max(saved) <= B * n * max(d, 11)  # q, k, v, out, 11 scalings of each side; nothing of size n * n
+    assert sum(saved) - 4 * B * n * d <= B * (n * (21 + 3) + 8)  # beyond q, k, v, out: O(n * n_iters) per slice
+    assert sorted(x for x in small if x) == sorted([x for x in saved if x] + [B * n * n])  # and the tile
 
 
 @pytest.mark.parametrize("n_iters", [2, 5])
@@ -208,7 +208,7 @@ def test_kept_tiles_give_the_gradient_of_recomputed_ones(monkeypatch, n_iters, m
         return torch.autograd.grad(attention(*leaves, n_iters=n_iters, attn_mask=keep), leaves, grad_out)
 
     kept = grads()
-    monkeypatch.setattr(problem, "SAVED_TILE_SCORES", 0)
+    monkeypatch.setattr(sizes, "SAVED_TILE_SCORES", 0)
     for a, b in zip(kept, grads()):
         torch.testing.assert_close(a, b, atol=1e-6 * b.abs().max().item(), rtol=0)
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import Tensor
 
-from ..sinkhorn.problem import STREAM_ABOVE
 
 __all__ = [
     "BACKENDS", "ENGINES", "Engine", "Call", "Prepared", "Choice", "register", "unregister", "engine",

@@ -22,13 +22,12 @@ from torch import Tensor
 
 from .._capture import exact_path, patched
 from .._validation import capturing
-from ..sinkhorn import flash, sinkhorn
+from ..sinkhorn import flash, sinkhorn, sizes
 from ..sinkhorn.causal_blocks import causal_block_attention
 from ..sinkhorn.prefix import prefix_sinkhorn
 from ..sinkhorn.problem import flatten
 from ..sinkhorn.streamed import streamed_attention
 from ..sinkhorn.tiled import tiled_attention
-from . import backends
 from .backends import POINTWISE, Call, Engine, Prepared, causal_cost, register
 from .masks import align_to_batch
 
@@ -223,7 +222,7 @@ def run_flash(p: Prepared) -> Tensor:
 def _streams(call: Call) -> str | None:
     if call.chunk_size is not None:
         return f"chunk_size={call.chunk_size} asks for row blocks (memory linear in the length)"
-    if call.scores > backends.STREAM_ABOVE:
+    if call.scores > sizes.STREAM_ABOVE:
         return f"one slice has n_q*n_k = {call.scores} > 2^24 scores: never an n_q x n_k tile"
     return None
 

@@ -29,7 +29,7 @@ from typing import Any
 from ..attention.backends import engine_table
 from ..provenance import require_clean_source
 from .report import markdown_table
-from .verdicts import CLAIM, EXTENSION, KINDS, NOISE, UNCLASSIFIED, VERDICTS, WORSE, Comparison, family_section, tally
+from .verdicts import CLAIM, EXTENSION, KINDS, NOISE, UNCLASSIFIED, VERDICTS, WORSE, family_section, tally
 
 __all__ = ["digest", "render", "render_summary", "render_headline", "render_docs", "update", "load_quick_run", "DIGEST",
            "README", "DOCS", "BEGIN", "END", "SUMMARY_BEGIN", "SUMMARY_END", "HEADLINE_BEGIN", "HEADLINE_END",

@@ -80,14 +80,14 @@ from .problem import (
     Masks,
     Tolerance,
     column_error,
-    compute_in_float32_under_autocast,
     converged_tol,
-    implicit_duals,
     marginals,
     valid_rows_cols,
     warn_if_unconverged,
     warn_unbalanced,
 )
+from .implicit import implicit_duals
+from .ops import refuse_implicit_second_derivatives, register_engine_autograd
 
 __all__ = ["flash_attention", "unavailable", "LaunchConfig", "GPU_CONFIGS", "launch_config",
            "MIN_TRITON", "MAX_HEAD_DIM", "operand_dtype"]
@@ -719,7 +719,7 @@ def _reverse_tolerance(p: _Problem, fs: Tensor, gs: Tensor, counts: Tensor, dO: 
 
 
 def _implicit_duals(p: _Problem, F: Tensor, G: Tensor, r: Tensor, c: Tensor, max_iters: int = 1000):
-    """:func:`~.problem.implicit_duals` for :math:`P = e^{s + F\\oplus G}`, its products with ``P`` and
+    """:func:`~.implicit.implicit_duals` for :math:`P = e^{s + F\\oplus G}`, its products with ``P`` and
     ``P^T`` matrix-vector sweeps."""
     K = _kernels()
     tol = 1e-10 if p.acc == torch.float64 else 1e-6
@@ -739,26 +739,23 @@ def _setup_context(ctx, inputs, output):
     ctx.batch, ctx.options = batch, (scale, n_iters, tol, max_iters, backward)
 
 
-def _backward_autograd(ctx, grad_out, *unused):
+def _first_derivatives(ctx, grad_out):
     q, k, v, out, keep, bias, fs, gs, counts, shift_q, shift_k = ctx.saved_tensors
     scale, n_iters, tol, max_iters, backward = ctx.options
-    if torch.is_grad_enabled():  # create_graph=True: second derivatives through the dense engine
-        from .dense import attention_grads_with_graph
-
-        if backward == "implicit":
-            raise NotImplementedError(
-                "second derivatives of backward='implicit' are not implemented (engine 'flash'); "
-                "use backward='unrolled' for double backward (e.g. gradient penalties)"
-            )
-
-        dq, dk, dv = attention_grads_with_graph(
-            grad_out, q, k, v, Masks(keep, bias, tuple(ctx.batch)), scale=scale, n_iters=n_iters, tol=tol,
-            max_iters=max_iters, drop=None)
-    else:
-        dq, dk, dv = torch.ops.sinkformer.flash_backward(grad_out, q, k, v, out, keep, bias, ctx.batch, fs, gs,
-                                                         counts, shift_q, shift_k, scale, backward, tol is None)
-    return (dq, dk, dv) + (None,) * 8
+    return torch.ops.sinkformer.flash_backward(grad_out, q, k, v, out, keep, bias, ctx.batch, fs, gs, counts,
+                                               shift_q, shift_k, scale, backward, tol is None)
 
 
-torch.library.register_autograd("sinkformer::flash_forward", _backward_autograd, setup_context=_setup_context)
-compute_in_float32_under_autocast("sinkformer::flash_forward", "sinkformer::flash_backward")
+def _second_derivatives(ctx, grad_out):
+    from .dense import attention_grads_with_graph
+
+    q, k, v, out, keep, bias, *_ = ctx.saved_tensors
+    scale, n_iters, tol, max_iters, backward = ctx.options
+    refuse_implicit_second_derivatives(backward, "flash")
+    return attention_grads_with_graph(grad_out, q, k, v, Masks(keep, bias, tuple(ctx.batch)), scale=scale,
+                                      n_iters=n_iters, tol=tol, max_iters=max_iters, drop=None)
+
+
+register_engine_autograd("sinkformer::flash_forward", "sinkformer::flash_backward", n_inputs=11,
+                         setup_context=_setup_context, first_derivatives=_first_derivatives,
+                         second_derivatives=_second_derivatives)

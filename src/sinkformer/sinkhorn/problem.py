@@ -17,10 +17,11 @@ row and column sums of :math:`P = e^{S + f\oplus g}` are computed. Everything el
 * **The double shift** (:func:`double_shift`): the iterations run on
   :math:`S_{ij} - m_i - c_j`, whose rows and columns all have maximum 0, which keeps the
   potentials small (same iterates, Proposition 1).
-* **Batches and tiles**: :func:`flatten` turns broadcast batch dimensions into one, :class:`Masks`
-  slices ``keep``/``bias`` by flat batch range and row range without expanding them, and the
-  tile-size policy (:func:`group_size`, :func:`row_block`, :data:`STREAM_ABOVE`) is one set of
-  constants.
+* **Batches**: :func:`flatten` turns broadcast batch dimensions into one, and :class:`Masks`
+  slices ``keep``/``bias`` by flat batch range and row range without expanding them.
+
+The tile-size policy is :mod:`.sizes`, the implicit backward's linear solve :mod:`.implicit`, the
+custom-op setup the engines share :mod:`.ops`.
 """
 
 from __future__ import annotations
@@ -45,49 +46,10 @@ __all__ = [
     "column_error",
     "double_shift",
     "flatten",
-    "group_size",
-    "row_block",
-    "stream_rows",
     "converged_tol",
-    "TILE_ELEMENTS",
-    "GPU_TILE_ELEMENTS",
-    "CACHE_BLOCK_ELEMENTS",
-    "cache_blocks",
-    "CacheBlocks",
-    "implicit_duals",
-    "BLOCK_ELEMENTS",
-    "MIN_BLOCK_ROWS",
-    "STREAM_ABOVE",
-    "SAVED_TILE_SCORES",
     "CONVERGED_TOL",
-    "compute_in_float32_under_autocast",
 ]
 
-#: Scores per group of (batch·head) slices on the CPU: small enough to stay in cache.
-TILE_ELEMENTS = 1 << 20
-#: Scores per group on a GPU: a memory budget (512 MiB of float32 per tile), not a cache size.
-GPU_TILE_ELEMENTS = 1 << 27
-#: Scores per cache block of the tiled engine: each pass over a group's tile visits it in blocks of
-#: about this many scores (2 MiB, a core's L2 on the 2-core EPYC the benchmarks run on), and runs
-#: every product that needs a block while it is in cache. Against 2^18, one thread, CPU time,
-#: forward+backward, 5 iterations, b=4, h=8: n=128 -9 % (one block instead of two), 256 +3 %,
-#: 512 -1 %; b=1, n=4096 (128-row blocks instead of 64) -7 %.
-CACHE_BLOCK_ELEMENTS = 1 << 19
-#: ... but a slice of at most this many budgets is one block: splitting it costs more operations
-#: than the cache saves (2-core Xeon, b=4, h=8, n=1024, 5 iterations, forward+backward: 225 ms in
-#: whole slices, 246 ms in 256-row blocks; on the EPYC whole slices and 256- or 512-row blocks are
-#: within 3 %).
-WHOLE_SLICE_BUDGETS = 2
-#: Scores per row block of the streamed log domain (blocks over all slices: GPUs, building blocks) ...
-BLOCK_ELEMENTS = 1 << 20
-#: ... but at least this many query rows per block: thinner blocks waste the matrix products
-#: (b=4, h=8, n=2048: forward 2.0 s with 16 rows, 0.8 s with 64). Memory stays linear in ``m``.
-MIN_BLOCK_ROWS = 64
-#: Calls of at most this many scores (all slices) keep their tiles from the forward for the backward,
-#: which then recomputes nothing (b=4, h=8: n <= 256; 8 MiB of float32).
-SAVED_TILE_SCORES = 1 << 21
-#: Above this many scores per slice, ``backend="auto"`` streams (never an ``n × m`` tile).
-STREAM_ABOVE = 1 << 24
 #: Marginal error under which a fixed-count run reports ``converged=True``.
 CONVERGED_TOL = 1e-5
 
@@ -329,120 +291,3 @@ def valid_rows_cols(keep: Tensor | None, shape: tuple[int, int, int]) -> tuple[T
         return None, None
     keep = keep.expand(shape)
     return keep.any(-1), keep.any(-2)
-
-
-def group_size(slices: int, n: int, m: int, device: torch.device) -> int:
-    """How many (batch·head) slices the tiled engine processes at once: a tile of
-    :data:`TILE_ELEMENTS` scores on the CPU (cache), :data:`GPU_TILE_ELEMENTS` on a GPU (memory)."""
-    budget = TILE_ELEMENTS if device.type == "cpu" else GPU_TILE_ELEMENTS
-    return max(1, min(slices, budget // max(1, n * m)))
-
-
-@dataclass(frozen=True)
-class CacheBlocks:
-    """How the tiled engine covers a ``(c, n, m)`` tile with cache blocks of about ``budget`` scores,
-    each contiguous in memory: ``step`` whole slices per block when one slice fits the budget
-    (``rows is None``), else ``rows`` rows of one slice per block (at least one row).
-
-    :meth:`rows_of` and :meth:`slices_of` return the blocks' views of a per-row tensor ``(c, n, ...)``
-    and of a per-slice tensor ``(c, ...)`` in block order, made by one ``split`` per call (or per
-    slice) rather than one indexing per block: a pass over the tile then costs a handful of
-    operations per block."""
-
-    c: int
-    n: int
-    step: int
-    rows: int | None
-
-    @property
-    def index(self) -> list[tuple[slice, slice]]:
-        """``(slices, rows)`` of every block."""
-        if self.rows is None:
-            return [(slice(s, min(self.c, s + self.step)), slice(0, self.n)) for s in range(0, self.c, self.step)]
-        return [(slice(s, s + 1), slice(r, min(self.n, r + self.rows)))
-                for s in range(self.c) for r in range(0, self.n, self.rows)]
-
-    def rows_of(self, t: Tensor) -> list[Tensor]:
-        """Views ``t[slices, rows]`` of every block, ``t`` of shape ``(c, n, ...)``."""
-        if self.rows is None:
-            return [t] if self.step >= self.c else list(t.split(self.step, 0))
-        return [b for s in range(self.c) for b in t[s:s + 1].split(self.rows, 1)]
-
-    def slices_of(self, t: Tensor) -> list[Tensor]:
-        """Views ``t[slices]`` of every block, ``t`` of shape ``(c, ...)`` (one view per block)."""
-        if self.rows is None:
-            return [t] if self.step >= self.c else list(t.split(self.step, 0))
-        per_slice = -(-self.n // self.rows)
-        return [view for s in range(self.c) for view in [t[s:s + 1]] * per_slice]
-
-
-def cache_blocks(c: int, n: int, m: int, budget: int) -> CacheBlocks:
-    """The :class:`CacheBlocks` of a ``(c, n, m)`` tile: whole slices when a slice has at most
-    :data:`WHOLE_SLICE_BUDGETS` times ``budget`` scores, else row ranges of one slice.
-    ``budget``: :data:`CACHE_BLOCK_ELEMENTS` by default."""
-    per_slice = n * m
-    if per_slice <= WHOLE_SLICE_BUDGETS * budget:
-        return CacheBlocks(c, n, max(1, budget // max(1, per_slice)), None)
-    return CacheBlocks(c, n, 1, max(1, budget // max(1, m)))
-
-
-def stream_rows(n: int, m: int, chunk_size: int | None) -> int:
-    """Query rows per block of the streamed engine on the CPU (one slice per block, ``chunk_size``
-    if given): about :data:`CACHE_BLOCK_ELEMENTS` scores, at least :data:`MIN_BLOCK_ROWS` rows."""
-    if chunk_size is not None:
-        return max(1, min(chunk_size, n))
-    return max(1, min(n, max(MIN_BLOCK_ROWS, CACHE_BLOCK_ELEMENTS // max(1, m))))
-
-
-def row_block(slices: int, n: int, m: int, chunk_size: int | None) -> int:
-    """Query rows per block of the streamed log domain, whose blocks span all ``slices`` (GPUs, the
-    building blocks of :mod:`.streamed`; ``chunk_size`` if given)."""
-    if chunk_size is not None:
-        return max(1, min(chunk_size, n))
-    return max(1, min(n, max(MIN_BLOCK_ROWS, BLOCK_ELEMENTS // max(1, slices * m))))
-
-
-def compute_in_float32_under_autocast(*op_names: str) -> None:
-    """Make autocast leave the engine ops ``op_names`` alone: their float32 inputs stay float32 and
-    autocast is off inside them (the engines compute in float32 on purpose; autocast would turn their
-    products into half-precision ones). float64 inputs are never touched. :func:`sinkformer.attention`
-    casts q, k, v to the autocast dtype first, so its output dtype is SDPA's."""
-    register = getattr(torch.library, "register_autocast", None)
-    if register is None:  # torch < 2.5: attention() switches autocast off around the engines itself
-        return
-    for name in op_names:
-        for device_type in ("cpu", "cuda"):
-            register(name, device_type, torch.float32)
-
-
-def implicit_duals(Pv, Ptv, r: Tensor, c: Tensor, *, tol: float, max_iters: int = 1000) -> tuple[Tensor, Tensor]:
-    """Solve ``[diag(a) P; P^T diag(b)] [alpha; beta] = [r; c]`` by Jacobi-preconditioned conjugate
-    gradients, given only the products ``Pv(y) = P y`` and ``Ptv(x) = P^T x`` (``a = P 1``, ``b = P^T 1``:
-    the matrix's actual row and column sums) — the duals of the implicit backward of every engine.
-
-    ``r``: ``(..., n)``, ``c``: ``(..., m)``. Stops at a relative residual ``tol`` (engines pass 1e-10
-    in float64, 1e-6 in float32: asking float32 for less runs past its rounding floor, and the drift
-    costs 0.1-10 % of the gradient) or after ``max_iters`` steps.
-    """
-    a, b = Pv(torch.ones_like(c)), Ptv(torch.ones_like(r))
-    pa, pb = torch.where(a > 0, 1 / a, torch.ones_like(a)), torch.where(b > 0, 1 / b, torch.ones_like(b))
-    x, y = torch.zeros_like(r), torch.zeros_like(c)
-    rx, ry = r.clone(), c.clone()
-    zx, zy = pa * rx, pb * ry
-    px, py = zx.clone(), zy.clone()
-    rz = (rx * zx).sum(-1) + (ry * zy).sum(-1)
-    norm0 = torch.sqrt((r.square().sum(-1) + c.square().sum(-1))).clamp_min(1e-30)
-    for _ in range(max_iters):
-        hx, hy = a * px + Pv(py), Ptv(px) + b * py
-        curvature = (px * hx).sum(-1) + (py * hy).sum(-1)
-        step = torch.where(curvature > 0, rz / curvature, torch.zeros_like(rz))
-        x, y = x + step.unsqueeze(-1) * px, y + step.unsqueeze(-1) * py
-        rx, ry = rx - step.unsqueeze(-1) * hx, ry - step.unsqueeze(-1) * hy
-        if bool((torch.sqrt(rx.square().sum(-1) + ry.square().sum(-1)) / norm0).max() <= tol):
-            break
-        zx, zy = pa * rx, pb * ry
-        rz_new = (rx * zx).sum(-1) + (ry * zy).sum(-1)
-        beta = torch.where(rz > 0, rz_new / rz, torch.zeros_like(rz))
-        px, py = zx + beta.unsqueeze(-1) * px, zy + beta.unsqueeze(-1) * py
-        rz = rz_new
-    return x, y

@@ -3,13 +3,13 @@ tiled engine (:mod:`.tiled`, the tile stored) and the streamed engine (:mod:`.st
 recomputed from ``q`` and ``k`` when a pass visits it, memory linear in ``n``) share.
 
 **The tile.** For a group of ``c`` (batch·head) slices, :class:`Tile` covers the ``(c, n, m)`` scores
-:math:`S = \mathrm{scale}\,QK^\top + \mathrm{bias}` with cache blocks (:class:`~.problem.CacheBlocks`:
+:math:`S = \mathrm{scale}\,QK^\top + \mathrm{bias}` with cache blocks (:class:`~.sizes.CacheBlocks`:
 rows of one slice, or whole slices). The forward's first pass (:meth:`Tile.first_sweep`) computes the
 double shift of :func:`~.problem.double_shift` (every row and column of :math:`x = S - m_i - c_j` has
 maximum 0) together with the first row normalisation; every later pass visits :math:`\tilde K = e^{x}`
 block by block (:meth:`Tile.visit`), from the stored tile or recomputed by the same operations (so
 every recomputation gives the same values, bit for bit). Calls of at most
-:data:`~.problem.SAVED_TILE_SCORES` scores keep the stored tiles for the backward.
+:data:`~.sizes.SAVED_TILE_SCORES` scores keep the stored tiles for the backward.
 
 **Forward** (:func:`scaling_forward`). From :math:`\tilde v^{(0)} = e^{c}`, each normalisation is
 one matrix-vector product: :math:`u \leftarrow a \oslash \tilde K\tilde v`,
@@ -34,7 +34,7 @@ step; the last one runs the recursion's last two steps and forms ``dS`` block by
 ``[u ⊙ dO, X] [ṽ ⊙ V, Y]^T`` of inner size ``e + n_iters``), contracted at once into
 :math:`dQ = \mathrm{scale}\,dS\,K` and :math:`dK = \mathrm{scale}\,dS^\top Q`. ``5`` iterations take
 3 passes. ``backward="implicit"`` (stored tiles) replaces the recursion by the dual solve of
-:func:`~.problem.implicit_duals` (rank 2).
+:func:`~.implicit.implicit_duals` (rank 2).
 
 :func:`run_forward` and :func:`run_backward` run the groups of a call on the CPU's cores
 (:func:`~.cpu_parallel.map_groups`) and collect what the custom ops return and save.
@@ -49,22 +49,21 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import problem
+from . import sizes
 from .cpu_parallel import map_groups
 from .problem import (
-    CacheBlocks,
     Masks,
     Tolerance,
     _finite_or_zero,
-    cache_blocks,
     column_error,
     converged_tol,
-    implicit_duals,
     marginals,
     valid_rows_cols,
     warn_if_unconverged,
     warn_unbalanced,
 )
+from .implicit import implicit_duals
+from .sizes import CacheBlocks, cache_blocks
 
 __all__ = ["Options", "Tile", "GroupState", "run_forward", "run_backward", "scaling_forward", "scaling_backward",
            "dropout_mask", "implicit_duals_of"]
@@ -76,7 +75,7 @@ LOG_SCALING_LIMIT = 60.0
 @dataclass(frozen=True)
 class Options:
     """The non-tensor arguments of an engine's ops. ``group``: slices per group; ``block``: scores per
-    cache block (:func:`~.problem.cache_blocks`), or ``rows``: query rows per block (the streamed
+    cache block (:func:`~.sizes.cache_blocks`), or ``rows``: query rows per block (the streamed
     engine); ``stored``: whether the tile is kept (tiled) or recomputed on every visit (streamed).
     Forward and backward use the same groups and blocks, hence the same tile values."""
 
@@ -109,9 +108,9 @@ class Options:
     def saves_tile(self, B: int, n: int, m: int, device: torch.device) -> bool:
         """Whether the forward keeps the call's tiles :math:`\\tilde K` for the backward (which then
         recomputes nothing): stored tiles on the CPU, a call of at most
-        :data:`~.problem.SAVED_TILE_SCORES` scores, a fixed ``n_iters >= 2`` and no dropout (the tile
+        :data:`~.sizes.SAVED_TILE_SCORES` scores, a fixed ``n_iters >= 2`` and no dropout (the tile
         then ends the forward as :math:`\\tilde K`)."""
-        return (self.stored and self.starts_in_scaling(device) and B * n * m <= problem.SAVED_TILE_SCORES
+        return (self.stored and self.starts_in_scaling(device) and B * n * m <= sizes.SAVED_TILE_SCORES
                 and self.tol is None and self.n_iters >= 2 and not self.dropout_p)
 
     def starts_in_scaling(self, device: torch.device) -> bool:
@@ -689,7 +688,7 @@ def _neg_inverse(x: Tensor) -> Tensor:
 
 
 def implicit_duals_of(K, u, vt, r, c, max_iters=1000):
-    """:func:`~.problem.implicit_duals` for ``P = diag(u) K diag(vt)`` (products on a stored tile)."""
+    """:func:`~.implicit.implicit_duals` for ``P = diag(u) K diag(vt)`` (products on a stored tile)."""
     tol = 1e-10 if K.dtype == torch.float64 else 1e-6
     return implicit_duals(lambda y: u * _mv(K, vt * y), lambda x: vt * _mtv(K, u * x), r, c, tol=tol,
                           max_iters=max_iters)

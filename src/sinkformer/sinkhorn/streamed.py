@@ -2,8 +2,8 @@ r"""The streamed engine: never an ``n × m`` matrix, memory linear in the sequen
 
 **On the CPU** it runs the scaling-domain passes of :mod:`.scaling` — the tiled engine's forward
 and exact backward — on a tile that is never stored: every pass recomputes each block of query rows
-(:func:`~.problem.stream_rows`: about :data:`~.problem.CACHE_BLOCK_ELEMENTS` scores, at least
-:data:`~.problem.MIN_BLOCK_ROWS` rows, one slice) from ``q`` and ``k`` by the same operations, so
+(:func:`~.sizes.stream_rows`: about :data:`~.sizes.CACHE_BLOCK_ELEMENTS` scores, at least
+:data:`~.sizes.MIN_BLOCK_ROWS` rows, one slice) from ``q`` and ``k`` by the same operations, so
 every visit sees the same values and the results equal the tiled engine's. One slice per group,
 the groups on the cores (:func:`~.cpu_parallel.map_groups`), one block of scratch memory per core.
 It costs one score product and one exponential per pass where the tiled engine reads its tile back:
@@ -47,17 +47,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .problem import (
-    Masks,
-    Tolerance,
-    _finite_or_zero,
-    column_error,
-    compute_in_float32_under_autocast,
-    marginals,
-    row_block,
-    stream_rows,
-    warn_if_unconverged,
-)
+from .problem import Masks, Tolerance, _finite_or_zero, column_error, marginals, warn_if_unconverged
+from .ops import register_engine_autograd
+from .sizes import row_block, stream_rows
 from .scaling import GroupState, Options, run_backward, run_forward
 
 __all__ = ["streamed_attention", "streamed_potentials", "streamed_softmax"]
@@ -373,7 +365,7 @@ def streamed_attention(
 
     Inputs as for :func:`~.tiled.tiled_attention` (flat over ``batch``, compute precision, masks
     broadcastable to ``batch + (n, m)``, ``bias`` without gradient); ``chunk_size``: query rows per
-    block (default :func:`~.problem.stream_rows`)."""
+    block (default :func:`~.sizes.stream_rows`)."""
     rows = stream_rows(q.shape[1], k.shape[1], chunk_size)
     return torch.ops.sinkformer.streamed_forward(q, k, v, keep, bias, list(batch), rows, scale, n_iters, tol,
                                                  max_iters)[0]
@@ -432,23 +424,24 @@ def _setup_context(ctx, inputs, output):
     ctx.args = (batch, rows, scale, n_iters, tol, max_iters)
 
 
-def _autograd_backward(ctx, grad_out, *unused):
+def _first_derivatives(ctx, grad_out):
     q, k, v, out, keep, bias, row_shift, col_shift, us, vs, counts, log_domain = ctx.saved_tensors
+    return torch.ops.sinkformer.streamed_backward(grad_out, q, k, v, out, keep, bias, *ctx.args, row_shift,
+                                                  col_shift, us, vs, counts, log_domain)
+
+
+def _second_derivatives(ctx, grad_out):
+    from .dense import attention_grads_with_graph
+
+    q, k, v, out, keep, bias, *_ = ctx.saved_tensors
     batch, rows, scale, n_iters, tol, max_iters = ctx.args
-    if torch.is_grad_enabled():  # create_graph=True: second derivatives through the dense engine
-        from .dense import attention_grads_with_graph
-
-        grads = attention_grads_with_graph(grad_out, q, k, v, Masks(keep, bias, tuple(batch)), scale=scale,
-                                           n_iters=n_iters, tol=tol, max_iters=max_iters)
-    else:
-        grads = torch.ops.sinkformer.streamed_backward(grad_out, q, k, v, out, keep, bias, batch, rows, scale,
-                                                       n_iters, tol, max_iters, row_shift, col_shift, us, vs,
-                                                       counts, log_domain)
-    return (*grads, None, None, None, None, None, None, None, None)
+    return attention_grads_with_graph(grad_out, q, k, v, Masks(keep, bias, tuple(batch)), scale=scale,
+                                      n_iters=n_iters, tol=tol, max_iters=max_iters)
 
 
-torch.library.register_autograd("sinkformer::streamed_forward", _autograd_backward, setup_context=_setup_context)
-compute_in_float32_under_autocast("sinkformer::streamed_forward", "sinkformer::streamed_backward")
+register_engine_autograd("sinkformer::streamed_forward", "sinkformer::streamed_backward", n_inputs=11,
+                         setup_context=_setup_context, first_derivatives=_first_derivatives,
+                         second_derivatives=_second_derivatives)
 
 
 def _group_problem(q, k, masks: Masks, start: int, options: Options, row_shift, col_shift) -> Streamed:

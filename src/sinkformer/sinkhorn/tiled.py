@@ -1,6 +1,6 @@
 r"""The tiled engine: Sinkhorn attention at SoftMax-like cost, O(n) saved per slice.
 
-For a group of (batch·head) slices at a time (:func:`~.problem.group_size`: 2^20 scores or one
+For a group of (batch·head) slices at a time (:func:`~.sizes.group_size`: 2^20 scores or one
 slice on the CPU, a memory budget on a GPU) the forward builds :math:`S = \mathrm{scale}\,QK^\top +
 \mathrm{bias}`, doubly shifts it (:func:`~.problem.double_shift`: every row and column of
 :math:`x = S - m_i - c_j` has maximum 0) and runs the iterations of :mod:`.problem` on that
@@ -11,7 +11,7 @@ cached tile in one of two domains:
   normalisation is one matrix-vector product (:math:`u \leftarrow a \oslash \tilde K\tilde v`,
   :math:`\tilde v \leftarrow b \oslash \tilde K^\top u`), no exponential, and the output
   :math:`u \odot \tilde K(\tilde v \odot V)` is one matrix product. The tile is visited in cache
-  blocks of about :data:`~.problem.CACHE_BLOCK_ELEMENTS` scores, every product that needs a block
+  blocks of about :data:`~.sizes.CACHE_BLOCK_ELEMENTS` scores, every product that needs a block
   run while it is in cache, so a row and a column normalisation share one pass; the backward is
   the exact gradient of the ``n_iters`` map (a rank-``n_iters`` correction to SoftMax's), in 3
   passes for 5 iterations.
@@ -39,17 +39,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import problem
-from .problem import (
-    Masks,
-    Tolerance,
-    column_error,
-    compute_in_float32_under_autocast,
-    double_shift,
-    group_size,
-    marginals,
-    valid_rows_cols,
-)
+from . import sizes
+from .problem import Masks, Tolerance, column_error, double_shift, marginals, valid_rows_cols
+from .ops import refuse_implicit_second_derivatives, register_engine_autograd
+from .sizes import group_size
 from .scaling import GroupState, Options, dropout_mask, implicit_duals_of, run_backward, run_forward
 
 __all__ = ["tiled_attention"]
@@ -88,7 +81,7 @@ def tiled_attention(
     seed = torch.randint(0, 2**62, (1,)) if dropout_p > 0 else None
     group = group_size(q.shape[0], q.shape[1], k.shape[1], q.device)
     return torch.ops.sinkformer.tiled_forward(q, k, v, keep, bias, list(batch), seed, scale, n_iters, tol, max_iters,
-                                              backward, dropout_p, domain, group, problem.CACHE_BLOCK_ELEMENTS)[0]
+                                              backward, dropout_p, domain, group, sizes.CACHE_BLOCK_ELEMENTS)[0]
 
 
 def _options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group, block) -> Options:
@@ -279,20 +272,20 @@ def _setup_context(ctx, inputs, output):
     ctx.batch, ctx.options = batch, options
 
 
-def _backward(ctx, grad_out, *unused):
+def _first_derivatives(ctx, grad_out):
     q, k, v, out, keep, bias, seed, row_shift, col_shift, us, vs, counts, log_domain, tiles = ctx.saved_tensors
-    if torch.is_grad_enabled():  # create_graph=True: second derivatives through the dense engine
-        dq, dk, dv = _dense_grads(grad_out, q, k, v, keep, bias, ctx.batch, seed, _options(*ctx.options))
-    else:
-        dq, dk, dv = torch.ops.sinkformer.tiled_backward(
-            grad_out, q, k, v, out, keep, bias, ctx.batch, seed, row_shift, col_shift, us, vs, counts, log_domain,
-            tiles, *ctx.options,
-        )
-    return (dq, dk, dv) + (None,) * 13
+    return torch.ops.sinkformer.tiled_backward(grad_out, q, k, v, out, keep, bias, ctx.batch, seed, row_shift,
+                                               col_shift, us, vs, counts, log_domain, tiles, *ctx.options)
 
 
-torch.library.register_autograd("sinkformer::tiled_forward", _backward, setup_context=_setup_context)
-compute_in_float32_under_autocast("sinkformer::tiled_forward", "sinkformer::tiled_backward")
+def _second_derivatives(ctx, grad_out):
+    q, k, v, out, keep, bias, seed, *_ = ctx.saved_tensors
+    return _dense_grads(grad_out, q, k, v, keep, bias, ctx.batch, seed, _options(*ctx.options))
+
+
+register_engine_autograd("sinkformer::tiled_forward", "sinkformer::tiled_backward", n_inputs=16,
+                         setup_context=_setup_context, first_derivatives=_first_derivatives,
+                         second_derivatives=_second_derivatives)
 
 
 def _dense_grads(grad_out, q, k, v, keep, bias, batch, seed, options: Options):
@@ -300,11 +293,7 @@ def _dense_grads(grad_out, q, k, v, keep, bias, batch, seed, options: Options):
     the same dropout masks, differentiated by autograd."""
     from .dense import attention_grads_with_graph
 
-    if options.backward == "implicit":
-        raise NotImplementedError(
-            "second derivatives of backward='implicit' are not implemented (engine 'tiled'); "
-            "use backward='unrolled' for double backward (e.g. gradient penalties)"
-        )
+    refuse_implicit_second_derivatives(options.backward, ENGINE)
     B, n, m = q.shape[0], q.shape[1], k.shape[1]
     drop = None
     if options.dropout_p:

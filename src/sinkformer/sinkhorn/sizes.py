@@ -1,0 +1,117 @@
+"""The tile-size policy of the engines: one set of constants and the functions that read them.
+
+How many (batch·head) slices the tiled engine takes at once (:func:`group_size`), how it covers a
+tile with cache blocks (:func:`cache_blocks`), how many query rows a streamed block has
+(:func:`stream_rows`, :func:`row_block`), and when ``backend="auto"`` streams (:data:`STREAM_ABOVE`).
+The constants are read at call time (``sizes.X``), so tests can lower them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "TILE_ELEMENTS", "GPU_TILE_ELEMENTS", "CACHE_BLOCK_ELEMENTS", "WHOLE_SLICE_BUDGETS", "BLOCK_ELEMENTS",
+    "MIN_BLOCK_ROWS", "SAVED_TILE_SCORES", "STREAM_ABOVE", "group_size", "CacheBlocks", "cache_blocks",
+    "stream_rows", "row_block",
+]
+
+#: Scores per group of (batch·head) slices on the CPU: small enough to stay in cache.
+TILE_ELEMENTS = 1 << 20
+#: Scores per group on a GPU: a memory budget (512 MiB of float32 per tile), not a cache size.
+GPU_TILE_ELEMENTS = 1 << 27
+#: Scores per cache block of the tiled engine: each pass over a group's tile visits it in blocks of
+#: about this many scores (2 MiB, a core's L2 on the 2-core EPYC the benchmarks run on), and runs
+#: every product that needs a block while it is in cache. Against 2^18, one thread, CPU time,
+#: forward+backward, 5 iterations, b=4, h=8: n=128 -9 % (one block instead of two), 256 +3 %,
+#: 512 -1 %; b=1, n=4096 (128-row blocks instead of 64) -7 %.
+CACHE_BLOCK_ELEMENTS = 1 << 19
+#: ... but a slice of at most this many budgets is one block: splitting it costs more operations
+#: than the cache saves (2-core Xeon, b=4, h=8, n=1024, 5 iterations, forward+backward: 225 ms in
+#: whole slices, 246 ms in 256-row blocks; on the EPYC whole slices and 256- or 512-row blocks are
+#: within 3 %).
+WHOLE_SLICE_BUDGETS = 2
+#: Scores per row block of the streamed log domain (blocks over all slices: GPUs, building blocks) ...
+BLOCK_ELEMENTS = 1 << 20
+#: ... but at least this many query rows per block: thinner blocks waste the matrix products
+#: (b=4, h=8, n=2048: forward 2.0 s with 16 rows, 0.8 s with 64). Memory stays linear in ``m``.
+MIN_BLOCK_ROWS = 64
+#: Calls of at most this many scores (all slices) keep their tiles from the forward for the backward,
+#: which then recomputes nothing (b=4, h=8: n <= 256; 8 MiB of float32).
+SAVED_TILE_SCORES = 1 << 21
+#: Above this many scores per slice, ``backend="auto"`` streams (never an ``n × m`` tile).
+STREAM_ABOVE = 1 << 24
+
+
+def group_size(slices: int, n: int, m: int, device: torch.device) -> int:
+    """How many (batch·head) slices the tiled engine processes at once: a tile of
+    :data:`TILE_ELEMENTS` scores on the CPU (cache), :data:`GPU_TILE_ELEMENTS` on a GPU (memory)."""
+    budget = TILE_ELEMENTS if device.type == "cpu" else GPU_TILE_ELEMENTS
+    return max(1, min(slices, budget // max(1, n * m)))
+
+
+@dataclass(frozen=True)
+class CacheBlocks:
+    """How the tiled engine covers a ``(c, n, m)`` tile with cache blocks of about ``budget`` scores,
+    each contiguous in memory: ``step`` whole slices per block when one slice fits the budget
+    (``rows is None``), else ``rows`` rows of one slice per block (at least one row).
+
+    :meth:`rows_of` and :meth:`slices_of` return the blocks' views of a per-row tensor ``(c, n, ...)``
+    and of a per-slice tensor ``(c, ...)`` in block order, made by one ``split`` per call (or per
+    slice) rather than one indexing per block: a pass over the tile then costs a handful of
+    operations per block."""
+
+    c: int
+    n: int
+    step: int
+    rows: int | None
+
+    @property
+    def index(self) -> list[tuple[slice, slice]]:
+        """``(slices, rows)`` of every block."""
+        if self.rows is None:
+            return [(slice(s, min(self.c, s + self.step)), slice(0, self.n)) for s in range(0, self.c, self.step)]
+        return [(slice(s, s + 1), slice(r, min(self.n, r + self.rows)))
+                for s in range(self.c) for r in range(0, self.n, self.rows)]
+
+    def rows_of(self, t: Tensor) -> list[Tensor]:
+        """Views ``t[slices, rows]`` of every block, ``t`` of shape ``(c, n, ...)``."""
+        if self.rows is None:
+            return [t] if self.step >= self.c else list(t.split(self.step, 0))
+        return [b for s in range(self.c) for b in t[s:s + 1].split(self.rows, 1)]
+
+    def slices_of(self, t: Tensor) -> list[Tensor]:
+        """Views ``t[slices]`` of every block, ``t`` of shape ``(c, ...)`` (one view per block)."""
+        if self.rows is None:
+            return [t] if self.step >= self.c else list(t.split(self.step, 0))
+        per_slice = -(-self.n // self.rows)
+        return [view for s in range(self.c) for view in [t[s:s + 1]] * per_slice]
+
+
+def cache_blocks(c: int, n: int, m: int, budget: int) -> CacheBlocks:
+    """The :class:`CacheBlocks` of a ``(c, n, m)`` tile: whole slices when a slice has at most
+    :data:`WHOLE_SLICE_BUDGETS` times ``budget`` scores, else row ranges of one slice.
+    ``budget``: :data:`CACHE_BLOCK_ELEMENTS` by default."""
+    per_slice = n * m
+    if per_slice <= WHOLE_SLICE_BUDGETS * budget:
+        return CacheBlocks(c, n, max(1, budget // max(1, per_slice)), None)
+    return CacheBlocks(c, n, 1, max(1, budget // max(1, m)))
+
+
+def stream_rows(n: int, m: int, chunk_size: int | None) -> int:
+    """Query rows per block of the streamed engine on the CPU (one slice per block, ``chunk_size``
+    if given): about :data:`CACHE_BLOCK_ELEMENTS` scores, at least :data:`MIN_BLOCK_ROWS` rows."""
+    if chunk_size is not None:
+        return max(1, min(chunk_size, n))
+    return max(1, min(n, max(MIN_BLOCK_ROWS, CACHE_BLOCK_ELEMENTS // max(1, m))))
+
+
+def row_block(slices: int, n: int, m: int, chunk_size: int | None) -> int:
+    """Query rows per block of the streamed log domain, whose blocks span all ``slices`` (GPUs, the
+    building blocks of :mod:`.streamed`; ``chunk_size`` if given)."""
+    if chunk_size is not None:
+        return max(1, min(chunk_size, n))
+    return max(1, min(n, max(MIN_BLOCK_ROWS, BLOCK_ELEMENTS // max(1, slices * m))))
