@@ -40,6 +40,7 @@ from .problem import (
     check_iterations,
     column_error,
     double_shift,
+    log_marginal,
     marginals,
     warn_if_unconverged,
 )
@@ -262,12 +263,11 @@ class _Problem:
             x, row_shift, col_shift = double_shift(x.masked_fill(~keep, float("-inf")))
             x_rows = x.masked_fill(~row_valid.unsqueeze(-1), 0.0)
             x_cols = x.masked_fill(~col_valid.unsqueeze(-2), 0.0)
-            log_a = torch.where(row_valid, a.clamp_min(1e-38).log(), torch.zeros_like(a))
-            log_b = torch.where(col_valid, b.clamp_min(1e-38).log(), torch.zeros_like(b))
+            log_a, log_b = log_marginal(a, row_valid), log_marginal(b, col_valid)
         else:
             x, row_shift, col_shift = double_shift(x)
             x_rows = x_cols = x
-            log_a, log_b = a.log(), b.log()
+            log_a, log_b = log_marginal(a), log_marginal(b)
         return cls(x, row_shift, col_shift, x_rows, x_cols, a, b, log_a, log_b, row_valid, col_valid)
 
 

@@ -81,6 +81,7 @@ from .problem import (
     Tolerance,
     column_error,
     converged_tol,
+    log_marginal,
     marginals,
     valid_rows_cols,
     warn_if_unconverged,
@@ -320,8 +321,7 @@ class _Marginal:
     @staticmethod
     def of(mass: Tensor) -> _Marginal:
         mass = mass.contiguous()
-        log2 = torch.where(mass > 0, mass.clamp_min(torch.finfo(mass.dtype).tiny).log2(),
-                           torch.full_like(mass, float("-inf")))
+        log2 = log_marginal(mass, mass > 0, empty=float("-inf")) * LOG2E
         return _Marginal(mass, log2, torch.where(mass > 0, 1 / mass, torch.zeros_like(mass)))
 
 

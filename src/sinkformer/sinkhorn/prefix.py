@@ -54,6 +54,7 @@ from torch import Tensor
 
 from .._capture import capturing, exact_path, patched
 from .._validation import _skip_data_checks, broadcastable, check_positive_int, check_tensor, compute_dtype
+from .problem import log_marginal
 
 __all__ = ["MARGINALS", "prefix_sinkhorn", "prefix_column_marginals", "log_matmul", "log_cumsum_exp", "cumsum_rows", "scaled_rows",
            "inverse_count_sums"]
@@ -327,8 +328,7 @@ def prefix_column_marginals(keep: Tensor, marginals: str, dtype: torch.dtype = t
         else:
             rows_upto = keep.any(-1).to(dtype).cumsum(-1)
             b = (rows_upto / col_valid.to(dtype).sum(-1).clamp_min(1)).unsqueeze(-1).expand(col_valid.shape)
-    log_b = torch.where(col_valid, b.clamp_min(torch.finfo(dtype).tiny).log(), torch.zeros((), dtype=dtype, device=keep.device))
-    return log_b, col_valid
+    return log_marginal(b, col_valid), col_valid
 
 
 def inverse_count_sums(count: Tensor) -> tuple[Tensor, Tensor]:

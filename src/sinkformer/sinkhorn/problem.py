@@ -43,6 +43,7 @@ __all__ = [
     "check_iterations",
     "check_scale",
     "marginals",
+    "log_marginal",
     "column_error",
     "double_shift",
     "flatten",
@@ -153,6 +154,14 @@ def marginals(
         b = b.expand(batch + (m,)) * cols
         return rows * (b.sum(-1, keepdim=True) / n_valid.clamp_min(1)), b
     return a.expand(batch + (n,)) * rows, b.expand(batch + (m,)) * cols
+
+
+def log_marginal(m: Tensor, valid: Tensor | None = None, empty: float = 0.0) -> Tensor:
+    """:math:`\log m` on the ``valid`` entries (default all), ``empty`` elsewhere — the one convention of
+    every engine's log-marginals. A row or column without mass keeps potential 0 (``empty=0``; the flash
+    kernels take ``-inf``), and a valid entry of marginal 0 gets ``log(finfo.tiny)``: finite, no mass."""
+    logs = m.clamp_min(torch.finfo(m.dtype).tiny).log()
+    return logs if valid is None else torch.where(valid, logs, torch.full_like(m, empty))
 
 
 def double_shift(x: Tensor, inplace: bool = False) -> tuple[Tensor, Tensor, Tensor]:

@@ -47,7 +47,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .problem import Masks, Tolerance, _finite_or_zero, column_error, marginals, warn_if_unconverged
+from .problem import (
+    Masks,
+    Tolerance,
+    _finite_or_zero,
+    column_error,
+    log_marginal,
+    marginals,
+    warn_if_unconverged,
+)
 from .ops import register_engine_autograd
 from .sizes import row_block, stream_rows
 from .scaling import GroupState, Options, run_backward, run_forward
@@ -227,7 +235,7 @@ def _column_update(problem: Streamed, f: Tensor, g: Tensor, col: Tensor) -> Tens
     g_new = torch.where(b > 0, g + _safe_log_ratio(b, col), 0.0)
     lost = _lost(b, col)
     if bool(lost.any()):
-        g_new = torch.where(lost, b.clamp_min(1e-38).log() - _column_lse(problem, f), g_new)
+        g_new = torch.where(lost, log_marginal(b) - _column_lse(problem, f), g_new)
     return g_new
 
 
@@ -270,8 +278,7 @@ def _sweeps(problem: Streamed, n_iters: int | None, tol: float | None, max_iters
         elif last:
             break
         if symmetric:
-            log_b = problem.b.clamp_min(1e-38).log()
-            g_new = torch.where(problem.b > 0, 0.5 * (g + f - log_b), 0.0)
+            g_new = torch.where(problem.b > 0, 0.5 * (g + f - log_marginal(problem.b)), 0.0)
         else:
             g_new = _column_update(problem, f_new, g, col)
             done += 1

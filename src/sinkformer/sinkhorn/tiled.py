@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from . import sizes
-from .problem import Masks, Tolerance, column_error, double_shift, marginals, valid_rows_cols
+from .problem import Masks, Tolerance, column_error, double_shift, log_marginal, marginals, valid_rows_cols
 from .ops import refuse_implicit_second_derivatives, register_engine_autograd
 from .sizes import group_size
 from .scaling import GroupState, Options, dropout_mask, implicit_duals_of, run_backward, run_forward
@@ -195,8 +195,7 @@ def _ratio(num: Tensor, den: Tensor) -> Tensor:
 
 def _log_iterate(x: Tensor, a: Tensor, b: Tensor, g0: Tensor, options: Options):
     """The log-domain recursion on the shifted tile ``x``: ``fs = [f1, f3, ..]``, ``gs = [g0, g2, ..]``."""
-    log_a = torch.where(a > 0, a.clamp_min(1e-38).log(), torch.zeros_like(a))
-    log_b = torch.where(b > 0, b.clamp_min(1e-38).log(), torch.zeros_like(b))
+    log_a, log_b = log_marginal(a, a > 0), log_marginal(b, b > 0)
 
     def rows(g: Tensor) -> Tensor:
         return torch.where(a > 0, log_a - torch.logsumexp(x + g.unsqueeze(-2), -1), torch.zeros_like(a))
