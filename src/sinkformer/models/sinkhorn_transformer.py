@@ -43,12 +43,12 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
-from einops import rearrange
 from torch import Tensor, nn
 
 from .._validation import check_choice, check_positive_int, check_tensor
 from ..attention import CausalSinkhornCache, attention as attention_function
 from ..nn.sparse import BaselineSelfAttention, SparseSinkhornAttention
+from ..nn.heads import fused_self_attention
 from ..nn.layers import sinusoidal_positions
 
 __all__ = [
@@ -172,12 +172,13 @@ class DenseSinkhornSelfAttention(BaselineSelfAttention):
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         check_tensor(x, "x", ndim=3, floating=True)
-        q, k, v = rearrange(self.qkv_proj(x), "b n (three h e) -> three b h n e", three=3, h=self.num_heads)
-        out = attention_function(
-            q, k, v, n_iters=self.n_iters, is_causal=self.causal, key_padding_mask=key_padding_mask,
-            query_padding_mask=key_padding_mask, dropout_p=self.dropout if self.training else 0.0,
-        )
-        return self.out_proj(rearrange(out, "b h n e -> b n (h e)"))
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return attention_function(
+                q, k, v, n_iters=self.n_iters, is_causal=self.causal, key_padding_mask=key_padding_mask,
+                query_padding_mask=key_padding_mask, dropout_p=self.dropout if self.training else 0.0,
+            )
+
+        return fused_self_attention(x, self.qkv_proj, self.out_proj, self.num_heads, attend)
 
 
 def decoding_cache(self_attn: nn.Module) -> CausalSinkhornCache | None:
@@ -197,8 +198,7 @@ def decoding_cache(self_attn: nn.Module) -> CausalSinkhornCache | None:
 def _attention_step(self_attn: BaselineSelfAttention, x: Tensor, cache: CausalSinkhornCache) -> Tensor:
     """The outputs ``(B, m, D)`` of ``self_attn`` for ``m`` new tokens ``x (B, m, D)`` that follow the
     tokens already in ``cache`` (causal, no padding): equal to the last ``m`` rows of the full forward."""
-    q, k, v = rearrange(self_attn.qkv_proj(x), "b n (three h e) -> three b h n e", three=3, h=self_attn.num_heads)
-    return self_attn.out_proj(rearrange(cache.step(q, k, v), "b h n e -> b n (h e)"))
+    return fused_self_attention(x, self_attn.qkv_proj, self_attn.out_proj, self_attn.num_heads, cache.step)
 
 
 class SinkhornTransformerLayer(nn.Module):

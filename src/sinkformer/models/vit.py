@@ -29,6 +29,7 @@ from einops import rearrange
 from torch import Tensor
 
 from ..attention import attention
+from ..nn.heads import fused_self_attention
 from ..nn.layers import TransformerEncoder
 from ..nn.multihead import MultiheadAttention
 
@@ -124,10 +125,11 @@ class _Block(torch.nn.Module):
                                       torch.nn.Linear(dim_feedforward, dim), torch.nn.Dropout(dropout))
 
     def forward(self, x: Tensor) -> Tensor:
-        q, k, v = rearrange(self.to_qkv(self.norm1(x)), "b n (three h e) -> three b h n e", three=3, h=self.heads)
-        out = attention(q, k, v, normalization=self.normalization, n_iters=self.n_iters,
-                        dropout_p=self.dropout if self.training else 0.0)
-        x = x + self.to_out(rearrange(out, "b h n e -> b n (h e)"))
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return attention(q, k, v, normalization=self.normalization, n_iters=self.n_iters,
+                             dropout_p=self.dropout if self.training else 0.0)
+
+        x = x + fused_self_attention(self.norm1(x), self.to_qkv, self.to_out, self.heads, attend)
         return x + self.ff(self.norm2(x))
 
 

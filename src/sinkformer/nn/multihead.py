@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import Tensor
 
 from .._validation import _skip_data_checks, check_choice, check_positive_int
 from ..attention import COSTS, NORMALIZATIONS, attention
 from ..attention.masks import MASKING, excluded
+from .heads import merge_heads, split_heads
 
 __all__ = ["MultiheadAttention"]
 
@@ -119,7 +119,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             v = torch.cat([v, self.bias_v.expand(1, bsz, -1)])
             pad, mask = _extend_keys(pad, mask)
 
-        q, k, v = (rearrange(x, "l n (h e) -> n h l e", h=self.num_heads) for x in (q, k, v))
+        q, k, v = (split_heads(x.transpose(0, 1), self.num_heads) for x in (q, k, v))  # (N, h, L, e)
         if self.add_zero_attn:
             k = torch.cat([k, k.new_zeros(k.shape[:2] + (1, k.shape[-1]))], dim=2)
             v = torch.cat([v, v.new_zeros(v.shape[:2] + (1, v.shape[-1]))], dim=2)
@@ -141,7 +141,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             return_weights=need_weights,
         )
         out, weights = result if need_weights else (result, None)
-        out = self.out_proj(rearrange(out, "n h l e -> l n (h e)"))
+        out = self.out_proj(merge_heads(out).transpose(0, 1))
 
         if self.batch_first and not unbatched:
             out = out.transpose(0, 1)

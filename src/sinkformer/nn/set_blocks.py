@@ -35,10 +35,10 @@ are passed to it.
 from __future__ import annotations
 
 import torch
-from einops import rearrange
 from torch import Tensor
 
 from ..attention import attention
+from .heads import merge_heads, split_heads
 from .multihead import MultiheadAttention
 
 __all__ = ["MAB", "SAB", "ISAB", "PMA"]
@@ -101,14 +101,13 @@ class MAB(torch.nn.Module):
 
     def _official_attention(self, q: Tensor, y: Tensor, key_padding_mask, query_padding_mask) -> Tensor:
         """The authors' attention output ``A V`` (heads concatenated), ``(batch, n, dim)``."""
-        heads = lambda t: rearrange(t, "b n (h e) -> b h n e", h=self.num_heads)  # noqa: E731
-        k, v = heads(self.fc_k(y)), heads(self.fc_v(y))
-        out = attention(heads(q), k, v, normalization=self.normalization, n_iters=self.n_iters,
+        k, v = split_heads(self.fc_k(y), self.num_heads), split_heads(self.fc_v(y), self.num_heads)
+        out = attention(split_heads(q, self.num_heads), k, v, normalization=self.normalization, n_iters=self.n_iters,
                         scale=q.shape[-1] ** -0.5, key_padding_mask=key_padding_mask,
                         query_padding_mask=query_padding_mask)
         if self.normalization == "sinkhorn":  # their Sinkhorn's rows sum to 1 / n_q
             out = out / q.shape[1]
-        return rearrange(out, "b h n e -> b n (h e)")
+        return merge_heads(out)
 
 
 class SAB(torch.nn.Module):

@@ -7,13 +7,13 @@ from __future__ import annotations
 import math
 
 import torch
-from einops import rearrange
 from torch import Tensor, nn
 
 from .._validation import check_choice, check_positive_int, check_tensor
 from ..attention.functional import attention
 from ..attention.sparse import SORT_NETS, block_pool, n_blocks, sparse_sinkhorn_attention
 from ..attention.sparse_baselines import PATTERNS, local_attention, sparse_transformer_attention
+from .heads import fused_self_attention, merge_heads, split_heads
 
 __all__ = ["SortNet", "SparseSinkhornAttention", "BaselineSelfAttention"]
 
@@ -147,9 +147,8 @@ class SparseSinkhornAttention(nn.Module):
             check_tensor(key_padding_mask, "key_padding_mask", dtype_bool=True)
             if key_padding_mask.shape != x.shape[:2]:
                 raise ValueError(f"key_padding_mask must have shape {tuple(x.shape[:2])}, got {tuple(key_padding_mask.shape)}")
-        heads = lambda t: rearrange(t, "b n (h e) -> b h n e", h=self.num_heads)  # noqa: E731
-        q, k = heads(self.q_proj(x)), heads(self.k_proj(x))
-        v = k if self.v_proj is None else heads(self.v_proj(x))
+        q, k = split_heads(self.q_proj(x), self.num_heads), split_heads(self.k_proj(x), self.num_heads)
+        v = k if self.v_proj is None else split_heads(self.v_proj(x), self.num_heads)
         nb = n_blocks(n, self.block_size)
         pooled = block_pool(x, self.block_size, causal=self.causal, padding_mask=key_padding_mask)
         logits = self.sort_net(pooled)[..., :nb]
@@ -166,7 +165,7 @@ class SparseSinkhornAttention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             return_sort=True,
         )
-        out = self.out_proj(rearrange(out, "b h n e -> b n (h e)"))
+        out = self.out_proj(merge_heads(out))
         return (out, S) if return_sort else out
 
 
@@ -212,13 +211,14 @@ class BaselineSelfAttention(nn.Module):
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         check_tensor(x, "x", ndim=3, floating=True)
-        q, k, v = rearrange(self.qkv_proj(x), "b n (three h e) -> three b h n e", three=3, h=self.num_heads)
         kw = dict(key_padding_mask=key_padding_mask, dropout_p=self.dropout if self.training else 0.0)
-        if self.pattern == "full":
-            out = attention(q, k, v, normalization="softmax", is_causal=self.causal, **kw)
-        elif self.pattern == "local":
-            out = local_attention(q, k, v, block_size=self.block_size, causal=self.causal, **kw)
-        else:
-            out = sparse_transformer_attention(q, k, v, block_size=self.block_size, stride=self.stride,
-                                               causal=self.causal, **kw)
-        return self.out_proj(rearrange(out, "b h n e -> b n (h e)"))
+
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            if self.pattern == "full":
+                return attention(q, k, v, normalization="softmax", is_causal=self.causal, **kw)
+            if self.pattern == "local":
+                return local_attention(q, k, v, block_size=self.block_size, causal=self.causal, **kw)
+            return sparse_transformer_attention(q, k, v, block_size=self.block_size, stride=self.stride,
+                                                causal=self.causal, **kw)
+
+        return fused_self_attention(x, self.qkv_proj, self.out_proj, self.num_heads, attend)
