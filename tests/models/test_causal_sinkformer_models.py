@@ -10,13 +10,12 @@ from sinkformer.models import Seq2SeqTransformer
 from sinkformer.models.decoding import greedy_decode
 from sinkformer.models.sinkhorn_transformer import (
     AttentionConfig,
-    DenseSinkhornSelfAttention,
     SinkhornSeq2Seq,
     SinkhornTransformerLayer,
     SinkhornTransformerLM,
     decoding_cache,
 )
-from sinkformer.nn import BaselineSelfAttention
+from sinkformer.nn import BaselineSelfAttention, DenseSinkhornSelfAttention
 
 
 def lm(kind="sinkformer", n_iters=3, max_len=64, vocab=13, seed=0, **kw):

@@ -46,15 +46,14 @@ import torch
 from torch import Tensor, nn
 
 from .._validation import check_choice, check_positive_int, check_tensor
-from ..attention import CausalSinkhornCache, attention as attention_function
-from ..nn.sparse import BaselineSelfAttention, SparseSinkhornAttention
+from ..attention import CausalSinkhornCache
+from ..nn.sparse import BaselineSelfAttention, DenseSinkhornSelfAttention, SparseSinkhornAttention
 from ..nn.heads import fused_self_attention
 from ..nn.layers import sinusoidal_positions
 
 __all__ = [
     "ATTENTION_KINDS",
     "AttentionConfig",
-    "DenseSinkhornSelfAttention",
     "SinkhornTransformerLayer",
     "SinkhornTransformerEncoder",
     "SinkhornTransformerDecoder",
@@ -148,37 +147,6 @@ class AttentionConfig:
             sortcut_budget=self.sortcut_budget if self.kind == "sortcut" else None,
             mixture=self.kind == "mixture", share_kv=self.share_kv, dropout=dropout,
         )
-
-
-class DenseSinkhornSelfAttention(BaselineSelfAttention):
-    r"""Dense multi-head Sinkhorn self-attention (a Sinkformer layer), causal or not.
-
-    The projections of :class:`~sinkformer.nn.BaselineSelfAttention` (``qkv_proj``, ``out_proj``:
-    a ``vanilla`` model's weights load as they are) with :math:`P = \mathrm{Sinkhorn}_{n\_iters}(QK^\top/\sqrt e)`;
-    ``causal=True`` is causal Sinkhorn (``sinkformer.attention(..., is_causal=True)``: row
-    :math:`t` balanced on the prefix :math:`0..t` alone). ``n_iters=1`` is SoftMax attention.
-
-    ``forward(x (B, n, D), key_padding_mask (B, n) True = padding) -> (B, n, D)``; padded tokens
-    are removed as keys and as queries (no mass in the column normalisation).
-    """
-
-    def __init__(self, embed_dim: int, num_heads: int, *, n_iters: int = 5, causal: bool = False,
-                 dropout: float = 0.0, bias: bool = True) -> None:
-        super().__init__(embed_dim, num_heads, pattern="full", causal=causal, dropout=dropout, bias=bias)
-        self.n_iters = check_positive_int(n_iters, "n_iters")
-
-    def extra_repr(self) -> str:
-        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, n_iters={self.n_iters}, causal={self.causal}"
-
-    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
-        check_tensor(x, "x", ndim=3, floating=True)
-        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return attention_function(
-                q, k, v, n_iters=self.n_iters, is_causal=self.causal, key_padding_mask=key_padding_mask,
-                query_padding_mask=key_padding_mask, dropout_p=self.dropout if self.training else 0.0,
-            )
-
-        return fused_self_attention(x, self.qkv_proj, self.out_proj, self.num_heads, attend)
 
 
 def decoding_cache(self_attn: nn.Module) -> CausalSinkhornCache | None:

@@ -1,5 +1,6 @@
 """Sparse Sinkhorn Attention as modules (Tay et al. 2020): the sorting network, the multi-head
-layer, and the baselines of the paper's tables. The functions they call are in
+layer, and the baselines of the paper's tables (full, local and strided SoftMax attention, and
+dense Sinkhorn self-attention: a Sinkformer layer, causal or not). The functions they call are in
 :mod:`sinkformer.attention.sparse` and :mod:`sinkformer.attention.sparse_baselines`."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ..attention.sparse import SORT_NETS, block_pool, n_blocks, sparse_sinkhorn_
 from ..attention.sparse_baselines import PATTERNS, local_attention, sparse_transformer_attention
 from .heads import fused_self_attention, merge_heads, split_heads
 
-__all__ = ["SortNet", "SparseSinkhornAttention", "BaselineSelfAttention"]
+__all__ = ["SortNet", "SparseSinkhornAttention", "BaselineSelfAttention", "DenseSinkhornSelfAttention"]
 
 
 class SortNet(nn.Module):
@@ -220,5 +221,36 @@ class BaselineSelfAttention(nn.Module):
                 return local_attention(q, k, v, block_size=self.block_size, causal=self.causal, **kw)
             return sparse_transformer_attention(q, k, v, block_size=self.block_size, stride=self.stride,
                                                 causal=self.causal, **kw)
+
+        return fused_self_attention(x, self.qkv_proj, self.out_proj, self.num_heads, attend)
+
+
+class DenseSinkhornSelfAttention(BaselineSelfAttention):
+    r"""Dense multi-head Sinkhorn self-attention (a Sinkformer layer), causal or not.
+
+    The projections of :class:`~sinkformer.nn.BaselineSelfAttention` (``qkv_proj``, ``out_proj``:
+    a ``vanilla`` model's weights load as they are) with :math:`P = \mathrm{Sinkhorn}_{n\_iters}(QK^\top/\sqrt e)`;
+    ``causal=True`` is causal Sinkhorn (``sinkformer.attention(..., is_causal=True)``: row
+    :math:`t` balanced on the prefix :math:`0..t` alone). ``n_iters=1`` is SoftMax attention.
+
+    ``forward(x (B, n, D), key_padding_mask (B, n) True = padding) -> (B, n, D)``; padded tokens
+    are removed as keys and as queries (no mass in the column normalisation).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, n_iters: int = 5, causal: bool = False,
+                 dropout: float = 0.0, bias: bool = True) -> None:
+        super().__init__(embed_dim, num_heads, pattern="full", causal=causal, dropout=dropout, bias=bias)
+        self.n_iters = check_positive_int(n_iters, "n_iters")
+
+    def extra_repr(self) -> str:
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, n_iters={self.n_iters}, causal={self.causal}"
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        check_tensor(x, "x", ndim=3, floating=True)
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return attention(
+                q, k, v, n_iters=self.n_iters, is_causal=self.causal, key_padding_mask=key_padding_mask,
+                query_padding_mask=key_padding_mask, dropout_p=self.dropout if self.training else 0.0,
+            )
 
         return fused_self_attention(x, self.qkv_proj, self.out_proj, self.num_heads, attend)
