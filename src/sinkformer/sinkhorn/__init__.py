@@ -5,6 +5,8 @@ reference), which also carries this package's names and submodules as attributes
 
 * :mod:`.problem` — what every engine obeys: valid rows/columns, marginals, the meaning of
   ``n_iters`` and ``tol``, the stop rule, the double shift, :class:`SinkhornResult`.
+* :mod:`.loop` — the Sinkhorn loop and its reverse schedule, written once against the operators an
+  engine supplies (dense, tiled in the log domain, flash with ``tol``).
 * :mod:`.sizes` — the tile and block sizes (one set of constants); :mod:`.implicit` — the linear
   solve of ``backward="implicit"``; :mod:`.ops` — the custom-op setup the engines share.
 * :mod:`.dense` — the whole matrix, autograd through the iterations (the reference).
@@ -18,7 +20,7 @@ reference), which also carries this package's names and submodules as attributes
 * :mod:`.cpu_parallel` — whole groups of slices on one Python thread per core (the tiled engine).
 """
 
-from . import causal_blocks, cpu_parallel, dense, flash, implicit, ops, prefix, problem, scaling, sizes, streamed, tiled
+from . import causal_blocks, cpu_parallel, dense, flash, implicit, loop, ops, prefix, problem, scaling, sizes, streamed, tiled
 from .dense import log_sinkhorn_loop, sinkhorn
 from .problem import CONVERGED_TOL, SinkhornConvergenceWarning, SinkhornResult, double_shift
 
@@ -34,7 +36,7 @@ __all__ = [
 
 # ``sinkformer.sinkhorn`` (the attribute of the parent package) is the function ``sinkhorn`` itself, a
 # plain function call for torch.compile; it carries this package's names and submodules as attributes.
-for _module in (problem, sizes, implicit, ops, dense, scaling, tiled, streamed, flash, prefix, causal_blocks,
+for _module in (problem, loop, sizes, implicit, ops, dense, scaling, tiled, streamed, flash, prefix, causal_blocks,
                 cpu_parallel):
     setattr(sinkhorn, _module.__name__.rpartition(".")[2], _module)
 for _name in __all__:

@@ -32,11 +32,11 @@ from torch import Tensor
 from .._validation import (
     _skip_data_checks, broadcastable, check_finite, check_tensor, compute_dtype, data_checks_run, require,
 )
+from .loop import sinkhorn_loop
 from .problem import (
     CONVERGED_TOL,
     Masks,
     SinkhornResult,
-    Tolerance,
     check_iterations,
     column_error,
     double_shift,
@@ -63,7 +63,7 @@ def log_sinkhorn_loop(
     g: Tensor | None = None,
     engine: str = "dense",
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The alternating log-domain updates, independent of how the log-sum-exps are computed.
+    """The alternating log-domain updates (:func:`~.loop.sinkhorn_loop`) against log-sum-exp operators.
 
     ``row_lse(g)`` returns :math:`\\log\\sum_j e^{S_{ij}+g_j}` ``(..., n)`` and ``col_lse(f)``
     :math:`\\log\\sum_i e^{S_{ij}+f_i}` ``(..., m)``. ``log_a``/``log_b`` are the log-marginals
@@ -78,29 +78,17 @@ def log_sinkhorn_loop(
         pot = log_marginal - lse
         return pot if valid is None else torch.where(valid, pot, torch.zeros_like(pot))
 
-    if g is None:
-        g = torch.zeros_like(log_b)
-    f = torch.zeros_like(log_a)
-    if tol is None:
-        for it in range(n_iters):
-            if it % 2 == 0:
-                f = update(log_a, row_lse(g), row_valid)
-            else:
-                g = update(log_b, col_lse(f), col_valid)
-        return f, g, torch.full(log_a.shape[:-1], n_iters, dtype=torch.int64, device=log_a.device)
-
-    stop = Tolerance(tol, max_iters, tuple(log_a.shape[:-1]), log_a.device, engine)
-    done = 0
-    while True:
-        active = stop.active.unsqueeze(-1)
-        f = torch.where(active, update(log_a, row_lse(g), row_valid), f)
-        done += 1
+    def col_update(f: Tensor, g: Tensor) -> tuple[Tensor, Tensor | None]:
         lse = col_lse(f)
-        if stop.check(column_error(torch.exp(g + lse), b), done):
-            warn_if_unconverged([stop])
-            return f, g, stop.counts
-        g = torch.where(stop.active.unsqueeze(-1), update(log_b, lse, col_valid), g)
-        done += 1
+        error = None if tol is None else column_error(torch.exp(g + lse), b)
+        return update(log_b, lse, col_valid), error
+
+    run = sinkhorn_loop(lambda g: update(log_a, row_lse(g), row_valid), col_update,
+                        torch.zeros_like(log_b) if g is None else g, n_iters=n_iters, tol=tol, max_iters=max_iters,
+                        engine=engine)
+    if run.stop is not None:
+        warn_if_unconverged([run.stop])
+    return (run.fs[-1] if run.fs else torch.zeros_like(log_a)), run.gs[-1], run.counts
 
 
 def sinkhorn(

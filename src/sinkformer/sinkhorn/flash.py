@@ -78,7 +78,6 @@ from torch import Tensor
 
 from .problem import (
     Masks,
-    Tolerance,
     column_error,
     converged_tol,
     log_marginal,
@@ -88,6 +87,7 @@ from .problem import (
     warn_unbalanced,
 )
 from .implicit import implicit_duals
+from .loop import reverse_schedule, sinkhorn_loop
 from .ops import refuse_implicit_second_derivatives, register_engine_autograd
 
 __all__ = ["flash_attention", "unavailable", "LaunchConfig", "GPU_CONFIGS", "launch_config",
@@ -570,28 +570,31 @@ def _fixed_iterations(p: _Problem, v: Tensor, n_iters: int):
 
 def _tolerance_iterations(p: _Problem, v: Tensor, tol: float, max_iters: int, implicit: bool = False):
     """Iterate until each slice's column error after a row update is ``<= tol`` (its potentials then
-    freeze), or ``max_iters``: the rule of :class:`~.problem.Tolerance`. The column error comes from
-    the next column update: :math:`\\sum_i P_{ij} = b_j 2^{g_j - g'_j}` for the new potential ``g'``."""
+    freeze), or ``max_iters``: :func:`~.loop.sinkhorn_loop` on sweeps. The column error comes from
+    the next column update: :math:`\sum_i P_{ij} = b_j 2^{g_j - g'_j}` for the new potential ``g'``.
+    The first row and column sweeps find the shifts."""
     K = _kernels()
-    stop = Tolerance(tol, max_iters, (p.B,), v.device, ENGINE)
-    fs, gs = [], [torch.zeros(p.B, p.m, dtype=p.acc, device=v.device)]
-    done = 0
-    while True:
-        f = p.sweep(K.LSE, False, gs[-1], log_a=p.rows.log2, find_shift=done == 0)[0]
-        fs.append(f if not fs else torch.where(stop.active.unsqueeze(-1), f, fs[-1]))
-        done += 1
-        g = p.sweep(K.LSE, True, fs[-1], log_a=p.cols.log2, find_shift=done == 1)[0]
-        if done == 1:  # g0 = 0 of the plain scores, relative to the shifted ones
-            torch.mul(p.shift_k, LOG2E, out=gs[0])
-        gap = (p.cols.mass * torch.exp2(gs[-1] - g) - p.cols.mass).abs()  # 0 where b_j = 0
+    first = {"row": True, "col": True}
+
+    def row_update(g: Tensor) -> Tensor:
+        f = p.sweep(K.LSE, False, g, log_a=p.rows.log2, find_shift=first["row"])[0]
+        first["row"] = False
+        return f
+
+    def col_update(f: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+        g_new = p.sweep(K.LSE, True, f, log_a=p.cols.log2, find_shift=first["col"])[0]
+        if first["col"]:  # g0 = 0 of the plain scores, relative to the shifted ones (in place: the saved g0)
+            torch.mul(p.shift_k, LOG2E, out=g)
+            first["col"] = False
+        gap = (p.cols.mass * torch.exp2(g - g_new) - p.cols.mass).abs()  # 0 where b_j = 0
         gap = gap if isinstance(p.cols.mass, float) else torch.where(p.cols.mass > 0, gap, 0.0)
-        if stop.check(gap.amax(-1) if p.m else gap.sum(-1), done):
-            break
-        gs.append(torch.where(stop.active.unsqueeze(-1), g, gs[-1]))
-        done += 1
-    warn_if_unconverged([stop], implicit=implicit)
-    out = p.sweep(K.FIXED_OUT, False, gs[-1], pot_r=fs[-1], v=v)[1]
-    return torch.stack(fs, 1), torch.stack(gs, 1), out, stop.counts
+        return g_new, gap.amax(-1) if p.m else gap.sum(-1)
+
+    run = sinkhorn_loop(row_update, col_update, torch.zeros(p.B, p.m, dtype=p.acc, device=v.device), n_iters=None,
+                        tol=tol, max_iters=max_iters, engine=ENGINE)
+    warn_if_unconverged([run.stop], implicit=implicit)
+    out = p.sweep(K.FIXED_OUT, False, run.gs[-1], pot_r=run.fs[-1], v=v)[1]
+    return torch.stack(run.fs, 1), torch.stack(run.gs, 1), out, run.counts
 
 
 # ------------------------------------------------------------------------------------------------
@@ -697,24 +700,26 @@ def _reverse_fixed(p: _Problem, fs: Tensor, gs: Tensor, counts: Tensor, dO: Tens
 
 def _reverse_tolerance(p: _Problem, fs: Tensor, gs: Tensor, counts: Tensor, dO: Tensor, out: Tensor, v: Tensor,
                        u: Tensor, w: Tensor) -> Tensor:
-    """:func:`_reverse_fixed` when slices ran different counts (``tol``): steps past a slice's count
-    were frozen (coefficient 0, its dual passed on unchanged)."""
+    """:func:`_reverse_fixed` when slices ran different counts (``tol``): :func:`~.loop.reverse_schedule`
+    on sweeps (steps past a slice's count frozen: coefficient 0, its dual passed on unchanged)."""
     K = _kernels()
     F, G = fs[:, -1], gs[:, -1]
     dF = p.rowdot(dO, out, 1.0)
     dG, dv = p.sweep(K.DV, True, F, pot_r=G, v=dO, xrow=v, inv=1.0)
-    for t in range(u.shape[1], 0, -1):
-        act = (counts >= t).unsqueeze(-1)
+
+    def row_step(t: int, gamma: Tensor, dG: Tensor) -> Tensor:
+        u[:, t - 1] = gamma
+        if t == 1:  # step 1 passes nothing on: g_0 is a constant
+            return dG
         alpha, beta = _step_potentials(fs, gs, t)
-        if t % 2:
-            u[:, t - 1] = torch.where(act, dF * p.rows.inv, 0.0)
-            if t > 1:
-                dG = p.sweep(K.MATVEC, True, alpha, pot_r=beta, w=u[:, t - 1], dual=dG, inv=1.0)[0]
-            dF = torch.where(act, 0.0, dF)
-        else:
-            w[:, t - 1] = torch.where(act, dG * p.cols.inv, 0.0)
-            dF = p.sweep(K.MATVEC, False, beta, pot_r=alpha, w=w[:, t - 1], dual=dF, inv=1.0)[0]
-            dG = torch.where(act, 0.0, dG)
+        return p.sweep(K.MATVEC, True, alpha, pot_r=beta, w=u[:, t - 1], dual=dG, inv=1.0)[0]
+
+    def col_step(t: int, delta: Tensor, dF: Tensor) -> Tensor:
+        w[:, t - 1] = delta
+        alpha, beta = _step_potentials(fs, gs, t)
+        return p.sweep(K.MATVEC, False, beta, pot_r=alpha, w=w[:, t - 1], dual=dF, inv=1.0)[0]
+
+    reverse_schedule(dF, dG, counts, u.shape[1], p.rows.inv, p.cols.inv, row_step, col_step)
     return dv
 
 

@@ -40,9 +40,10 @@ import torch
 from torch import Tensor
 
 from . import sizes
-from .problem import Masks, Tolerance, column_error, double_shift, log_marginal, marginals, valid_rows_cols
+from .problem import Masks, column_error, double_shift, log_marginal, marginals, valid_rows_cols
 from .ops import refuse_implicit_second_derivatives, register_engine_autograd
 from .sizes import group_size
+from .loop import reverse_schedule, sinkhorn_loop
 from .scaling import GroupState, Options, dropout_mask, implicit_duals_of, run_backward, run_forward
 
 __all__ = ["tiled_attention"]
@@ -194,36 +195,21 @@ def _ratio(num: Tensor, den: Tensor) -> Tensor:
 
 
 def _log_iterate(x: Tensor, a: Tensor, b: Tensor, g0: Tensor, options: Options):
-    """The log-domain recursion on the shifted tile ``x``: ``fs = [f1, f3, ..]``, ``gs = [g0, g2, ..]``."""
+    """The log-domain loop (:func:`~.loop.sinkhorn_loop`) on the shifted tile ``x``: ``fs = [f1, f3, ..]``,
+    ``gs = [g0, g2, ..]``, the counts and the stop rule."""
     log_a, log_b = log_marginal(a, a > 0), log_marginal(b, b > 0)
 
-    def rows(g: Tensor) -> Tensor:
+    def row_update(g: Tensor) -> Tensor:
         return torch.where(a > 0, log_a - torch.logsumexp(x + g.unsqueeze(-2), -1), torch.zeros_like(a))
 
-    def col_lse(f: Tensor) -> Tensor:
-        return torch.logsumexp(x + f.unsqueeze(-1), -2)
+    def col_update(f: Tensor, g: Tensor) -> tuple[Tensor, Tensor | None]:
+        lse = torch.logsumexp(x + f.unsqueeze(-1), -2)
+        error = None if options.tol is None else column_error(torch.exp(g + lse), b)
+        return torch.where(b > 0, log_b - lse, torch.zeros_like(b)), error
 
-    fs, gs = [], [g0]
-    c = x.shape[0]
-    if options.tol is None:
-        for t in range(1, options.n_iters + 1):
-            if t % 2:
-                fs.append(rows(gs[-1]))
-            else:
-                gs.append(torch.where(b > 0, log_b - col_lse(fs[-1]), torch.zeros_like(b)))
-        return fs, gs, torch.full((c,), options.n_iters, dtype=torch.int64, device=x.device), None
-    stop = Tolerance(options.tol, options.max_iters, (c,), x.device, ENGINE)
-    done = 0
-    while True:
-        f = rows(gs[-1])
-        fs.append(f if not fs else torch.where(stop.active.unsqueeze(-1), f, fs[-1]))
-        done += 1
-        lse = col_lse(fs[-1])
-        if stop.check(column_error(torch.exp(gs[-1] + lse), b), done):
-            return fs, gs, stop.counts, stop
-        g = torch.where(b > 0, log_b - lse, torch.zeros_like(b))
-        gs.append(torch.where(stop.active.unsqueeze(-1), g, gs[-1]))
-        done += 1
+    run = sinkhorn_loop(row_update, col_update, g0, n_iters=options.n_iters, tol=options.tol,
+                        max_iters=options.max_iters, engine=ENGINE)
+    return run.fs, run.gs, run.counts, run.stop
 
 
 def _log_gradients(x, a, b, fs, gs, counts, dO, V, drop, options):
@@ -240,23 +226,19 @@ def _log_gradients(x, a, b, fs, gs, counts, dO, V, drop, options):
     dS = dP.mul_(P)
     dF, dG = dS.sum(-1), dS.sum(-2)
     del P
-    inv_a, inv_b = _ratio(a, a.square()), _ratio(b, b.square())  # 1/a, 0 where a = 0
-    for t in range(fs.shape[-1] + gs.shape[-1] - 1, 0, -1):
-        act = (counts >= t).unsqueeze(-1)
-        if t % 2:  # f_t = log a - LSE_j(x + g_{t-1}); R = exp(x + f_t ⊕ g_{t-1}) has rows a
-            i = (t - 1) // 2
-            R = torch.exp(x + fs[..., i].unsqueeze(-1) + gs[..., i].unsqueeze(-2))
-            coef = torch.where(act, dF * inv_a, torch.zeros_like(dF))
-            dS.sub_(R.mul_(coef.unsqueeze(-1)))
-            dG = dG - R.sum(-2)
-            dF = torch.where(act, torch.zeros_like(dF), dF)
-        else:  # g_t = log b - LSE_i(x + f_{t-1}); C = exp(x + f_{t-1} ⊕ g_t) has columns b
-            i = t // 2
-            C = torch.exp(x + fs[..., i - 1].unsqueeze(-1) + gs[..., i].unsqueeze(-2))
-            coef = torch.where(act, dG * inv_b, torch.zeros_like(dG))
-            dS.sub_(C.mul_(coef.unsqueeze(-2)))
-            dF = dF - C.sum(-1)
-            dG = torch.where(act, torch.zeros_like(dG), dG)
+
+    def row_step(t: int, gamma: Tensor, dG: Tensor) -> Tensor:  # R = exp(x + f_t ⊕ g_{t-1}), rows a
+        R = torch.exp(x + fs[..., (t - 1) // 2].unsqueeze(-1) + gs[..., (t - 1) // 2].unsqueeze(-2))
+        dS.sub_(R.mul_(gamma.unsqueeze(-1)))
+        return dG - R.sum(-2)
+
+    def col_step(t: int, delta: Tensor, dF: Tensor) -> Tensor:  # C = exp(x + f_{t-1} ⊕ g_t), columns b
+        C = torch.exp(x + fs[..., t // 2 - 1].unsqueeze(-1) + gs[..., t // 2].unsqueeze(-2))
+        dS.sub_(C.mul_(delta.unsqueeze(-2)))
+        return dF - C.sum(-1)
+
+    reverse_schedule(dF, dG, counts, fs.shape[-1] + gs.shape[-1] - 1, _ratio(a, a.square()), _ratio(b, b.square()),
+                     row_step, col_step)
     return dS, dV
 
 
