@@ -27,7 +27,7 @@ from torch import Tensor
 
 __all__ = [
     "BACKENDS", "ENGINES", "Engine", "Call", "Prepared", "Choice", "register", "unregister", "engine",
-    "reasons", "unsupported", "choose", "causal_cost", "engine_table",
+    "reasons", "choose", "causal_cost", "engine_table",
 ]
 
 #: Normalisations computed from the materialised scores entry by entry (no normalisation at all).
@@ -220,8 +220,9 @@ def reasons(engine: Engine, call: Call) -> tuple[str, ...]:
     if call.normalization not in e.normalizations:
         computes = ("SoftMax" if not e.iterations else "Sinkhorn attention" if e.normalizations == ("sinkhorn",)
                     else "normalization " + " or ".join(repr(x) for x in e.normalizations))
+        others = sorted(repr(x.name) for x in _REGISTRY.values() if call.normalization in x.normalizations)
         found.append(f"engine {name} computes {computes}, got normalization={call.normalization!r}"
-                     + (" (use backend='dense', or 'sdpa' for SoftMax)" if "dense" in _REGISTRY else ""))
+                     + (f" (engines that compute it: {', '.join(others)})" if others else ""))
     elif call.iterations and not e.iterations:
         what = f"n_iters={call.n_iters}" if call.tol is None else f"tol={call.tol}"
         found.append(f"engine {name} computes SoftMax only (normalization='softmax' or n_iters=1), got "
@@ -278,12 +279,6 @@ def _having(capability: str, call: Call, value=True) -> list[str]:
                 and (e.causal == "prefix") == (call.causal and call.iterations))
 
     return sorted(repr(e.name) for e in _REGISTRY.values() if getattr(e, capability) == value and computes(e))
-
-
-def unsupported(name: str, call: Call) -> str | None:
-    """The reasons engine ``name`` cannot serve ``call``, joined in one sentence, or ``None``."""
-    found = reasons(_REGISTRY[name], call)
-    return "; ".join(found) if found else None
 
 
 def choose(call: Call, backend: str = "auto") -> Choice:

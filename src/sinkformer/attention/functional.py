@@ -155,8 +155,9 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Choice:
     """Which engine :func:`attention` would use for these arguments, and why (nothing is computed).
 
     Takes exactly the arguments of :func:`attention`; returns a
-    :class:`~sinkformer.attention.backends.Choice` (``.engine``, ``.reason``; ``str()`` reads
-    ``"tiled: Sinkhorn on cached tiles, O(n) saved per slice"``). Raises as :func:`attention` does.
+    :class:`~sinkformer.attention.backends.Choice` (``.engine``, ``.reason``, and ``.passed_over``:
+    every reason of each engine ``"auto"`` tried first; ``str()`` reads ``"tiled: Sinkhorn on cached
+    tiles, O(n) saved per slice"``). Raises as :func:`attention` does.
     """
     return _prepare(q, k, v, **kwargs).choice
 
