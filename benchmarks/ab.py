@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -73,9 +74,21 @@ def compare(before: Path, after: Path, ns: list[int], n_iters: int, causal: bool
     return rows
 
 
-def table(rows: list[dict], n_iters: int, causal: bool) -> str:
+def source(tree: Path) -> str:
+    """The commit of ``tree`` (``+dirty`` when its tracked files differ from it), or ``"unknown"``."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short=12", "HEAD")
+    if not commit:
+        return "unknown"
+    return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def table(rows: list[dict], n_iters: int, causal: bool, trees: tuple[str, str] | None = None) -> str:
     what = f"{'causal ' if causal else ''}Sinkhorn, n_iters={n_iters}, forward+backward, float32, d=64"
-    lines = [f"{what}; medians over {rows[0]['rounds']} interleaved rounds", "",
+    lines = [f"{what}; medians over {rows[0]['rounds']} interleaved rounds"
+             + (f"; before = {trees[0]}, after = {trees[1]}" if trees else ""), "",
              "| n | b × h | before (ms) | after (ms) | after / before (range over rounds) |", "|---:|---:|---:|---:|---:|"]
     for r in rows:
         b, h = r["batch_heads"]
@@ -101,11 +114,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name} must be a source tree with src/sinkformer, got {str(tree)!r}")
     rows = compare(args.before.resolve(), args.after.resolve(), args.n, args.iters, args.causal, args.rounds,
                    args.threads, progress=lambda s: print(s, file=sys.stderr))
-    text = table(rows, args.iters, args.causal)
+    trees = (source(args.before), source(args.after))
+    text = table(rows, args.iters, args.causal, trees)
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "ab.json").write_text(json.dumps(rows, indent=1) + "\n")
+        made = {"before": trees[0], "after": trees[1], "machine": platform.processor() or platform.machine(),
+                "cpus": os.cpu_count(), "rows": rows}
+        (args.out / "ab.json").write_text(json.dumps(made, indent=1) + "\n")
         (args.out / "ab.md").write_text(text + "\n")
     return 0
 

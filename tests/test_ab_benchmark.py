@@ -37,3 +37,9 @@ def test_one_measurement_runs_the_tree_it_is_given():
 def test_a_folder_without_the_package_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         ab.main(["--before", str(tmp_path), "--after", str(ROOT)])
+
+
+def test_the_source_of_a_tree_is_its_commit(tmp_path):
+    assert ab.source(tmp_path) == "unknown"
+    if (ROOT / ".git").exists():  # a checkout (not an unpacked archive): its commit, 12 hex digits
+        assert len(ab.source(ROOT).split("+")[0]) == 12
