@@ -571,7 +571,7 @@ def _fixed_iterations(p: _Problem, v: Tensor, n_iters: int):
 def _tolerance_iterations(p: _Problem, v: Tensor, tol: float, max_iters: int, implicit: bool = False):
     """Iterate until each slice's column error after a row update is ``<= tol`` (its potentials then
     freeze), or ``max_iters``: :func:`~.loop.sinkhorn_loop` on sweeps. The column error comes from
-    the next column update: :math:`\sum_i P_{ij} = b_j 2^{g_j - g'_j}` for the new potential ``g'``.
+    the next column update: :math:`\\sum_i P_{ij} = b_j 2^{g_j - g'_j}` for the new potential ``g'``.
     The first row and column sweeps find the shifts."""
     K = _kernels()
     first = {"row": True, "col": True}

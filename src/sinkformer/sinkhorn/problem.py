@@ -157,7 +157,7 @@ def marginals(
 
 
 def log_marginal(m: Tensor, valid: Tensor | None = None, empty: float = 0.0) -> Tensor:
-    """:math:`\log m` on the ``valid`` entries (default all), ``empty`` elsewhere — the one convention of
+    """:math:`\\log m` on the ``valid`` entries (default all), ``empty`` elsewhere — the one convention of
     every engine's log-marginals. A row or column without mass keeps potential 0 (``empty=0``; the flash
     kernels take ``-inf``), and a valid entry of marginal 0 gets ``log(finfo.tiny)``: finite, no mass."""
     logs = m.clamp_min(torch.finfo(m.dtype).tiny).log()
