@@ -83,12 +83,12 @@ def log_sinkhorn_loop(
         error = None if tol is None else column_error(torch.exp(g + lse), b)
         return update(log_b, lse, col_valid), error
 
-    run = sinkhorn_loop(lambda g: update(log_a, row_lse(g), row_valid), col_update,
+    run = sinkhorn_loop(lambda g, last: update(log_a, row_lse(g), row_valid), col_update,
                         torch.zeros_like(log_b) if g is None else g, n_iters=n_iters, tol=tol, max_iters=max_iters,
                         engine=engine)
     if run.stop is not None:
         warn_if_unconverged([run.stop])
-    return (run.fs[-1] if run.fs else torch.zeros_like(log_a)), run.gs[-1], run.counts
+    return run.fs[-1], run.gs[-1], run.counts
 
 
 def sinkhorn(

@@ -516,11 +516,7 @@ def _forward(p: _Problem, v: Tensor, n_iters: int | None, tol: float | None, max
     """The forward op's outputs; the shifts also stay on ``p`` (for a backward on the same problem)."""
     p.shift_q = torch.empty(p.B, p.n, dtype=p.acc, device=v.device)
     p.shift_k = torch.zeros(p.B, p.m, dtype=p.acc, device=v.device)  # 0 in the first sweep
-    if tol is None:
-        fs, gs, out = _fixed_iterations(p, v, n_iters)
-        counts = torch.full((p.B,), n_iters, dtype=torch.int64, device=v.device)
-    else:
-        fs, gs, out, counts = _tolerance_iterations(p, v, tol, max_iters, implicit=backward == "implicit")
+    fs, gs, out, counts = _iterations(p, v, n_iters, tol, max_iters, implicit=backward == "implicit")
     if backward == "implicit":
         fs, gs = fs[:, -1:], gs[:, -1:]
         if tol is None:
@@ -546,55 +542,50 @@ def _(q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters, backward):
             q.new_empty(B, m, dtype=acc))
 
 
-def _fixed_iterations(p: _Problem, v: Tensor, n_iters: int):
-    """``n_iters`` normalisations from ``g = 0`` into ``fs = [f1, f3, ..] (B, Lf, n)`` and
-    ``gs = [g0, g2, ..] (B, Lg, m)``; and the output. The first row and column updates find the shifts
-    (:meth:`_Problem.sweep`), and ``g0 = 0`` of the plain scores is ``log2 e · shift_k`` of the shifted ones."""
+def _iterations(p: _Problem, v: Tensor, n_iters: int | None, tol: float | None, max_iters: int,
+                implicit: bool = False):
+    """:func:`~.loop.sinkhorn_loop` on sweeps from ``g = 0``: ``n_iters`` normalisations, or until each
+    slice's column error after a row update is ``<= tol`` (its potentials then freeze) or
+    ``max_iters``. Returns ``fs = [f1, f3, ..] (B, Lf, n)``, ``gs = [g0, g2, ..] (B, Lg, m)``, the
+    output and the counts ``(B,)``. The first row and column sweeps find the shifts, and ``g0 = 0`` of
+    the plain scores is ``log2 e · shift_k`` of the shifted ones. The last row sweep of an odd fixed
+    count writes the output; the column error comes from the next column update:
+    :math:`\\sum_i P_{ij} = b_j 2^{g_j - g'_j}` for the new potential ``g'``."""
     K = _kernels()
-    fs = torch.empty(p.B, (n_iters + 1) // 2, p.n, dtype=p.acc, device=v.device)
-    gs = torch.zeros(p.B, n_iters // 2 + 1, p.m, dtype=p.acc, device=v.device)
+    fixed = tol is None
+    # a fixed count writes its potentials in place; a tol run stacks them
+    fs = torch.empty(p.B, (n_iters + 1) // 2, p.n, dtype=p.acc, device=v.device) if fixed else None
+    gs = torch.zeros(p.B, n_iters // 2 + 1 if fixed else 1, p.m, dtype=p.acc, device=v.device)
+    done = {"row": 0, "col": 0}
     out = None
-    for t in range(1, n_iters + 1):
-        if t % 2:
-            last = t == n_iters
-            out = p.sweep(K.LSE_OUT if last else K.LSE, False, gs[:, t // 2], log_a=p.rows.log2,
-                          v=v if last else None, vec=fs[:, t // 2], find_shift=t == 1)[1]
-        else:
-            p.sweep(K.LSE, True, fs[:, t // 2 - 1], log_a=p.cols.log2, vec=gs[:, t // 2], find_shift=t == 2)
-            if t == 2:
-                torch.mul(p.shift_k, LOG2E, out=gs[:, 0])
-    if out is None:  # an even count ends on a column update: o = e^{s + f ⊕ g} v
-        out = p.sweep(K.FIXED_OUT, False, gs[:, -1], pot_r=fs[:, -1], v=v)[1]
-    return fs, gs, out
 
-
-def _tolerance_iterations(p: _Problem, v: Tensor, tol: float, max_iters: int, implicit: bool = False):
-    """Iterate until each slice's column error after a row update is ``<= tol`` (its potentials then
-    freeze), or ``max_iters``: :func:`~.loop.sinkhorn_loop` on sweeps. The column error comes from
-    the next column update: :math:`\\sum_i P_{ij} = b_j 2^{g_j - g'_j}` for the new potential ``g'``.
-    The first row and column sweeps find the shifts."""
-    K = _kernels()
-    first = {"row": True, "col": True}
-
-    def row_update(g: Tensor) -> Tensor:
-        f = p.sweep(K.LSE, False, g, log_a=p.rows.log2, find_shift=first["row"])[0]
-        first["row"] = False
+    def row_update(g: Tensor, last: bool) -> Tensor:
+        nonlocal out
+        f, out = p.sweep(K.LSE_OUT if last else K.LSE, False, g, log_a=p.rows.log2, v=v if last else None,
+                         vec=fs[:, done["row"]] if fixed else None, find_shift=done["row"] == 0)
+        done["row"] += 1
         return f
 
-    def col_update(f: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
-        g_new = p.sweep(K.LSE, True, f, log_a=p.cols.log2, find_shift=first["col"])[0]
-        if first["col"]:  # g0 = 0 of the plain scores, relative to the shifted ones (in place: the saved g0)
+    def col_update(f: Tensor, g: Tensor) -> tuple[Tensor, Tensor | None]:
+        g_new = p.sweep(K.LSE, True, f, log_a=p.cols.log2, vec=gs[:, done["col"] + 1] if fixed else None,
+                        find_shift=done["col"] == 0)[0]
+        if done["col"] == 0:  # g0 = 0 of the plain scores, relative to the shifted ones (in place: the saved g0)
             torch.mul(p.shift_k, LOG2E, out=g)
-            first["col"] = False
+        done["col"] += 1
+        if fixed:
+            return g_new, None
         gap = (p.cols.mass * torch.exp2(g - g_new) - p.cols.mass).abs()  # 0 where b_j = 0
         gap = gap if isinstance(p.cols.mass, float) else torch.where(p.cols.mass > 0, gap, 0.0)
         return g_new, gap.amax(-1) if p.m else gap.sum(-1)
 
-    run = sinkhorn_loop(row_update, col_update, torch.zeros(p.B, p.m, dtype=p.acc, device=v.device), n_iters=None,
-                        tol=tol, max_iters=max_iters, engine=ENGINE)
-    warn_if_unconverged([run.stop], implicit=implicit)
-    out = p.sweep(K.FIXED_OUT, False, run.gs[-1], pot_r=run.fs[-1], v=v)[1]
-    return torch.stack(run.fs, 1), torch.stack(run.gs, 1), out, run.counts
+    run = sinkhorn_loop(row_update, col_update, gs[:, 0], n_iters=n_iters, tol=tol, max_iters=max_iters,
+                        engine=ENGINE)
+    if run.stop is not None:
+        warn_if_unconverged([run.stop], implicit=implicit)
+        fs, gs = torch.stack(run.fs, 1), torch.stack(run.gs, 1)
+    if out is None:  # ends on a column update, or tol: o = e^{s + f ⊕ g} v
+        out = p.sweep(K.FIXED_OUT, False, run.gs[-1], pot_r=run.fs[-1], v=v)[1]
+    return fs, gs, out, run.counts
 
 
 # ------------------------------------------------------------------------------------------------

@@ -5,10 +5,12 @@ r"""The Sinkhorn loop and its reverse schedule, written once against the operato
 :math:`g_t = \log b - \mathrm{LSE}_i(S + f_{t-1})` (0 on rows/columns without mass). With a fixed
 ``n_iters`` every matrix runs them all; with ``tol`` each matrix stops on its own after a row update
 whose column error is ``<= tol`` (:class:`~.problem.Tolerance`), its potentials frozen from then on.
-The engine supplies ``row_update(g) -> f`` and ``col_update(f, g) -> (g_new, error)``, where ``error``
-is the column error of the plan :math:`e^{S + f\oplus g}` before the update (read only with ``tol``):
-the dense engine computes them on the whole matrix, the tiled engine on its cached tile, the flash
-engine with Triton sweeps in base 2.
+The engine supplies ``row_update(g, last) -> f`` and ``col_update(f, g) -> (g_new, error)``, where
+``error`` is the column error of the plan :math:`e^{S + f\oplus g}` before the update (read only with
+``tol``): the dense engine computes them on the whole matrix, the tiled engine on its cached tile
+(log domain) or as scalings :math:`u = e^f`, :math:`v = e^g` in one fused pass per row update that
+also sums the columns and, on the ``last`` one, writes the output; the streamed engine in one such
+pass over row blocks; the flash engine with Triton sweeps in base 2.
 
 **Reverse** (:func:`reverse_schedule`): the exact gradient of the ``n_iters`` map through the
 potentials. With :math:`dF = \partial\ell/\partial f`, :math:`dG` of the final potentials, going back
@@ -47,39 +49,46 @@ class Iterates:
 
 
 def sinkhorn_loop(
-    row_update: Callable[[Tensor], Tensor],
+    row_update: Callable[[Tensor | None, bool], Tensor],
     col_update: Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]],
-    g0: Tensor,
+    g0: Tensor | Callable[[], Tensor],
     *,
     n_iters: int | None,
     tol: float | None = None,
     max_iters: int = 1000,
     engine: str = "dense",
+    symmetric: bool = False,
 ) -> Iterates:
     """Alternate ``row_update`` and ``col_update`` from the column potential ``g0 (..., m)``: ``n_iters``
     normalisations, or with ``tol`` until each matrix's column error after a row update is ``<= tol``
-    (at most ``max_iters`` normalisations). ``col_update(f, g)`` returns the new column potential and
-    the column error ``(...)`` of :math:`e^{S + f\\oplus g}` (may be ``None`` when ``tol`` is ``None``)."""
-    batch = tuple(g0.shape[:-1])
-    fs, gs = [], [g0]
-    if tol is None:
-        for t in range(1, n_iters + 1):
-            if t % 2:
-                fs.append(row_update(gs[-1]))
-            else:
-                gs.append(col_update(fs[-1], gs[-1])[0])
-        return Iterates(fs, gs, torch.full(batch, n_iters, dtype=torch.int64, device=g0.device), None)
-    stop = Tolerance(tol, max_iters, batch, g0.device, engine)
-    done = 0
-    while True:
-        f = row_update(gs[-1])
-        fs.append(f if not fs else torch.where(stop.active.unsqueeze(-1), f, fs[-1]))
-        done += 1
+    (at most ``max_iters`` normalisations).
+
+    ``row_update(g, last)`` returns the row potential; ``last`` is True on the final normalisation of
+    a fixed count, so an engine whose row pass is fused with its output writes the output there.
+    ``col_update(f, g)`` returns the new column potential and the column error ``(...)`` of
+    :math:`e^{S + f\\oplus g}` (may be ``None`` when ``tol`` is ``None``); an engine whose row pass
+    also sums the columns keeps those sums for it. ``g0`` may be a function, read after the first
+    row update, for an engine whose first pass picks its own shifts (``row_update`` then gets
+    ``None``). ``symmetric``: ``col_update`` is the averaged update of the streamed engine and only
+    row updates count as normalisations (a fixed count runs ``n_iters`` row updates)."""
+    fixed = tol is None
+    f = row_update(g0 if isinstance(g0, Tensor) else None, fixed and n_iters == 1)
+    fs, gs = [f], [g0 if isinstance(g0, Tensor) else g0()]
+    batch, done = tuple(f.shape[:-1]), 1
+    stop = None if fixed else Tolerance(tol, max_iters, batch, f.device, engine, step=1 if symmetric else 2)
+    while not fixed or done < n_iters:
         g, error = col_update(fs[-1], gs[-1])
-        if stop.check(error, done):
-            return Iterates(fs, gs, stop.counts, stop)
-        gs.append(torch.where(stop.active.unsqueeze(-1), g, gs[-1]))
+        if stop is not None and stop.check(error, done):
+            break
+        gs.append(g if fixed else torch.where(stop.active.unsqueeze(-1), g, gs[-1]))
+        done += 0 if symmetric else 1
+        if fixed and done >= n_iters:
+            break
+        f = row_update(gs[-1], fixed and done + 1 >= n_iters)
+        fs.append(f if fixed else torch.where(stop.active.unsqueeze(-1), f, fs[-1]))
         done += 1
+    counts = stop.counts if stop is not None else torch.full(batch, n_iters, dtype=torch.int64, device=f.device)
+    return Iterates(fs, gs, counts, stop)
 
 
 def reverse_schedule(

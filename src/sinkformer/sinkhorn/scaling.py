@@ -63,6 +63,7 @@ from .problem import (
     warn_unbalanced,
 )
 from .implicit import implicit_duals
+from .loop import sinkhorn_loop
 from .sizes import CacheBlocks, cache_blocks
 
 __all__ = ["Options", "Tile", "GroupState", "run_forward", "run_backward", "scaling_forward", "scaling_backward",
@@ -385,12 +386,11 @@ class Tile:
         self._ready = self.stored
 
     def sweep(self, vt: Tensor, a: Tensor, empty: Tensor, col_init: Tensor | None = None,
-              frozen: tuple | None = None, output: tuple | None = None) -> tuple[Tensor, Tensor | None]:
+              output: tuple | None = None) -> tuple[Tensor, Tensor | None]:
         """One pass: :math:`u = a \\oslash (\\tilde K \\tilde v + [a = 0])` (rows without mass get 0)
         and, given ``col_init (c, m)``, the column sums ``col_init + K̃^T u``.
 
-        ``frozen = (active (c,), u_old)``: matrices no longer active keep ``u_old``. ``output = (V,
-        drop, out)``: this is the last normalisation; writes ``out = u ⊙ (K̃ ⊙ drop)(ṽ ⊙ V)``.
+        ``output = (V, drop, out)``: this is the last normalisation; writes ``out = u ⊙ (K̃ ⊙ drop)(ṽ ⊙ V)``.
         Returns ``u (c, n)`` and the column sums ``(c, m)`` (or ``None``)."""
         blocks = self.blocks
         c, n, m = self.shape
@@ -399,8 +399,6 @@ class Tile:
         vb = blocks.slices_of(vt.unsqueeze(-1))
         col = None if col_init is None else col_init.unsqueeze(1).clone()
         colb = None if col is None else blocks.slices_of(col)
-        if frozen is not None:
-            activeb, oldb = blocks.slices_of(frozen[0].view(c, 1, 1)), blocks.rows_of(frozen[1].unsqueeze(-1))
         if output is not None:
             V, drop, out = output
             vVb, outb = blocks.slices_of(vt.unsqueeze(-1) * V), blocks.rows_of(out)
@@ -408,8 +406,6 @@ class Tile:
         for i, Kb in self.visit():
             add_rows_times(eb[i], Kb, vb[i], out=ub[i])
             torch.div(ab[i], ub[i], out=ub[i])
-            if frozen is not None:
-                torch.where(activeb[i], ub[i], oldb[i], out=ub[i])
             if colb is not None:
                 colb[i].baddbmm_(ub[i].transpose(1, 2), Kb)
             if output is not None:
@@ -453,49 +449,33 @@ def scaling_forward(tile: Tile, v: Tensor, keep: Tensor | None, seed: Tensor | N
 
 
 def _iterate(tile: Tile, a: Tensor, b: Tensor, v: Tensor, drop: Tensor | None, out: Tensor, options: Options):
-    """The scaling recursion from :math:`\\tilde v^{(0)} = e^{c}`: one pass per row normalisation,
-    with the column sums of the following column normalisation; the last pass writes ``out``.
-    Returns ``us = [u1, u3, ..]``, ``vs = [v0, v2, ..]``, the ``(c,)`` normalisations run, the
-    :class:`~.problem.Tolerance` (``None`` for a fixed count) and, for the implicit backward after a
-    fixed count, the column error of the final plan."""
-    us, vs = [], []
-    c = a.shape[0]
-    implicit = options.backward == "implicit"
+    """:func:`~.loop.sinkhorn_loop` on the scalings :math:`u = e^f`, :math:`\\tilde v = e^g`, from
+    :math:`\\tilde v^{(0)} = e^{c}` (the column shift the first pass finds): one pass per row
+    normalisation, with the column sums of the following column normalisation; the last pass of an
+    odd fixed count writes ``out``. Returns ``us = [u1, u3, ..]``, ``vs = [v0, v2, ..]``, the ``(c,)``
+    normalisations run, the :class:`~.problem.Tolerance` (``None`` for a fixed count) and, for the
+    implicit backward after a fixed count, the column error of the final plan."""
+    implicit, fixed = options.backward == "implicit", options.tol is None
     empty_a, empty_b = (a == 0).to(a.dtype), (b == 0).to(b.dtype)  # rows/columns without mass: u = v = 0
+    sums = {}  # the column sums K̃^T u of the last pass (+1 on columns without mass: b / sums = 0 there)
 
-    def sweep(cols: Tensor | None, **kwargs) -> tuple[Tensor, Tensor | None]:
-        if vs:
-            return tile.sweep(vs[-1], a, empty_a, cols, **kwargs)
-        u, col = tile.first_sweep(a, empty_a, cols, **kwargs)
-        vs.append(tile.col_shift.exp())
-        return u, col
+    def row_update(vt: Tensor | None, last: bool) -> Tensor:
+        cols, output = (None if last and not implicit else empty_b), ((v, drop, out) if last else None)
+        if vt is None:
+            u, sums["col"] = tile.first_sweep(a, empty_a, cols, output=output)
+        else:
+            u, sums["col"] = tile.sweep(vt, a, empty_a, cols, output=output)
+        return u
 
-    if options.tol is None:
-        n_iters, col_error = options.n_iters, None
-        for t in range(1, n_iters + 1, 2):
-            last = t == n_iters
-            u, col = sweep(None if last and not implicit else empty_b, output=(v, drop, out) if last else None)
-            us.append(u)
-            if not last:
-                vs.append(b / col)
-            elif implicit:
-                col_error = column_error(vs[-1] * col, b)
-        if n_iters % 2 == 0:  # ends on a column normalisation: one more pass for the output
-            if implicit:
-                col_error = column_error(vs[-1] * col, b)
-            tile.output(us[-1], vs[-1], v, drop, out)
-        return us, vs, torch.full((c,), n_iters, dtype=torch.int64, device=a.device), None, col_error
-    stop = Tolerance(options.tol, options.max_iters, (c,), a.device, options.engine)
-    done = 0
-    while True:
-        u, col = sweep(empty_b, frozen=(stop.active, us[-1])) if us else sweep(empty_b)
-        us.append(u)
-        done += 1
-        if stop.check(column_error(vs[-1] * col, b), done):
-            tile.output(us[-1], vs[-1], v, drop, out)
-            return us, vs, stop.counts, stop, None
-        vs.append(torch.where(stop.active.unsqueeze(-1), b / col, vs[-1]))
-        done += 1
+    def col_update(u: Tensor, vt: Tensor) -> tuple[Tensor, Tensor | None]:
+        return b / sums["col"], (None if fixed else column_error(vt * sums["col"], b))
+
+    run = sinkhorn_loop(row_update, col_update, lambda: tile.col_shift.exp(), n_iters=options.n_iters,
+                        tol=options.tol, max_iters=options.max_iters, engine=options.engine)
+    col_error = column_error(run.gs[-1] * sums["col"], b) if fixed and implicit else None
+    if not (fixed and options.n_iters % 2):  # ends on a column normalisation, or tol: one more pass
+        tile.output(run.fs[-1], run.gs[-1], v, drop, out)
+    return run.fs, run.gs, run.counts, run.stop, col_error
 
 
 def _trustworthy(us: Tensor, vs: Tensor) -> bool:

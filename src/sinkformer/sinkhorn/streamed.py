@@ -49,13 +49,13 @@ from torch import Tensor
 
 from .problem import (
     Masks,
-    Tolerance,
     _finite_or_zero,
     column_error,
     log_marginal,
     marginals,
     warn_if_unconverged,
 )
+from .loop import sinkhorn_loop
 from .ops import register_engine_autograd
 from .sizes import row_block, stream_rows
 from .scaling import GroupState, Options, run_backward, run_forward
@@ -241,58 +241,45 @@ def _column_update(problem: Streamed, f: Tensor, g: Tensor, col: Tensor) -> Tens
 
 def _sweeps(problem: Streamed, n_iters: int | None, tol: float | None, max_iters: int, g0: Tensor | None,
             v: Tensor | None = None, symmetric: bool = False):
-    """Run the updates; returns ``(fs, gs, counts, out, stop)``.
+    """:func:`~.loop.sinkhorn_loop` with one pass over the row blocks per row update, which also sums
+    the columns for the next column update (or, the last of a fixed count, writes ``out``).
 
-    ``fs = [f1, f3, ..]`` (after each row update), ``gs = [g0, g2, ..]`` (the start, then after
-    each column update), ``counts (B,)`` the normalisations of each matrix, ``out = P V`` of the
-    final plan when ``v`` is given, ``stop`` the :class:`~.problem.Tolerance` (``None`` for a fixed
-    count; the caller warns about matrices that did not reach ``tol``). ``symmetric``: one row update
-    per iteration followed by :math:`g \\leftarrow \\tfrac12(g + f - \\log b)` (see
-    :func:`streamed_potentials`)."""
+    Returns ``(fs, gs, counts, out, stop)``: ``fs = [f1, f3, ..]`` (after each row update), ``gs =
+    [g0, g2, ..]`` (the start, then after each column update), ``counts (B,)`` the normalisations of
+    each matrix, ``out = P V`` of the final plan when ``v`` is given, ``stop`` the
+    :class:`~.problem.Tolerance` (``None`` for a fixed count; the caller warns about matrices that
+    did not reach ``tol``). ``symmetric``: one row update per iteration followed by
+    :math:`g \\leftarrow \\tfrac12(g + f - \\log b)` (see :func:`streamed_potentials`)."""
     B, n, m = problem.q.shape[0], problem.n, problem.m
-    g = torch.zeros(B, m, dtype=problem.q.dtype, device=problem.q.device) if g0 is None else g0
-    f = None
-    fs, gs = [], [g]
-    stop = None if tol is None else Tolerance(tol, max_iters, (B,), g.device, ENGINE, step=1 if symmetric else 2)
-    done = 0
-    out = None
-    while True:
-        last = tol is None and done + 1 >= n_iters
+    g0 = torch.zeros(B, m, dtype=problem.q.dtype, device=problem.q.device) if g0 is None else g0
+    state = {"f": None, "col": None, "out": None}
+
+    def row_update(g: Tensor, last: bool) -> Tensor:
         f_new = torch.empty(B, n, dtype=g.dtype, device=g.device)
-        col = torch.zeros_like(g)
-        if last and v is not None:
-            out = v.new_empty(B, n, v.shape[-1])
+        col = None if last else torch.zeros_like(g)
+        out = v.new_empty(B, n, v.shape[-1]) if last and v is not None else None
         for start, end in problem.blocks():
-            f_new[:, start:end], plan = _row_update(problem, f, g, start, end)
-            if last:
-                if v is not None:
-                    out[:, start:end] = torch.bmm(plan, v)
-            else:
+            f_new[:, start:end], plan = _row_update(problem, state["f"], g, start, end)
+            if out is not None:
+                out[:, start:end] = torch.bmm(plan, v)
+            if col is not None:
                 col += plan.sum(-2)
-        f = (f_new if stop is None or f is None else torch.where(stop.active.unsqueeze(-1), f_new, f))
-        done += 1
-        fs.append(f)
-        if stop is not None:
-            if stop.check(column_error(col, problem.b), done):
-                break
-        elif last:
-            break
+        state.update(f=f_new, col=col, out=out)
+        return f_new
+
+    def col_update(f: Tensor, g: Tensor) -> tuple[Tensor, Tensor | None]:
+        col, b = state["col"], problem.b
+        error = None if tol is None else column_error(col, b)
         if symmetric:
-            g_new = torch.where(problem.b > 0, 0.5 * (g + f - log_marginal(problem.b)), 0.0)
-        else:
-            g_new = _column_update(problem, f_new, g, col)
-            done += 1
-        g = g_new if stop is None else torch.where(stop.active.unsqueeze(-1), g_new, g)
-        gs.append(g)
-        if tol is None and done >= n_iters:
-            break
-    if stop is not None:
-        counts = stop.counts
-    else:
-        counts = torch.full((B,), n_iters, dtype=torch.int64, device=g.device)
+            return torch.where(b > 0, 0.5 * (g + f - log_marginal(b)), 0.0), error
+        return _column_update(problem, state["f"], g, col), error
+
+    run = sinkhorn_loop(row_update, col_update, g0, n_iters=n_iters, tol=tol, max_iters=max_iters, engine=ENGINE,
+                        symmetric=symmetric)
+    out = state["out"]
     if v is not None and out is None:  # the plan was last normalised by columns (or tol mode)
-        out = _plan_times(problem, fs[-1], gs[-1], v)
-    return fs, gs, counts, out, stop
+        out = _plan_times(problem, run.fs[-1], run.gs[-1], v)
+    return run.fs, run.gs, run.counts, out, run.stop
 
 
 def _plan_times(problem: Streamed, f: Tensor, g: Tensor, v: Tensor) -> Tensor:

@@ -199,7 +199,7 @@ def _log_iterate(x: Tensor, a: Tensor, b: Tensor, g0: Tensor, options: Options):
     ``gs = [g0, g2, ..]``, the counts and the stop rule."""
     log_a, log_b = log_marginal(a, a > 0), log_marginal(b, b > 0)
 
-    def row_update(g: Tensor) -> Tensor:
+    def row_update(g: Tensor, last: bool) -> Tensor:
         return torch.where(a > 0, log_a - torch.logsumexp(x + g.unsqueeze(-2), -1), torch.zeros_like(a))
 
     def col_update(f: Tensor, g: Tensor) -> tuple[Tensor, Tensor | None]:
