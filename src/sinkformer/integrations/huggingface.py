@@ -79,9 +79,9 @@ import torch
 from torch import Tensor
 
 from .. import attention as sinkformer_attention
-from .._validation import _skip_data_checks, check_positive_int, data_checks_run, require
+from .._validation import check_positive_int
 from ..attention import CausalSinkhornCache
-from ..attention.masks import MASKING, excluded
+from ..attention.masks import causal_key_padding, self_attention_mask
 
 try:
     from transformers import AttentionInterface
@@ -253,58 +253,6 @@ class _DecodingState:
         same_valid = torch.equal(cache.valid, valid[:, None, :].expand_as(cache.valid))
         same_keys = torch.equal(cache.keys, past_keys.to(cache.keys.dtype))
         return cache if same_valid and same_keys else None
-
-
-def causal_key_padding(attention_mask: Tensor | None, n_q: int, n_k: int) -> Tensor | None:
-    """The ``(B, n_k)`` key padding (True = padding) of a causal layer's 4-D mask, or ``None``.
-
-    The queries are the last ``n_q`` of ``n_k`` positions. The mask must be the causal mask with key
-    padding — ``keep[b, :, i, j] = (j <= n_k - n_q + i) and not pad[b, j]``, bool (True = attend)
-    or additive float (entries <= ``MASKING``, e.g. ``finfo.min``, excluded) — or ``ValueError`` is raised (sliding
-    windows and packed sequences cannot be served by causal Sinkhorn's incremental state).
-    Padding is read from the last query row, which sees every key.
-    """
-    if attention_mask is None:
-        return None
-    keep = ~excluded(attention_mask, MASKING)
-    if keep.dim() != 4 or keep.shape[-2:] != (n_q, n_k):
-        raise ValueError(f"attention_mask of a causal layer must be (B, 1 | H, {n_q}, {n_k}), got {tuple(keep.shape)}")
-    valid = keep[:, 0, -1, :]
-    causal = torch.ones(n_q, n_k, dtype=torch.bool, device=keep.device).tril(n_k - n_q)
-    if data_checks_run(keep):
-        require((keep == (causal & valid[:, None, None, :])).all(),
-                "causal sinkhorn attention needs the causal mask with key padding (True = attend where j <= i and "
-                "key j is not padding); this layer's attention_mask has another pattern (sliding window, packed "
-                "sequences?)")
-    # without a data check (graph capture, GPUs) the padding is always passed on (all False: no padding)
-    return ~valid if _skip_data_checks(valid) or not bool(valid.all()) else None
-
-
-def self_attention_mask(attention_mask: Tensor | None, position_bias: Tensor | None = None) -> Tensor | None:
-    """The ``attn_mask`` for :func:`sinkformer.attention` from a self-attention layer's 4-D mask.
-
-    ``keep`` is the bool mask itself, or for a float mask the entries above
-    :data:`~sinkformer.attention.masks.MASKING` (``transformers`` writes ``finfo.min``, or ``-inf``,
-    where a pair is excluded). A token no query may attend to — column ``j`` all excluded, i.e. padding
-    — is removed as a query as well: ``keep[..., j, :] = False``.
-
-    Args:
-        attention_mask: ``None`` or ``(B, 1 | H, n, n)``. position_bias: ``None`` or a float bias
-            broadcastable to ``(B, H, n, n)``.
-
-    Returns:
-        ``position_bias`` (possibly ``None``) when there is no mask; the bool ``keep`` when there
-        is no bias; otherwise the float bias with ``-inf`` where ``keep`` is False.
-    """
-    if attention_mask is None:
-        return position_bias
-    keep = ~excluded(attention_mask, MASKING)
-    bias = None if attention_mask.dtype == torch.bool else attention_mask.masked_fill(~keep, 0.0)
-    is_token = keep.any(dim=-2, keepdim=True)  # (B, h, 1, n): False on padding
-    keep = keep & is_token.transpose(-1, -2)
-    if position_bias is not None:
-        bias = position_bias if bias is None else bias + position_bias
-    return keep if bias is None else bias.masked_fill(~keep, float("-inf"))
 
 
 def _layer_kind(module: torch.nn.Module, query: Tensor, key: Tensor, is_causal: bool | None) -> str:

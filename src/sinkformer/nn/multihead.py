@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._validation import _skip_data_checks, check_choice, check_positive_int
+from .._validation import check_choice, check_positive_int
 from ..attention import COSTS, NORMALIZATIONS, attention
-from ..attention.masks import MASKING, excluded
+from ..attention.masks import MASKING, additive_attn_mask, split_key_padding
 from .heads import merge_heads, split_heads
 
 __all__ = ["MultiheadAttention"]
@@ -110,8 +110,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
 
         sinkhorn_iterations = self.normalization == "sinkhorn" and self.n_iters >= 2
         masked_from = MASKING if sinkhorn_iterations else float("-inf")  # as attention() reads a float attn_mask
-        pad, bias = _split_padding(key_padding_mask, bsz, key.shape[0], masked_from)
-        mask = _canonical_attn_mask(attn_mask, bsz, self.num_heads, tgt_len, key.shape[0], q.dtype)
+        pad, bias = split_key_padding(key_padding_mask, bsz, key.shape[0], masked_from)
+        mask = additive_attn_mask(attn_mask, bsz, self.num_heads, tgt_len, key.shape[0], q.dtype)
         if bias is not None:
             mask = bias if mask is None else mask + bias
         if self.bias_k is not None:
@@ -162,51 +162,6 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if self.in_proj_bias is not None:
             b_q, b_k, b_v = self.in_proj_bias.chunk(3)
         return F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)
-
-
-def _split_padding(key_padding_mask: Tensor | None, bsz: int, src_len: int,
-                   masked_from: float = float("-inf")) -> tuple[Tensor | None, Tensor | None]:
-    """A torch-style key padding mask as ``(bool padding (N, S), additive bias (N, 1, 1, S))``; float
-    entries ``<= masked_from`` are padding (:func:`~sinkformer.attention.masks.excluded`)."""
-    if key_padding_mask is None:
-        return None, None
-    if key_padding_mask.shape != (bsz, src_len):
-        raise ValueError(
-            f"key_padding_mask must have shape (batch, source_length) = {(bsz, src_len)}, got {tuple(key_padding_mask.shape)}"
-        )
-    if key_padding_mask.dtype == torch.bool:
-        return key_padding_mask, None
-    if not key_padding_mask.is_floating_point():
-        raise TypeError(f"key_padding_mask must be bool or float, got {key_padding_mask.dtype}")
-    pad = excluded(key_padding_mask, masked_from)
-    rest = key_padding_mask.masked_fill(pad, 0.0)
-    # without a data check (graph capture, GPUs) the finite part is always kept as a bias
-    keep_bias = _skip_data_checks(key_padding_mask) or bool(rest.any())
-    return pad, (rest[:, None, None, :] if keep_bias else None)
-
-
-def _canonical_attn_mask(
-    attn_mask: Tensor | None, bsz: int, heads: int, tgt_len: int, src_len: int, dtype: torch.dtype
-) -> Tensor | None:
-    """torch's ``attn_mask`` ((L, S) or (N*H, L, S); bool True = *not* allowed) as an additive float mask."""
-    if attn_mask is None:
-        return None
-    if attn_mask.dim() == 2:
-        if attn_mask.shape != (tgt_len, src_len):
-            raise ValueError(f"2-D attn_mask must have shape {(tgt_len, src_len)}, got {tuple(attn_mask.shape)}")
-    elif attn_mask.dim() == 3:
-        if attn_mask.shape != (bsz * heads, tgt_len, src_len):
-            raise ValueError(
-                f"3-D attn_mask must have shape {(bsz * heads, tgt_len, src_len)}, got {tuple(attn_mask.shape)}"
-            )
-        attn_mask = attn_mask.reshape(bsz, heads, tgt_len, src_len)
-    else:
-        raise ValueError(f"attn_mask must be 2-D or 3-D, got shape {tuple(attn_mask.shape)}")
-    if attn_mask.dtype == torch.bool:
-        return torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill(attn_mask, float("-inf"))
-    if not attn_mask.is_floating_point():
-        raise TypeError(f"attn_mask must be bool or float, got {attn_mask.dtype}")
-    return attn_mask.to(dtype)
 
 
 def _extend_keys(pad: Tensor | None, mask: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
