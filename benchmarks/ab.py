@@ -26,9 +26,10 @@ SHAPES = {16: (4, 8, 50), 64: (4, 8, 30), 128: (4, 8, 20), 256: (4, 8, 10), 512:
 
 _WORKER = r"""
 import json, sys, time, torch
+from torch.profiler import ProfilerActivity, profile
 import sinkformer
 ns, n_iters, causal = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
-shapes = json.loads(sys.argv[4])
+shapes, count_ops = json.loads(sys.argv[4]), sys.argv[5] == "ops"
 torch.manual_seed(0)
 out = {}
 for n in ns:
@@ -37,6 +38,11 @@ for n in ns:
     def step():
         sinkformer.attention(q, k, v, n_iters=n_iters, is_causal=causal).sum().backward()
     step()
+    if count_ops:  # the aten calls of one step (profiler events, nested ones included): no noise
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+        out[n] = sum(e.name.startswith("aten::") for e in prof.events())
+        continue
     times = []
     for _ in range(repeats):
         t = time.perf_counter(); step(); times.append(time.perf_counter() - t)
@@ -45,32 +51,38 @@ print(json.dumps(out))
 """
 
 
-def measure(tree: Path, ns: list[int], n_iters: int, causal: bool, threads: int | None) -> dict[int, float]:
-    """Milliseconds of one forward+backward per n, median of the repeats, in a fresh process on ``tree``."""
+def measure(tree: Path, ns: list[int], n_iters: int, causal: bool, threads: int | None,
+            what: str = "time") -> dict[int, float]:
+    """Per n, in a fresh process on ``tree``: milliseconds of one forward+backward, median of the
+    repeats (``what="time"``), or the aten calls of one forward+backward (``what="ops"``)."""
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     shapes = json.dumps({str(n): SHAPES[n] for n in ns})
-    done = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(ns), str(n_iters), "1" if causal else "0", shapes],
-                          env=env, capture_output=True, text=True, check=True)
-    return {int(n): ms for n, ms in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+    done = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(ns), str(n_iters), "1" if causal else "0", shapes,
+                           what], env=env, capture_output=True, text=True, check=True)
+    return {int(n): value for n, value in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
 
 def compare(before: Path, after: Path, ns: list[int], n_iters: int, causal: bool, rounds: int,
             threads: int | None = None, progress=print) -> list[dict]:
-    """Per n: both trees' medians over rounds (ms) and the per-round ratios after/before."""
+    """Per n: both trees' medians over rounds (ms), the per-round ratios after/before, and the aten
+    calls of one forward+backward in each tree (counted once: they do not vary)."""
     times: dict[str, list[dict[int, float]]] = {"before": [], "after": []}
     for r in range(rounds):
         order = [("before", before), ("after", after)] if r % 2 == 0 else [("after", after), ("before", before)]
         for name, tree in order:
             times[name].append(measure(tree, ns, n_iters, causal, threads))
         progress(f"round {r + 1}/{rounds} done")
+    ops = {name: measure(tree, ns, n_iters, causal, threads, what="ops") for name, tree in (("before", before),
+                                                                                         ("after", after))}
     rows = []
     for n in ns:
         ratios = [a[n] / b[n] for a, b in zip(times["after"], times["before"])]
         rows.append({"n": n, "batch_heads": SHAPES[n][:2], "before_ms": statistics.median(t[n] for t in times["before"]),
                      "after_ms": statistics.median(t[n] for t in times["after"]), "ratio": statistics.median(ratios),
-                     "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": rounds})
+                     "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": rounds,
+                     "before_ops": ops["before"][n], "after_ops": ops["after"][n]})
     return rows
 
 
@@ -89,11 +101,13 @@ def table(rows: list[dict], n_iters: int, causal: bool, trees: tuple[str, str] |
     what = f"{'causal ' if causal else ''}Sinkhorn, n_iters={n_iters}, forward+backward, float32, d=64"
     lines = [f"{what}; medians over {rows[0]['rounds']} interleaved rounds"
              + (f"; before = {trees[0]}, after = {trees[1]}" if trees else ""), "",
-             "| n | b × h | before (ms) | after (ms) | after / before (range over rounds) |", "|---:|---:|---:|---:|---:|"]
+             "| n | b × h | before (ms) | after (ms) | after / before (range over rounds) | aten calls before → after |",
+             "|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         b, h = r["batch_heads"]
+        ops = f"{r['before_ops']} → {r['after_ops']}" if "before_ops" in r else "—"
         lines.append(f"| {r['n']} | {b} × {h} | {r['before_ms']:.2f} | {r['after_ms']:.2f} | "
-                     f"{r['ratio']:.3f} ({r['ratio_min']:.3f}–{r['ratio_max']:.3f}) |")
+                     f"{r['ratio']:.3f} ({r['ratio_min']:.3f}–{r['ratio_max']:.3f}) | {ops} |")
     return "\n".join(lines)
 
 

@@ -14,7 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_rounds_alternate_the_trees_and_ratios_are_per_round(monkeypatch):
     calls = []
 
-    def fake(tree, ns, n_iters, causal, threads):
+    def fake(tree, ns, n_iters, causal, threads, what="time"):
+        if what == "ops":
+            return {n: n + (1 if tree.name == "after" else 0) for n in ns}
         calls.append(tree.name)
         slow = 2.0 if tree.name == "after" else 1.0
         return {n: slow * n * (1 + len(calls) / 100) for n in ns}  # the machine slows down round by round
@@ -25,13 +27,16 @@ def test_rounds_alternate_the_trees_and_ratios_are_per_round(monkeypatch):
     assert [r["n"] for r in rows] == [16, 64]
     # per-round ratios: the drift shared by both trees of a round nearly cancels
     assert all(1.95 < r["ratio_min"] <= r["ratio"] <= r["ratio_max"] < 2.05 for r in rows)
+    assert [(r["before_ops"], r["after_ops"]) for r in rows] == [(16, 17), (64, 65)]
     text = ab.table(rows, 5, False)
-    assert "| 16 | 4 × 8 |" in text and "medians over 4 interleaved rounds" in text
+    assert "| 16 | 4 × 8 |" in text and "medians over 4 interleaved rounds" in text and "| 16 → 17 |" in text
 
 
 def test_one_measurement_runs_the_tree_it_is_given():
     got = ab.measure(ROOT, [16], 3, False, threads=1)
     assert set(got) == {16} and 0 < got[16] < 10_000
+    ops = ab.measure(ROOT, [16], 3, False, threads=1, what="ops")
+    assert set(ops) == {16} and isinstance(ops[16], int) and ops[16] > 10  # a forward+backward is many aten calls
 
 
 def test_a_folder_without_the_package_is_refused(tmp_path):
