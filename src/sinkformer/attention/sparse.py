@@ -42,6 +42,9 @@ one Sinkhorn per prefix, took :math:`O(N_B^3)` memory and exponentials).
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -56,6 +59,7 @@ from .masks import align_to_batch
 
 __all__ = [
     "SORT_NETS",
+    "SparseOptions",
     "block_pool",
     "gumbel_noise",
     "n_blocks",
@@ -73,6 +77,40 @@ SORT_NETS = ("linear", "relu_linear", "linear_relu_linear", "relu_linear_relu_li
 #: Without balancing (``sort_iters=0``) :math:`e^{R/\tau}` is taken with :math:`R/\tau` clamped at
 #: this value, so that it stays finite in float32 (which overflows at 88).
 EXP_MAX = 30.0
+
+
+@dataclass(frozen=True)
+class SparseOptions:
+    """The options of Sparse Sinkhorn Attention, written and checked once for the function
+    (:func:`sparse_sinkhorn_attention`), the module (:class:`sinkformer.nn.SparseSinkhornAttention`)
+    and the models (:class:`sinkformer.models.sinkhorn_transformer.AttentionConfig`).
+
+    ``block_size``: :math:`b`, tokens per block; ``sort_iters``: :math:`N_k` Sinkhorn iterations of
+    the sorting matrix (0 = none); ``temperature``: Gumbel-Sinkhorn :math:`\\tau > 0` (0.75, best in
+    §6.2); ``causal``: the causal variant (§3.3); ``sortcut_budget``: SortCut's sorted blocks (§3.4,
+    encoders only); ``mixture``: plus vanilla attention (§3.2.3).
+    """
+
+    block_size: int
+    sort_iters: int = 5
+    temperature: float = 0.75
+    causal: bool = False
+    sortcut_budget: int | None = None
+    mixture: bool = False
+
+    def __post_init__(self) -> None:
+        check_positive_int(self.block_size, "block_size")
+        check_positive_int(self.sort_iters, "sort_iters", minimum=0)
+        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+            raise ValueError(f"temperature must be a positive float, got {self.temperature!r}")
+        if self.sortcut_budget is not None:
+            check_positive_int(self.sortcut_budget, "sortcut_budget")
+            if self.causal:
+                raise ValueError("sortcut_budget cannot be used with causal=True: SortCut is an encoder-only scheme (§3.4)")
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The options as keyword arguments of :func:`sparse_sinkhorn_attention`."""
+        return asdict(self)
 
 
 def n_blocks(length: int, block_size: int) -> int:
@@ -131,8 +169,8 @@ def gumbel_noise(shape: torch.Size | tuple[int, ...], *, generator: torch.Genera
 def sort_matrix(
     logits: Tensor,
     *,
-    sort_iters: int = 5,
-    temperature: float = 0.75,
+    sort_iters: int = SparseOptions.sort_iters,
+    temperature: float = SparseOptions.temperature,
     causal: bool = False,
     gumbel: bool = False,
     generator: torch.Generator | None = None,
@@ -194,8 +232,8 @@ def sparse_sinkhorn_attention(
     sort_logits: Tensor,
     *,
     block_size: int,
-    sort_iters: int = 5,
-    temperature: float = 0.75,
+    sort_iters: int = SparseOptions.sort_iters,
+    temperature: float = SparseOptions.temperature,
     causal: bool = False,
     sortcut_budget: int | None = None,
     mixture: bool = False,
@@ -211,12 +249,11 @@ def sparse_sinkhorn_attention(
     Args:
         q, k, v: ``(..., n, d)``, ``(..., n, d)``, ``(..., n, d_v)`` (self-attention: one length).
         sort_logits: ``(..., N_B, N_B)`` with :math:`N_B = \\lceil n / b\\rceil` (see :class:`SortNet`).
-        block_size: :math:`b`; ``n`` need not be a multiple (the last block is padded and masked).
-        sort_iters, temperature, causal, gumbel, generator: as in :func:`sort_matrix`.
-        sortcut_budget: SortCut (§3.4): every query attends only to the keys of the first
-            ``sortcut_budget`` sorted blocks (all blocks if the budget exceeds :math:`N_B`).
-            Encoder only (not with ``causal``).
-        mixture: add vanilla SoftMax attention over the whole sequence (§3.2.3).
+        block_size, sort_iters, temperature, causal, sortcut_budget, mixture: the
+            :class:`SparseOptions`. ``n`` need not be a multiple of ``block_size`` (the last block
+            is padded and masked); with ``sortcut_budget`` every query attends only to the keys of
+            the first ``sortcut_budget`` sorted blocks (all blocks if the budget exceeds :math:`N_B`).
+        gumbel, generator: as in :func:`sort_matrix`.
         key_padding_mask: ``(*batch_prefix, n)`` bool, True = padding key: it is never attended,
             takes no part in the sorting, and blocks made only of padding leave the balancing.
         scale: score scale, default :math:`1/\\sqrt d`. dropout_p: dropout on attention weights.
@@ -226,14 +263,10 @@ def sparse_sinkhorn_attention(
         ``(..., n, d_v)`` in the dtype of ``q`` (and :math:`S`, ``(..., N_B, N_B)``).
     """
     check_qkv(q, k, v)
-    check_positive_int(block_size, "block_size")
+    SparseOptions(block_size, sort_iters, temperature, causal, sortcut_budget, mixture)  # checks them
     n = q.shape[-2]
     if k.shape[-2] != n:
         raise ValueError(f"q and k must have the same length (self-attention), got q {tuple(q.shape)} and k {tuple(k.shape)}")
-    if sortcut_budget is not None:
-        check_positive_int(sortcut_budget, "sortcut_budget")
-        if causal:
-            raise ValueError("sortcut_budget cannot be used with causal=True: SortCut is an encoder-only scheme (§3.4)")
     batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     nb = n_blocks(n, block_size)
     check_tensor(sort_logits, "sort_logits", floating=True)

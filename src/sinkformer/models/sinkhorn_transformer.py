@@ -47,6 +47,7 @@ from torch import Tensor, nn
 
 from .._validation import check_choice, check_positive_int, check_tensor
 from ..attention import CausalSinkhornCache
+from ..attention.sparse import SparseOptions
 from ..nn.sparse import BaselineSelfAttention, DenseSinkhornSelfAttention, SparseSinkhornAttention
 from ..nn.heads import fused_self_attention
 from ..nn.layers import sinusoidal_positions
@@ -71,16 +72,16 @@ class AttentionConfig:
     """Which self-attention a model uses, with its options (see the module table).
 
     ``block_size``: local/Sinkhorn block :math:`b` (Child et al.'s :math:`l` for ``fixed``);
-    ``sort_iters``, ``temperature``, ``sort_net``, ``share_kv``: Sinkhorn options
-    (:class:`~sinkformer.attention.SparseSinkhornAttention`); ``sortcut_budget``: blocks kept by
+    ``sort_iters``, ``temperature``: :class:`~sinkformer.attention.sparse.SparseOptions` (their
+    defaults and checks); ``sort_net``, ``share_kv``: :class:`~sinkformer.nn.SparseSinkhornAttention`'s; ``sortcut_budget``: blocks kept by
     SortCut; ``stride``: summary positions per block of the fixed pattern (the paper's :math:`c = 8`);
     ``n_iters``: Sinkhorn normalisations of ``sinkformer`` attention (1 = SoftMax).
     """
 
     kind: str = "sinkhorn"
     block_size: int = 16
-    sort_iters: int = 5
-    temperature: float = 0.75
+    sort_iters: int = SparseOptions.sort_iters
+    temperature: float = SparseOptions.temperature
     sort_net: str = "linear"
     share_kv: bool = False
     sortcut_budget: int = 2

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from .._validation import check_choice, check_positive_int, check_tensor
 from ..attention.functional import attention
-from ..attention.sparse import SORT_NETS, block_pool, n_blocks, sparse_sinkhorn_attention
+from ..attention.sparse import SORT_NETS, SparseOptions, block_pool, n_blocks, sparse_sinkhorn_attention
 from ..attention.sparse_baselines import PATTERNS, local_attention, sparse_transformer_attention
 from .heads import fused_self_attention, merge_heads, split_heads
 
@@ -92,8 +92,8 @@ class SparseSinkhornAttention(nn.Module):
         *,
         block_size: int,
         max_len: int,
-        sort_iters: int = 5,
-        temperature: float = 0.75,
+        sort_iters: int = SparseOptions.sort_iters,
+        temperature: float = SparseOptions.temperature,
         sort_net: str = "linear",
         sort_hidden: int | None = None,
         causal: bool = False,
@@ -108,20 +108,12 @@ class SparseSinkhornAttention(nn.Module):
         check_positive_int(num_heads, "num_heads")
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim must be divisible by num_heads, got {embed_dim} and {num_heads}")
-        check_positive_int(block_size, "block_size")
+        self.options = SparseOptions(block_size, sort_iters, temperature, causal, sortcut_budget, mixture)
         check_positive_int(max_len, "max_len")
-        check_positive_int(sort_iters, "sort_iters", minimum=0)
-        if sortcut_budget is not None:
-            check_positive_int(sortcut_budget, "sortcut_budget")
-            if causal:
-                raise ValueError("sortcut_budget cannot be used with causal=True: SortCut is encoder-only (§3.4)")
-        if not (isinstance(temperature, (int, float)) and temperature > 0):
-            raise ValueError(f"temperature must be a positive float, got {temperature!r}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        self.embed_dim, self.num_heads, self.block_size, self.max_len = embed_dim, num_heads, block_size, max_len
-        self.sort_iters, self.temperature, self.causal = sort_iters, temperature, causal
-        self.sortcut_budget, self.mixture, self.share_kv, self.dropout = sortcut_budget, mixture, share_kv, dropout
+        self.embed_dim, self.num_heads, self.max_len = embed_dim, num_heads, max_len
+        self.share_kv, self.dropout = share_kv, dropout
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
         self.k_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
         self.v_proj = None if share_kv else nn.Linear(embed_dim, embed_dim, bias=bias)
@@ -155,12 +147,7 @@ class SparseSinkhornAttention(nn.Module):
         logits = self.sort_net(pooled)[..., :nb]
         out, S = sparse_sinkhorn_attention(
             q, k, v, logits,
-            block_size=self.block_size,
-            sort_iters=self.sort_iters,
-            temperature=self.temperature,
-            causal=self.causal,
-            sortcut_budget=self.sortcut_budget,
-            mixture=self.mixture,
+            **self.options.as_kwargs(),
             gumbel=self.training,
             key_padding_mask=key_padding_mask,
             dropout_p=self.dropout if self.training else 0.0,
@@ -168,6 +155,11 @@ class SparseSinkhornAttention(nn.Module):
         )
         out = self.out_proj(merge_heads(out))
         return (out, S) if return_sort else out
+
+
+# the options read as attributes of the module (``module.block_size``, ...), from ``module.options``
+for _name in SparseOptions.__dataclass_fields__:
+    setattr(SparseSinkhornAttention, _name, property(lambda self, _name=_name: getattr(self.options, _name)))
 
 
 class BaselineSelfAttention(nn.Module):
