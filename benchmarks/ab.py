@@ -39,6 +39,7 @@ for n in ns:
         sinkformer.attention(q, k, v, n_iters=n_iters, is_causal=causal).sum().backward()
     step()
     if count_ops:  # the aten calls of one step (profiler events, nested ones included): no noise
+        torch.set_num_threads(1)  # every call on this thread, where the profiler sees it
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             step()
         out[n] = sum(e.name.startswith("aten::") for e in prof.events())
