@@ -5,7 +5,8 @@ backward, the default engine, b x h slices of n tokens, d = 64, float32) with th
 (``<tree>/src`` on the path), one fresh process per tree and round, the trees alternating round by
 round so that both see the same machine load. It prints, per n, each tree's median time over rounds
 and the median over rounds of the per-round ratio after/before with its range: a ratio above 1 is a
-slowdown. ``--before`` is a folder (a clone at the commit before the change: ``git worktree add
+slowdown; and the aten calls of one forward+backward in each tree (profiler events, counted on one
+thread so that the profiler sees every call), a count that machine load does not blur. ``--before`` is a folder (a clone at the commit before the change: ``git worktree add
 /tmp/before HEAD``). With ``--out`` it also writes ``ab.json`` and ``ab.md``.
 """
 
