@@ -9,14 +9,11 @@ import math
 import pytest
 import torch
 
-from sinkformer.experiments.sinkformers import causal_lm
-from sinkformer.experiments.sinkformers.causal_lm import (
-    CausalLM,
-    attention_statistics,
-    load_wikitext103,
-    uniform_causal,
-)
+from sinkformer.experiments.sinkformers.causal_lm import attention_statistics, uniform_causal
+from sinkformer.data import wikitext
 from sinkformer.data.text_lm import encode_bytes
+from sinkformer.data.wikitext import load_wikitext103
+from sinkformer.models.causal_lm import CausalLM, build_lm
 from sinkformer.runs.registry import get, run_experiment
 from sinkformer.runs.verdicts import EXTENSION, VERDICTS, Comparison
 from sinkformer.sinkhorn.prefix import prefix_sinkhorn
@@ -119,7 +116,7 @@ def test_every_variant_starts_from_the_same_weights():
     states = []
     for n_iters in (1, 3, 5):
         torch.manual_seed(4)
-        states.append(causal_lm.build_lm({"vocab_size": 30, "max_len": 8}, n_iters=n_iters, dim=8, depth=1).state_dict())
+        states.append(build_lm({"vocab_size": 30, "max_len": 8}, n_iters=n_iters, dim=8, depth=1).state_dict())
     for state in states[1:]:
         assert state.keys() == states[0].keys()
         assert all(torch.equal(state[key], states[0][key]) for key in state)
@@ -146,7 +143,7 @@ def test_wikitext_loader_reads_the_three_files(tmp_path):
     assert bytes((valid.test[0] - 4).tolist()) == texts["valid"].encode("utf-8")[:17]
     assert len(valid.train) == (len(texts["train"][:100].encode("utf-8")) - 1) // 16
     for text in ("", "abc", "Naïve déjà vu\n"):  # the ids of encode_bytes, without its Python list
-        torch.testing.assert_close(causal_lm._byte_ids(text), encode_bytes(text))
+        torch.testing.assert_close(wikitext.byte_ids(text), encode_bytes(text))
     with pytest.raises(ValueError, match="eval_split must be 'test' or 'valid', got 'dev'"):
         load_wikitext103(tmp_path / "wikitext-103-raw", seq_len=16, eval_split="dev")
 
@@ -178,7 +175,7 @@ def test_full_cost_counts_one_pass_over_wikitext_for_every_model_and_seed():
     assert full["dataset"] == "wikitext-103" and full["seq_len"] == 512 and full["seeds"] >= 5
     work = exp.cost(full)
     assert [w.label for w in work] == ["Transformer", "Sinkformer (3 it.)", "Sinkformer (5 it.)"]
-    steps = causal_lm.WIKITEXT103_TRAIN_BYTES // 512 // 32
+    steps = wikitext.WIKITEXT103_TRAIN_BYTES // 512 // 32
     assert all(w.steps == steps and w.runs == full["seeds"] and w.batch_size == 32 for w in work)
     assert [w.options["n_iters"] for w in work] == [1, 3, 5]
     # the cost method measures a step of the experiment's own model (a builder, not a registry name)

@@ -27,6 +27,11 @@ The last three are Sparse Sinkhorn Attention's models (Tay et al. 2020): they ar
 ``attention=`` (``"vanilla"``, ``"local:32"``, ``"sinkhorn:32"``, ``"sortcut:2x8"``, ``"mixture:32"``,
 see :class:`~sinkformer.models.sinkhorn_transformer.AttentionConfig`), not by ``normalization=``;
 :func:`switched_by` tells which.
+
+:class:`~sinkformer.models.causal_lm.CausalLM`, the byte-level language model of ``sinkformer run
+causal-lm`` (causal SoftMax or causal Sinkhorn self-attention, switched by ``n_iters``), is built for a
+dataset's ``info`` by :func:`~sinkformer.models.causal_lm.build_lm`; it is not one of ``sinkformer
+train``'s models.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from typing import Any
 import torch
 
 from .._options import REQUIRED, check_options, did_you_mean, signature_options
+from .causal_lm import CausalLM
 from .decoding import beam_search, greedy_decode
 from .point_cloud_transformer import PointCloudTransformer
 from .seq2seq import Seq2SeqTransformer
@@ -58,6 +64,7 @@ __all__ = [
     "SinkhornClassifier",
     "SinkhornSeq2Seq",
     "SinkhornTransformerLM",
+    "CausalLM",
     "switched_by",
     "greedy_decode",
     "beam_search",

@@ -26,114 +26,28 @@ from __future__ import annotations
 
 import math
 import statistics
-from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from ...data.base import DataBundle, require_path
-from ...data.text_lm import BYTE_OFFSET, BYTE_VOCAB, LMCollate, LMDataset, read_text_corpus
-from ...nn import MultiheadAttention
-from ...nn.layers import sinusoidal_positions
+from ...data.base import DataBundle
+from ...data.text_lm import BYTE_VOCAB, read_text_corpus
+from ...data.wikitext import WIKITEXT103_TRAIN_BYTES, byte_windows, load_wikitext103
+from ...models.causal_lm import build_lm
 from ...plotting import SINKFORMER_COLOR, TRANSFORMER_COLOR, pyplot
 from ...runs import Run, fit, markdown_table, register
 from ...runs.verdicts import EXTENSION, paired
 from .._seeds import subset_line, training_subset
 from ._common import finding, mode_line, training_line
 
-__all__ = ["CausalLM", "build_lm", "label", "uniform_causal", "attention_statistics", "load_wikitext103",
-           "WIKITEXT_FILES", "WIKITEXT_URL", "run"]
+__all__ = ["label", "uniform_causal", "attention_statistics", "run"]
 
 LN2 = math.log(2.0)
 TRANSFORMER = "Transformer"
-WIKITEXT_FILES = {"train": "wiki.train.raw", "valid": "wiki.valid.raw", "test": "wiki.test.raw"}
-WIKITEXT_URL = "https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-103-raw-v1.zip"
-WIKITEXT_INSTRUCTIONS = (
-    f"Download WikiText-103 (raw, character level) from {WIKITEXT_URL} (or the `wikitext-103-raw-v1` configuration "
-    "of https://huggingface.co/datasets/Salesforce/wikitext), unzip it and pass the folder that holds "
-    f"{', '.join(WIKITEXT_FILES.values())} as --data (e.g. --data data/wikitext-103-raw)."
-)
-#: Bytes of ``wiki.train.raw`` (about 540 MB; for the cost estimate, which does not read the file).
-WIKITEXT103_TRAIN_BYTES = 540_000_000
-
-
 def label(n_iters: int) -> str:
     """A model's name: ``"Transformer"`` (1 normalisation = causal SoftMax) or ``"Sinkformer (3 it.)"``."""
     return TRANSFORMER if n_iters == 1 else f"Sinkformer ({n_iters} it.)"
-
-
-class _Block(nn.Module):
-    """Pre-LayerNorm decoder block: ``x + attn(LN(x))`` (causal), then ``x + FF(LN(x))``."""
-
-    def __init__(self, dim: int, heads: int, n_iters: int, ff_mult: int, dropout: float) -> None:
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = MultiheadAttention(dim, heads, dropout=dropout, batch_first=True, normalization="sinkhorn",
-                                       n_iters=n_iters)
-        self.ff = nn.Sequential(nn.Linear(dim, ff_mult * dim), nn.GELU(), nn.Linear(ff_mult * dim, dim),
-                                nn.Dropout(dropout))
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: Tensor, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-        h = self.norm1(x)
-        out, weights = self.attn(h, h, h, is_causal=True, need_weights=need_weights, average_attn_weights=False)
-        x = x + self.drop(out)
-        return x + self.ff(self.norm2(x)), weights
-
-
-class CausalLM(nn.Module):
-    r"""Decoder-only language model: ``tokens (B, L)`` -> next-token logits ``(B, L, vocab_size)``.
-
-    Token embedding (scaled by :math:`\sqrt d`) and sinusoidal positions, as the library's
-    :class:`~sinkformer.models.SinkhornTransformerLM`, ``depth`` pre-LayerNorm blocks with causal
-    self-attention of ``n_iters`` normalisations (1: SoftMax, the Transformer; more: the causal
-    Sinkformer), a final LayerNorm and an output layer tied to the token embedding. The
-    parameters do not depend on ``n_iters``: seeded alike, every variant starts from the same
-    weights. Position :math:`t` sees tokens :math:`\le t` only.
-    """
-
-    input_kind = "lm"
-
-    def __init__(self, vocab_size: int, max_len: int, *, n_iters: int = 1, dim: int = 32, depth: int = 2,
-                 heads: int = 2, ff_mult: int = 4, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.max_len, self.n_iters = max_len, n_iters
-        self.embedding = nn.Embedding(vocab_size, dim)
-        nn.init.normal_(self.embedding.weight, 0.0, dim**-0.5)  # tied output: logits of unit scale at init
-        self.scale = math.sqrt(dim)
-        self.register_buffer("positions", sinusoidal_positions(max_len, dim), persistent=False)
-        self.blocks = nn.ModuleList([_Block(dim, heads, n_iters, ff_mult, dropout) for _ in range(depth)])
-        self.norm = nn.LayerNorm(dim)
-        self.drop = nn.Dropout(dropout)
-
-    def _embed(self, tokens: Tensor) -> Tensor:
-        if tokens.shape[-1] > self.max_len:
-            raise ValueError(f"tokens must hold at most max_len={self.max_len} positions, got {tokens.shape[-1]}")
-        return self.drop(self.scale * self.embedding(tokens) + self.positions[: tokens.shape[-1]])
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        x = self._embed(tokens)
-        for block in self.blocks:
-            x, _ = block(x)
-        return self.norm(x) @ self.embedding.weight.T
-
-    @torch.no_grad()
-    def attention_weights(self, tokens: Tensor) -> list[Tensor]:
-        """Each layer's attention matrices on ``tokens (B, L)``: a list of ``depth`` tensors ``(B, heads, L, L)``."""
-        was_training = self.training
-        self.eval()
-        x, weights = self._embed(tokens), []
-        for block in self.blocks:
-            x, w = block(x, need_weights=True)
-            weights.append(w)
-        self.train(was_training)
-        return weights
-
-
-def build_lm(info: dict[str, Any], **options: Any) -> CausalLM:
-    """:class:`CausalLM` for a dataset's ``info`` (``vocab_size``, ``max_len``) and model ``options``."""
-    return CausalLM(info["vocab_size"], info["max_len"], **options)
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,45 +93,6 @@ def _references(n: int) -> dict[str, dict[str, float]]:
 # Data
 
 
-def load_wikitext103(path: str | Path | None, *, seq_len: int, max_chars: int = 0,
-                     eval_split: str = "test") -> tuple[DataBundle, float]:
-    """WikiText-103 (raw) at byte level: windows of ``seq_len`` from ``wiki.train.raw`` and from the
-    held-out ``wiki.{eval_split}.raw`` (``"test"`` or ``"valid"``), the first ``max_chars``
-    characters of each (0: all). Returns the bundle and the held-out split's bytes per character.
-
-    Raises ``FileNotFoundError`` (saying what to download and where to put it) when ``path`` or
-    one of the three files is missing."""
-    if eval_split not in ("test", "valid"):
-        raise ValueError(f"eval_split must be 'test' or 'valid', got {eval_split!r}")
-    root = require_path(path, "wikitext-103", WIKITEXT_INSTRUCTIONS)
-    missing = [name for name in WIKITEXT_FILES.values() if not (root / name).is_file()]
-    if missing:
-        raise FileNotFoundError(f"dataset 'wikitext-103': {root} lacks {', '.join(missing)}. {WIKITEXT_INSTRUCTIONS}")
-
-    def read(split: str) -> str:
-        with (root / WIKITEXT_FILES[split]).open(encoding="utf-8", errors="replace") as fh:
-            return fh.read(max_chars) if max_chars else fh.read()
-
-    return _byte_windows(read("train"), read(eval_split), seq_len)
-
-
-def _byte_ids(text: str) -> Tensor:
-    """The ids of :func:`sinkformer.data.text_lm.encode_bytes` (``4 + byte``), without a Python list:
-    WikiText-103's 540 MB would take about 20 GB as one."""
-    data = text.encode("utf-8")
-    if not data:
-        return torch.zeros(0, dtype=torch.long)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.long) + BYTE_OFFSET
-
-
-def _byte_windows(train_text: str, test_text: str, seq_len: int) -> tuple[DataBundle, float]:
-    """A byte-level ``lm`` bundle (windows of ``seq_len``) and the test text's bytes per character."""
-    test_ids = _byte_ids(test_text)
-    info = {"kind": "lm", "vocab_size": BYTE_VOCAB, "max_len": seq_len, "level": "char", "unit": "byte"}
-    bundle = DataBundle(LMDataset(_byte_ids(train_text), seq_len), LMDataset(test_ids, seq_len), info, LMCollate())
-    return bundle, len(test_ids) / max(len(test_text), 1)
-
-
 def _load(ctx: Run) -> tuple[DataBundle, float, str]:
     """The run's data, the held-out bytes per character and the data's name in words."""
     cfg = ctx.config
@@ -236,7 +111,7 @@ def _load(ctx: Run) -> tuple[DataBundle, float, str]:
         raise ValueError(f"--data {ctx.data} is for WikiText-103, but this run uses the embedded text: add --full "
                          "(or --set dataset=wikitext-103)")
     train_text, test_text = read_text_corpus(None, max_chars=cfg["max_chars"])
-    data, ratio = _byte_windows(train_text, test_text, cfg["seq_len"])
+    data, ratio = byte_windows(train_text, test_text, cfg["seq_len"])
     return data, ratio, "the Python standard library's sources (embedded), the last 10 % held out"
 
 
