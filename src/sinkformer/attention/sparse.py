@@ -100,9 +100,7 @@ class SparseOptions:
 
     def __post_init__(self) -> None:
         check_positive_int(self.block_size, "block_size")
-        check_positive_int(self.sort_iters, "sort_iters", minimum=0)
-        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
-            raise ValueError(f"temperature must be a positive float, got {self.temperature!r}")
+        _check_sorting(self.sort_iters, self.temperature)
         if self.sortcut_budget is not None:
             check_positive_int(self.sortcut_budget, "sortcut_budget")
             if self.causal:
@@ -111,6 +109,13 @@ class SparseOptions:
     def as_kwargs(self) -> dict[str, Any]:
         """The options as keyword arguments of :func:`sparse_sinkhorn_attention`."""
         return asdict(self)
+
+
+def _check_sorting(sort_iters: int, temperature: float) -> None:
+    """The checks of the sorting options, for :class:`SparseOptions` and :func:`sort_matrix`."""
+    check_positive_int(sort_iters, "sort_iters", minimum=0)
+    if not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"temperature must be a positive float, got {temperature!r}")
 
 
 def n_blocks(length: int, block_size: int) -> int:
@@ -197,9 +202,7 @@ def sort_matrix(
     check_tensor(logits, "logits", min_dim=2, floating=True)
     if logits.shape[-1] != logits.shape[-2]:
         raise ValueError(f"logits must be square (..., N_B, N_B), got shape {tuple(logits.shape)}")
-    check_positive_int(sort_iters, "sort_iters", minimum=0)
-    if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature must be a positive float, got {temperature!r}")
+    _check_sorting(sort_iters, temperature)
     n = logits.shape[-1]
     x = logits
     if gumbel:
