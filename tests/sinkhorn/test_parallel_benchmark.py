@@ -1,0 +1,35 @@
+"""benchmarks/parallel.py: its verdicts from measured rows, and one real measurement of a tiny call."""
+
+from benchmarks import parallel
+
+META = {"when": "now", "torch": "x", "machine": "m", "cores": 2, "threads": 2, "rounds": 3, "threshold": 1000}
+
+
+def row(n: int, ratios: list[float], picked: str) -> dict:
+    return {"batch": 1, "heads": 1, "n": n, "scores": n * n, "threads_ms": 1.0, "intra_op_ms": 1.0,
+            "ratio": sorted(ratios)[len(ratios) // 2], "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "picked": picked}
+
+
+def test_a_mode_is_faster_only_when_every_round_says_so():
+    assert parallel.faster(row(8, [0.8, 0.9, 0.95], "threads")) == "threads"
+    assert parallel.faster(row(8, [1.1, 1.3, 1.2], "intra-op")) == "intra-op"
+    assert parallel.faster(row(8, [0.8, 1.1, 0.9], "threads")) is None
+
+
+def test_the_table_names_the_sizes_where_the_threshold_picks_the_slower_mode():
+    rows = [row(16, [1.4, 1.5, 1.6], "threads"), row(64, [0.7, 0.8, 0.9], "threads"),
+            row(32, [0.9, 1.1, 1.0], "intra-op")]
+    text = parallel.render(rows, META)
+    assert "| 1 × 1 | 16 | 0.0M | 1.0 | 1.0 | 1.50 (1.40–1.60) | intra-op | threads |" in text
+    assert "slower in every round: b × h = 1 × 1, n = 16." in text
+    assert "slower in every round: none." in parallel.render(rows[1:], META)
+
+
+def test_a_measurement_restores_the_threshold():
+    from sinkformer.sinkhorn import cpu_parallel
+
+    before = cpu_parallel.PARALLEL_ABOVE
+    rows = parallel.measure([(1, 2, 8)], rounds=2, progress=lambda s: None)
+    assert cpu_parallel.PARALLEL_ABOVE == before
+    assert rows[0]["threads_ms"] > 0 and rows[0]["intra_op_ms"] > 0 and rows[0]["picked"] == "intra-op"
