@@ -82,8 +82,8 @@ def faster(row: dict) -> str | None:
 def render(rows: list[dict], meta: dict) -> str:
     lines = [f"The tiled engine's groups on one Python thread per core (`threads`) or on PyTorch's intra-op threads, "
              f"forward+backward, 5 iterations, float32, d = 64; measured {meta['when']} on {meta['machine']} with "
-             f"{meta['cores']} CPU cores ({meta['threads']} torch threads), torch {meta['torch']}; medians over {meta['rounds']} rounds alternating the "
-             f"modes in one process. `PARALLEL_ABOVE` = {meta['threshold']} scores.", "",
+             f"{meta['cores']} CPU cores ({meta['threads']} torch threads), torch {meta['torch']}; medians over "
+             f"{meta['rounds']} rounds alternating the modes in one process. `PARALLEL_ABOVE` = {meta['threshold']} scores.", "",
              "| b × h | n | scores | threads (ms) | intra-op (ms) | threads / intra-op (range) | faster in every round "
              "| PARALLEL_ABOVE picks |", "|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:

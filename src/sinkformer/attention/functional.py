@@ -32,6 +32,7 @@ from .._validation import (
     capturing, check_choice, check_finite, check_positive_int, check_qkv, check_scores_fit, check_tensor,
     compute_dtype, data_checks_run, require,
 )
+from ..sinkhorn.ops import autocast_dtype
 from ..sinkhorn.problem import check_iterations, check_scale
 from . import backends, engines  # noqa: F401  (engines: the built-in engines register on import)
 from .backends import Call, Choice, Prepared, choose
@@ -137,18 +138,6 @@ def attention(
     q, k, v = (t.to(amp) if t.is_floating_point() else t for t in (q, k, v))
     with torch.autocast(q.device.type, enabled=False):
         return _run(_prepare(q, k, v, **options))
-
-
-def autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype autocast casts matrix products to on ``device_type``, or ``None`` when it is off."""
-    try:
-        if not torch.is_autocast_enabled(device_type):
-            return None
-        return torch.get_autocast_dtype(device_type)
-    except TypeError:  # torch < 2.4: per-device functions
-        if device_type == "cpu":
-            return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
-        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Choice:

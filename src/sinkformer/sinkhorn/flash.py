@@ -296,8 +296,8 @@ def flash_attention(
     why = unavailable(q.device.type, q.dtype, q.shape[-1], v.shape[-1])
     if why is not None:
         raise ValueError(f"backend='flash' cannot serve this call: {why}")
-    return torch.ops.sinkformer.flash_forward(q, k, v, keep, bias, list(batch), scale, n_iters, tol, max_iters,
-                                              backward)[0]
+    return _forward_autograd(q, k, v, keep, bias, list(batch), scale, n_iters, tol, max_iters,
+                             backward)[0]
 
 
 def _on_device(t: Tensor):
@@ -499,8 +499,7 @@ def _out_dtype(operand: Tensor) -> torch.dtype:
 # forward
 
 
-@torch.library.custom_op("sinkformer::flash_forward", mutates_args=())
-def _forward_op(
+def _forward_impl(
     q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, batch: list[int], scale: float,
     n_iters: int | None, tol: float | None, max_iters: int, backward: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -524,6 +523,9 @@ def _forward(p: _Problem, v: Tensor, n_iters: int | None, tol: float | None, max
             b = p.cols.mass if isinstance(p.cols.mass, Tensor) else torch.full_like(col_sums, p.cols.mass)
             warn_unbalanced(column_error(col_sums, b), n_iters, converged_tol(v.dtype), ENGINE)
     return out, fs, gs, counts, p.shift_q, p.shift_k
+
+
+_forward_op = torch.library.custom_op("sinkformer::flash_forward", _forward_impl, mutates_args=())
 
 
 @_forward_op.register_fake
@@ -752,6 +754,6 @@ def _second_derivatives(ctx, grad_out):
                                       n_iters=n_iters, tol=tol, max_iters=max_iters, drop=None)
 
 
-register_engine_autograd("sinkformer::flash_forward", "sinkformer::flash_backward", n_inputs=11,
-                         setup_context=_setup_context, first_derivatives=_first_derivatives,
-                         second_derivatives=_second_derivatives)
+_forward_autograd = register_engine_autograd(
+    "sinkformer::flash_forward", "sinkformer::flash_backward", n_inputs=11, forward_impl=_forward_impl,
+    setup_context=_setup_context, first_derivatives=_first_derivatives, second_derivatives=_second_derivatives)

@@ -5,8 +5,24 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
-__all__ = ["compute_in_float32_under_autocast", "register_engine_autograd", "refuse_implicit_second_derivatives"]
+from .._capture import capturing
+
+__all__ = ["autocast_dtype", "compute_in_float32_under_autocast", "register_engine_autograd",
+           "refuse_implicit_second_derivatives"]
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast casts matrix products to on ``device_type``, or ``None`` when it is off."""
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        return torch.get_autocast_dtype(device_type)
+    except TypeError:  # torch < 2.4: per-device functions
+        if device_type == "cpu":
+            return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
 
 
 def compute_in_float32_under_autocast(*op_names: str) -> None:
@@ -22,10 +38,19 @@ def compute_in_float32_under_autocast(*op_names: str) -> None:
             register(name, device_type, torch.float32)
 
 
-def register_engine_autograd(forward_op: str, backward_op: str, *, n_inputs: int, setup_context: Callable,
-                             first_derivatives: Callable, second_derivatives: Callable) -> None:
+def register_engine_autograd(forward_op: str, backward_op: str, *, n_inputs: int, forward_impl: Callable,
+                             setup_context: Callable, first_derivatives: Callable,
+                             second_derivatives: Callable) -> Callable[..., tuple[Tensor, ...]]:
     """Autograd and autocast of an engine's pair of custom ops (``sinkformer::<engine>_forward`` and
-    ``_backward``), the one setup the tiled, streamed and flash engines share.
+    ``_backward``), the one setup the tiled, streamed and flash engines share; returns the engine's
+    forward with autograd, ``forward(*inputs) -> outputs`` (the first output is differentiable).
+
+    ``forward_impl`` is the forward op's function. Eagerly, on plain tensors and without autocast,
+    ``forward`` runs it inside a ``torch.autograd.Function`` with the same ``setup_context`` and
+    backward (or, when no gradient is wanted, calls it directly), which skips the custom op's Python
+    dispatch and generated autograd wrapper (a fixed cost per call that weighs at short sequences). Under graph capture (``torch.compile``,
+    ``torch.export``), on tensor subclasses and under autocast, it calls the custom op, which the
+    graph sees as one opaque node.
 
     ``first_derivatives(ctx, grad_out) -> (dq, dk, dv)`` runs the engine's backward op; under
     ``create_graph=True`` (second derivatives, e.g. gradient penalties) ``second_derivatives(ctx,
@@ -39,6 +64,27 @@ def register_engine_autograd(forward_op: str, backward_op: str, *, n_inputs: int
 
     torch.library.register_autograd(forward_op, backward, setup_context=setup_context)
     compute_in_float32_under_autocast(forward_op, backward_op)
+    namespace, name = forward_op.split("::")
+    op = getattr(getattr(torch.ops, namespace), name)
+
+    def eager_setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(*output[1:])
+        setup_context(ctx, inputs, output)
+
+    # named after the op, so that autograd's node reads "<engine>_forward_eagerBackward"
+    Eager = type(f"{name}_eager", (torch.autograd.Function,), {
+        "forward": staticmethod(lambda *inputs: forward_impl(*inputs)),
+        "setup_context": staticmethod(eager_setup_context), "backward": staticmethod(backward)})
+
+    def forward(*inputs):
+        q, k, v = inputs[:3]
+        if type(q) not in (Tensor, torch.nn.Parameter) or capturing() or autocast_dtype(q.device.type) is not None:
+            return op(*inputs)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return Eager.apply(*inputs)
+        return forward_impl(*inputs)
+
+    return forward
 
 
 def refuse_implicit_second_derivatives(backward: str, engine: str) -> None:

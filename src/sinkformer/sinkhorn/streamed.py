@@ -361,8 +361,8 @@ def streamed_attention(
     broadcastable to ``batch + (n, m)``, ``bias`` without gradient); ``chunk_size``: query rows per
     block (default :func:`~.sizes.stream_rows`)."""
     rows = stream_rows(q.shape[1], k.shape[1], chunk_size)
-    return torch.ops.sinkformer.streamed_forward(q, k, v, keep, bias, list(batch), rows, scale, n_iters, tol,
-                                                 max_iters)[0]
+    return _forward_autograd(q, k, v, keep, bias, list(batch), rows, scale, n_iters, tol,
+                             max_iters)[0]
 
 
 def _options(q: Tensor, rows: int, scale: float, n_iters: int | None, tol: float | None, max_iters: int) -> Options:
@@ -372,8 +372,7 @@ def _options(q: Tensor, rows: int, scale: float, n_iters: int | None, tol: float
                    engine=ENGINE)
 
 
-@torch.library.custom_op("sinkformer::streamed_forward", mutates_args=())
-def _forward_op(
+def _forward_impl(
     q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, batch: list[int], rows: int,
     scale: float, n_iters: int | None, tol: float | None, max_iters: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -382,6 +381,9 @@ def _forward_op(
     and the domain of each slice ``(B,)`` (True: log)."""
     options = _options(q, rows, scale, n_iters, tol, max_iters)
     return run_forward(q, k, v, keep, bias, batch, None, options, _log_forward)[:7]  # tiles: never kept
+
+
+_forward_op = torch.library.custom_op("sinkformer::streamed_forward", _forward_impl, mutates_args=())
 
 
 @_forward_op.register_fake
@@ -433,9 +435,9 @@ def _second_derivatives(ctx, grad_out):
                                       n_iters=n_iters, tol=tol, max_iters=max_iters)
 
 
-register_engine_autograd("sinkformer::streamed_forward", "sinkformer::streamed_backward", n_inputs=11,
-                         setup_context=_setup_context, first_derivatives=_first_derivatives,
-                         second_derivatives=_second_derivatives)
+_forward_autograd = register_engine_autograd(
+    "sinkformer::streamed_forward", "sinkformer::streamed_backward", n_inputs=11, forward_impl=_forward_impl,
+    setup_context=_setup_context, first_derivatives=_first_derivatives, second_derivatives=_second_derivatives)
 
 
 def _group_problem(q, k, masks: Masks, start: int, options: Options, row_shift, col_shift) -> Streamed:

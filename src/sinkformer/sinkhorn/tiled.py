@@ -81,8 +81,8 @@ def tiled_attention(
     domain = DOMAIN if domain is None else domain
     seed = torch.randint(0, 2**62, (1,)) if dropout_p > 0 else None
     group = group_size(q.shape[0], q.shape[1], k.shape[1], q.device)
-    return torch.ops.sinkformer.tiled_forward(q, k, v, keep, bias, list(batch), seed, scale, n_iters, tol, max_iters,
-                                              backward, dropout_p, domain, group, sizes.CACHE_BLOCK_ELEMENTS)[0]
+    return _forward_autograd(q, k, v, keep, bias, list(batch), seed, scale, n_iters, tol, max_iters,
+                             backward, dropout_p, domain, group, sizes.CACHE_BLOCK_ELEMENTS)[0]
 
 
 def _options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group, block) -> Options:
@@ -90,8 +90,7 @@ def _options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group,
     return Options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group, block=block, engine=ENGINE)
 
 
-@torch.library.custom_op("sinkformer::tiled_forward", mutates_args=())
-def _forward_op(
+def _forward_impl(
     q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, batch: list[int], seed: Tensor | None,
     scale: float, n_iters: int | None, tol: float | None, max_iters: int, backward: str, dropout_p: float, domain: str,
     group: int, block: int,
@@ -102,6 +101,9 @@ def _forward_op(
     ``group``: slices per group (the backward and the dropout masks use the same groups)."""
     options = _options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group, block)
     return run_forward(q, k, v, keep, bias, batch, seed, options, _log_forward)
+
+
+_forward_op = torch.library.custom_op("sinkformer::tiled_forward", _forward_impl, mutates_args=())
 
 
 @_forward_op.register_fake
@@ -264,9 +266,9 @@ def _second_derivatives(ctx, grad_out):
     return _dense_grads(grad_out, q, k, v, keep, bias, ctx.batch, seed, _options(*ctx.options))
 
 
-register_engine_autograd("sinkformer::tiled_forward", "sinkformer::tiled_backward", n_inputs=16,
-                         setup_context=_setup_context, first_derivatives=_first_derivatives,
-                         second_derivatives=_second_derivatives)
+_forward_autograd = register_engine_autograd(
+    "sinkformer::tiled_forward", "sinkformer::tiled_backward", n_inputs=16, forward_impl=_forward_impl,
+    setup_context=_setup_context, first_derivatives=_first_derivatives, second_derivatives=_second_derivatives)
 
 
 def _dense_grads(grad_out, q, k, v, keep, bias, batch, seed, options: Options):
