@@ -151,6 +151,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(
             f"q, k and v batch dimensions must broadcast, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         ) from None
+    if not capturing() and all(map(data_checks_run, (q, k, v))) and bool(torch.isfinite(q.sum() + k.sum() + v.sum())):
+        return  # one pass and one read for the common case (a sum that overflows: the checks below)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_finite(t, name)
 
