@@ -25,6 +25,7 @@ SUITES = {
     "dynamics": ("benchmarks.dynamics_flow", "Sinkformer particle flow vs POT from scratch"),
     "phase": ("benchmarks.dynamics_phase", "Phase diagram on the sphere: one batch vs a loop of simulations"),
     "sharing": ("benchmarks.sharing", "sinkformer train alone and beside busy processes: epoch times"),
+    "overhead": ("benchmarks.overhead", "Short sequences: the attention call against a bare floor of its arithmetic"),
     "parallel": ("benchmarks.parallel", "The tiled engine's groups: one Python thread per core vs intra-op threads"),
     "ab": ("benchmarks.ab", "A change before and after: the attention grid of two source trees, interleaved"),
     "gpu-check": ("benchmarks.gpu_check", "The flash engine on a GPU: tests, accuracy, speed, memory, graphs"),
