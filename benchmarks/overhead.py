@@ -153,8 +153,8 @@ def measure(ns=NS, rounds: int = 5, progress=print) -> list[dict]:
 
 
 def render(rows: list[dict], meta: dict) -> str:
-    lines = [f"One thread, CPU time of the calling thread (p10 of the repeats, median over {meta['rounds']} interleaved "
-             f"rounds); b × h = 4 × 8, d = 64, float32, {N_ITERS} iterations; measured {meta['when']} on "
+    lines = [f"One thread, CPU time of the calling thread (p10 of the repeats, median over {meta['rounds']} "
+             f"interleaved rounds); b × h = 4 × 8, d = 64, float32, {N_ITERS} iterations; measured {meta['when']} on "
              f"{meta['machine']}, torch {meta['torch']}. Times in ms; `floor`: the same arithmetic in a bare autograd "
              "function (no mask, no validation, no engine choice); `ours − floor`: the fixed cost per call.", "",
              "| n | SDPA fwd / fwd+bwd | ours fwd / fwd+bwd | floor fwd / fwd+bwd | prepare | ours − floor, fwd+bwd "

@@ -29,3 +29,27 @@ def test_small_slices_are_whole_blocks_large_ones_row_ranges():
     assert cache_blocks(32, 128, 128, 1 << 19).step == 32  # the 32 slices in one block
     plan = cache_blocks(1, 4096, 4096, 1 << 19)
     assert plan.rows == 128 and len(plan.index) == 32
+
+
+@pytest.mark.parametrize("budget", [1 << 19, 7])  # whole slices per block; rows of one slice
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_stored_tile_after_the_first_sweep_is_the_recomputed_one_bit_for_bit(budget, masked):
+    from sinkformer.sinkhorn.problem import Masks
+    from sinkformer.sinkhorn.scaling import Options, Tile
+
+    g = torch.Generator().manual_seed(0)
+    c, n, m = 3, 6, 5
+    q, k = torch.randn(c, n, 4, generator=g), torch.randn(c, m, 4, generator=g)
+    keep = torch.rand(c, n, m, generator=g) > 0.3 if masked else None
+    if masked:
+        keep[0, :, 2] = False  # a column without a valid entry
+        keep[1, 3] = False  # a row without one
+    options = Options(0.5, 5, None, 1000, "unrolled", 0.0, "scaling", c, block=budget)
+    masks = Masks(keep, None, (c,))
+    stored = Tile(q, k, masks, 0, options, Tile.memory(q, k, options))
+    a = torch.ones(c, n)
+    stored.first_sweep(a, torch.zeros(c, n))
+    tiles = torch.cat([K.reshape(-1) for _, K in stored.visit()])
+    shifts = (stored.row_shift, stored.col_shift)
+    fresh = Tile(q, k, masks, 0, options, Tile.memory(q, k, options), shifts=shifts)
+    assert torch.equal(tiles, torch.cat([K.reshape(-1).clone() for _, K in fresh.visit()]))

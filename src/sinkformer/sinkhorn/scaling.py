@@ -320,7 +320,8 @@ class Tile:
         running maximum of :math:`t_j` over blocks, and the column sums :math:`\\tilde K^\\top u = \\sum
         e^{t_j - c_j} E^\\top u` are rescaled whenever it rises (the online shift of a streamed SoftMax),
         so no block is visited twice. Sets the shifts; a stored tile keeps ``E``, scaled to
-        :math:`\\tilde K` on its next visit. Arguments and returns as for :meth:`sweep`."""
+        :math:`\\tilde K` on its next visit (blocks of whole slices: ``E`` is :math:`\\tilde K`).
+        Arguments and returns as for :meth:`sweep`."""
         blocks = self.blocks
         c, n, m = self.shape
         if n * m == 0:
@@ -361,11 +362,13 @@ class Tile:
                 topb[i].copy_(new_top)
             if output is not None:
                 torch.bmm(E if dropb is None else E.mul_(dropb[i]), w * Vb[i], out=outb[i]).mul_(ub[i])
-            if self.stored:
+            if self.stored and blocks.rows is not None:
                 self._tops.append(t)
         col_shift = top.squeeze(1)
         self._set_shifts(row_shift.squeeze(-1), _finite_or_zero(col_shift) if self.masked else col_shift)
-        self._scaled = self.stored
+        # whole slices: t is the column shift, so a stored E is K̃ itself (the same operations, bit for bit)
+        self._scaled = self.stored and blocks.rows is not None
+        self._ready = self.stored and blocks.rows is None
         return u.squeeze(-1), (None if col is None else col.squeeze(1).add_(col_init))
 
     def _set_shifts(self, row_shift: Tensor, col_shift: Tensor) -> None:
