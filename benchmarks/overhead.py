@@ -1,7 +1,7 @@
 """What a short sequence costs beyond its arithmetic: the attention call against a bare floor.
 
-At short sequences Sinkhorn attention's time is mostly a fixed cost per call (validation, the engine
-choice, the engine's Python and its few hundred PyTorch operations), not arithmetic. To measure that
+At short sequences much of Sinkhorn attention's time is not arithmetic but a cost per call (validation,
+the engine choice, the engine's Python and its few hundred PyTorch operations). To measure that
 cost, this benchmark times, on one thread (CPU time of the calling thread, which a busy machine blurs
 less than wall time):
 
@@ -13,8 +13,8 @@ less than wall time):
   and no choice: a bare ``torch.autograd.Function`` of about 25 operations forward and 30 backward;
 * ``prepare``: ``sinkformer.attention``'s validation and engine choice alone.
 
-It prints per n the forward and forward+backward times and ``ours - floor``: the fixed cost the
-library adds to the arithmetic. The floor is an instrument of this benchmark, held equal to the
+It prints per n the forward and forward+backward times and ``ours - floor``: the cost the library
+adds to the arithmetic. The floor is an instrument of this benchmark, held equal to the
 library by ``tests/test_overhead_benchmark.py``; it is not an engine.
 
     python -m benchmarks overhead --out benchmarks/results
@@ -156,7 +156,8 @@ def render(rows: list[dict], meta: dict) -> str:
     lines = [f"One thread, CPU time of the calling thread (p10 of the repeats, median over {meta['rounds']} "
              f"interleaved rounds); b × h = 4 × 8, d = 64, float32, {N_ITERS} iterations; measured {meta['when']} on "
              f"{meta['machine']}, torch {meta['torch']}. Times in ms; `floor`: the same arithmetic in a bare autograd "
-             "function (no mask, no validation, no engine choice); `ours − floor`: the fixed cost per call.", "",
+             "function (no mask, no validation, no engine choice); `ours − floor`: the library's cost beyond the "
+             "arithmetic.", "",
              "| n | SDPA fwd / fwd+bwd | ours fwd / fwd+bwd | floor fwd / fwd+bwd | prepare | ours − floor, fwd+bwd "
              "| ours / SDPA, fwd+bwd | floor / SDPA, fwd+bwd |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
