@@ -114,6 +114,8 @@ class _CausalBlocks(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: second derivatives through the weights
             return _grads_with_graph(d_out, q, k, v, keep, scale, n_iters) + (None,) * 4
         problem = _Problem(q, k, keep, scale, n_iters, rows)
+        # a gradient broadcast from a sum (stride 0) would send every product of a block to a loop over slices
+        d_out = d_out.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         later = q.new_zeros(q.shape[0], q.shape[1])  # column sums of dC over the rows after the block
         for index, (start, end) in reversed(list(enumerate(problem.blocks()))):
