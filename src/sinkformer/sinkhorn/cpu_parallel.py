@@ -36,12 +36,12 @@ __all__ = ["map_groups", "PARALLEL_ABOVE", "single_threaded_here"]
 T = TypeVar("T")
 
 #: Fewest scores in a call (over all its groups) for :func:`map_groups` to use threads. Below it the
-#: groups run on PyTorch's intra-op threads, which were faster in every round at 2^21 and 2^23 scores
-#: (threads / intra-op, b x h = 4 x 8: n = 256 1.39, n = 512 1.15); from 2^24 on neither mode was
-#: faster in every round (``python -m benchmarks parallel``, benchmarks/results/parallel.md). The
-#: likely cause: after each parallel region the OpenMP runtime's idle threads spin (GNU OpenMP's
-#: default wait policy), keeping a core from the Python workers, which costs most in calls of tens
-#: of milliseconds. The conformance suite sets 0 to test the threads.
+#: groups run on PyTorch's intra-op threads, which were faster in every round from 2^21 to 2^23
+#: scores, while the Python threads were from 2^25 on (``python -m benchmarks parallel``,
+#: benchmarks/results/parallel.md). The likely cause: after each parallel region the OpenMP
+#: runtime's idle threads spin (GNU OpenMP's default wait policy), keeping a core from the Python
+#: workers, which costs most in calls of tens of milliseconds. The conformance suite sets 0 to test
+#: the threads.
 PARALLEL_ABOVE = 1 << 24
 
 
