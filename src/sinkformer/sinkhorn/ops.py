@@ -48,9 +48,9 @@ def register_engine_autograd(forward_op: str, backward_op: str, *, n_inputs: int
     ``forward_impl`` is the forward op's function. Eagerly, on plain tensors and without autocast,
     ``forward`` runs it inside a ``torch.autograd.Function`` with the same ``setup_context`` and
     backward (or, when no gradient is wanted, calls it directly), which skips the custom op's Python
-    dispatch and generated autograd wrapper (a fixed cost per call that weighs at short sequences). Under graph capture (``torch.compile``,
-    ``torch.export``), on tensor subclasses and under autocast, it calls the custom op, which the
-    graph sees as one opaque node.
+    dispatch and generated autograd wrapper (a fixed cost per call that weighs at short sequences).
+    Under graph capture (``torch.compile``, ``torch.export``), on tensor subclasses and under
+    autocast, it calls the custom op, which the graph sees as one opaque node.
 
     ``first_derivatives(ctx, grad_out) -> (dq, dk, dv)`` runs the engine's backward op; under
     ``create_graph=True`` (second derivatives, e.g. gradient penalties) ``second_derivatives(ctx,
