@@ -37,8 +37,8 @@ T = TypeVar("T")
 
 #: Fewest scores in a call (over all its groups) for :func:`map_groups` to use threads. Below it the
 #: groups run on PyTorch's intra-op threads, which were faster in every round from 2^21 to 2^23
-#: scores, while the Python threads were from 2^25 on (``python -m benchmarks parallel``,
-#: benchmarks/results/parallel.md). The likely cause: after each parallel region the OpenMP
+#: scores, while the Python threads were at 4 x 8, n = 1024 and 1 x 8, n = 4096 (2^25 and 2^27;
+#: ``python -m benchmarks parallel``, benchmarks/results/parallel.md). The likely cause: after each parallel region the OpenMP
 #: runtime's idle threads spin (GNU OpenMP's default wait policy), keeping a core from the Python
 #: workers, which costs most in calls of tens of milliseconds. The conformance suite sets 0 to test
 #: the threads.
