@@ -130,7 +130,7 @@ def test_the_examples_are_found():
     assert {"docs/training.md", "sinkformer train --help", "sinkformer run --help",
             "sinkformer predict --help"} <= sources
     shell = [e for _, kind, e in EXAMPLES if kind == "shell"]
-    assert "sinkformer train --model vit --dataset digits --normalization softmax" in shell  # the first one
+    assert "sinkformer train --model vit --dataset digits --attention softmax" in shell  # the first one
     assert any(NEEDS_DATA.search(e) for e in shell) and sum(not SLOW.match(e) for e in shell) >= 8
 
 

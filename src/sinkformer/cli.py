@@ -157,9 +157,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
         saved = Path(args.out) / "config.yaml"
         if config_file is None and saved.exists():
             config_file = saved
+    attention = args.attention
+    if args.normalization is not None:
+        if attention is not None:
+            raise ValueError("--normalization is the old name of --attention: give one of them")
+        _warn("train", f"--normalization is the old name of --attention; read as --attention {args.normalization}")
+        attention = args.normalization
     config = resolve_config(
         config_file, model=args.model, data=dataset, data_path=data,
-        normalization=args.normalization, n_iters=args.n_iters, sets=args.set or [],
+        attention=attention, n_iters=args.n_iters, sets=args.set or [],
     )
     try:
         check_config(config)
@@ -345,7 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "then the flags, then --set "
                     "(later wins); every model and dataset, with its options, is listed below.",
         epilog="examples:\n"
-               "  sinkformer train --model vit --dataset digits --normalization softmax\n"
+               "  sinkformer train --model vit --dataset digits --attention softmax\n"
+               "  sinkformer train --model sinkhorn_classifier --dataset sentiment --attention sparse:8\n"
                "  sinkformer train --config vit_cats_dogs --data ~/data/cats_dogs\n"
                "  torchrun --standalone --nproc_per_node=2 -m sinkformer train --model vit --dataset digits",
         formatter_class=_HelpFormatter,
@@ -357,17 +364,19 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--data", default=None, metavar="PATH",
                        help="folder (or file) of a real dataset (data.path); embedded datasets take none")
     train.add_argument("--data-path", default=None, help=argparse.SUPPRESS)  # the old name of --data
-    train.add_argument("--normalization", default=None, metavar="NAME",
-                       help="attention: softmax (Transformer) or sinkhorn (Sinkformer) (default: the model's, sinkhorn)")
+    train.add_argument("--attention", default=None, metavar="SPEC",
+                       help="model.attention: softmax (Transformer) or sinkhorn (Sinkformer), and for the Sparse "
+                            "Sinkhorn models local:B, fixed:B, sparse:B, sortcut:KxB, mixture:B (default: the model's)")
+    train.add_argument("--normalization", default=None, help=argparse.SUPPRESS)  # the old name of --attention
     train.add_argument("--n-iters", type=int, default=None, metavar="N",
-                       help="Sinkhorn iterations (default: the model's, 5)")
+                       help="model.n_iters: Sinkhorn normalisations of sinkhorn attention (default: the model's, 5)")
     train.add_argument("--config", default=None, metavar="FILE",
                        help="YAML or TOML file with model, data and train sections, or the name of a shipped one: "
                             + ", ".join(config_names()))
     train.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                        help="override one option, e.g. train.lr=1e-4 or model.dim=64 (a YAML value; repeatable)")
     train.add_argument("--out", default=None, metavar="DIR",
-                       help="run folder (default: runs/train/<model>-<normalization>-<dataset>-<time>)")
+                       help="run folder (default: runs/train/<model>-<attention>-<dataset>-<time>)")
     train.add_argument("--resume", action="store_true",
                        help="continue from the newest checkpoint in --out, with the run's own options (other model, "
                             "data or optimisation options are refused)")

@@ -15,7 +15,7 @@ def config(name: str, full: bool) -> dict:
 
 
 def sinkformer(model: str, n_iters: int, options: dict) -> dict:
-    return {"name": model, "normalization": "sinkhorn", "n_iters": n_iters, **options}
+    return {"name": model, "attention": "sinkhorn", "n_iters": n_iters, **options}
 
 
 def modelnet_set():

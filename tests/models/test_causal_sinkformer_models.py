@@ -1,4 +1,4 @@
-"""Causal Sinkformers in the library's models: the ``sinkformer`` attention kind of the language model
+"""Causal Sinkformers in the library's models: the ``sinkhorn`` attention kind of the language model
 and decoders, its incremental generation, and the seq2seq decoder's causal Sinkhorn option."""
 
 import pytest
@@ -18,22 +18,22 @@ from sinkformer.models.sinkhorn_transformer import (
 from sinkformer.nn import BaselineSelfAttention, DenseSinkhornSelfAttention
 
 
-def lm(kind="sinkformer", n_iters=3, max_len=64, vocab=13, seed=0, **kw):
+def lm(kind="sinkhorn", n_iters=3, max_len=64, vocab=13, seed=0, **kw):
     torch.manual_seed(seed)
     config = AttentionConfig(kind, n_iters=n_iters, block_size=4, stride=2)
     return SinkhornTransformerLM(vocab, dim=16, depth=2, heads=2, max_len=max_len, attention=config, **kw).double()
 
 
-def test_sinkformer_kind_parses_builds_and_labels():
-    config = AttentionConfig.parse("sinkformer:3")
-    assert (config.kind, config.n_iters, config.label) == ("sinkformer", 3, "Sinkformer (n_iters=3)")
+def test_sinkhorn_kind_parses_builds_and_labels():
+    config = AttentionConfig.parse("sinkhorn", n_iters=3)
+    assert (config.kind, config.n_iters, config.label) == ("sinkhorn", 3, "Sinkformer (n_iters=3)")
     module = config.build(8, 2, max_len=16, causal=True)
     assert isinstance(module, DenseSinkhornSelfAttention) and module.causal and module.n_iters == 3
     assert AttentionConfig.parse("local:32").block_size == 32 and AttentionConfig.parse("local:32").n_iters == 5
     with pytest.raises(ValueError, match="n_iters must be an int >= 1, got 0"):
-        AttentionConfig("sinkformer", n_iters=0)
-    with pytest.raises(ValueError, match="'sinkformer:3'"):
-        AttentionConfig.parse("sinkformer:x")
+        AttentionConfig("sinkhorn", n_iters=0)
+    with pytest.raises(ValueError, match="'sparse:32'"):
+        AttentionConfig.parse("sinkhorn:x")
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -54,7 +54,7 @@ def test_dense_sinkhorn_self_attention_is_the_attention_function(causal):
 @pytest.mark.parametrize("n_iters", [2, 3, 5])
 def test_causal_sinkformer_layer_and_lm_do_not_leak(n_iters):
     torch.manual_seed(0)
-    layer = SinkhornTransformerLayer(8, 2, AttentionConfig("sinkformer", n_iters=n_iters), max_len=16, causal=True)
+    layer = SinkhornTransformerLayer(8, 2, AttentionConfig("sinkhorn", n_iters=n_iters), max_len=16, causal=True)
     assert future_gradient(layer, torch.randn(2, 7, 8), t=3) == 0.0
     model = lm(n_iters=n_iters)
     tokens = torch.randint(0, 13, (2, 9))
@@ -69,7 +69,7 @@ def test_causal_sinkformer_layer_and_lm_do_not_leak(n_iters):
     assert future_gradient(logits_of, model.body.embedding(tokens).detach(), t=3) == 0.0
 
 
-@pytest.mark.parametrize("kind, n_iters", [("vanilla", 1), ("sinkformer", 1), ("sinkformer", 3), ("sinkformer", 5)])
+@pytest.mark.parametrize("kind, n_iters", [("softmax", 1), ("sinkhorn", 1), ("sinkhorn", 3), ("sinkhorn", 5)])
 def test_cached_generation_equals_the_full_forward(kind, n_iters):
     """Greedy, 50 new tokens, float64: each token and its logits are those of the full forward."""
     model = lm(kind, n_iters=n_iters)
@@ -99,13 +99,13 @@ def test_cached_sampling_and_the_sliding_window_match_the_uncached_path():
 
 def test_sparse_attention_has_no_incremental_state():
     assert decoding_cache(AttentionConfig("local", block_size=4).build(8, 2, max_len=16, causal=True)) is None
-    assert lm("sinkhorn").body.decoding_caches() is None  # generate() re-runs the model at each step
-    assert decoding_cache(AttentionConfig("vanilla").build(8, 2, max_len=16, causal=True)).n_iters == 1
+    assert lm("sparse").body.decoding_caches() is None  # generate() re-runs the model at each step
+    assert decoding_cache(AttentionConfig("softmax").build(8, 2, max_len=16, causal=True)).n_iters == 1
 
 
 def test_sinkhorn_seq2seq_decoder_takes_causal_sinkformer_attention():
     torch.manual_seed(0)
-    model = SinkhornSeq2Seq(10, dim=16, depth=2, heads=2, max_len=20, attention="sinkformer:3").eval()
+    model = SinkhornSeq2Seq(10, dim=16, depth=2, heads=2, max_len=20, attention="sinkhorn", n_iters=3).eval()
     assert isinstance(model.decoder.layers[0].self_attn, DenseSinkhornSelfAttention)
     assert model.decoder.layers[0].self_attn.causal and not model.encoder.layers[0].self_attn.causal
     src, tgt = torch.randint(3, 10, (2, 8)), torch.randint(3, 10, (2, 9))
@@ -120,7 +120,7 @@ def test_sinkhorn_seq2seq_decoder_takes_causal_sinkformer_attention():
 def test_seq2seq_transformer_decoder_option_is_causal_sinkhorn():
     kw = dict(dim=16, encoder_layers=1, decoder_layers=2, num_heads=2, dim_feedforward=32, dropout=0.0, n_iters=3)
     torch.manual_seed(0)
-    sinkformer = Seq2SeqTransformer(11, decoder_normalization="sinkhorn", **kw).eval()
+    sinkformer = Seq2SeqTransformer(11, decoder_attention="sinkhorn", **kw).eval()
     transformer = Seq2SeqTransformer(11, **kw).eval()
     transformer.load_state_dict(sinkformer.state_dict())
     layer = sinkformer.decoder.layers[0]
@@ -137,10 +137,11 @@ def test_seq2seq_transformer_decoder_option_is_causal_sinkhorn():
     assert (a - softmax).abs().max() > 1e-3  # the decoder really runs Sinkhorn
 
 
-@pytest.mark.parametrize("spec", ["vanilla", "sinkformer:1", "sinkformer:3", "sinkformer:5"])
+@pytest.mark.parametrize("spec", ["softmax", {"kind": "sinkhorn", "n_iters": 1}, {"kind": "sinkhorn", "n_iters": 3},
+                                  {"kind": "sinkhorn", "n_iters": 5}])
 def test_seq2seq_greedy_decoding_is_incremental_and_equals_re_running_the_decoder(spec, monkeypatch):
     torch.manual_seed(0)
-    model = SinkhornSeq2Seq(12, dim=16, depth=2, heads=2, max_len=30, attention="vanilla", decoder_attention=spec,
+    model = SinkhornSeq2Seq(12, dim=16, depth=2, heads=2, max_len=30, attention="softmax", decoder_attention=spec,
                             eos_id=2).double().eval()
     src = torch.randint(3, 12, (3, 9))
     src_pad = torch.zeros(3, 9, dtype=torch.bool)

@@ -5,7 +5,7 @@ import torch
 from torch.utils.data import Subset
 
 from sinkformer.data import load_dataset
-from sinkformer.models import MODELS, build_model, get_model_class, model_options, switched_by
+from sinkformer.models import MODELS, build_model, get_model_class, model_options
 from sinkformer.training import train
 
 # Tiny configurations of every model on its embedded dataset (dropout off: the loss must fall).
@@ -22,11 +22,10 @@ TINY = {
         dict(dim=16, encoder_layers=1, decoder_layers=1, num_heads=2, dim_feedforward=32, dropout=0.0),
     ),
     # Sparse Sinkhorn Attention's models, switched by attention=
-    "sinkhorn_classifier": ("sentiment", dict(dim=16, depth=1, heads=2, attention="sinkhorn:4")),
-    "sinkhorn_seq2seq": ("translation", dict(dim=16, depth=1, heads=2, attention="sinkhorn:4", max_len=64)),
-    "sinkhorn_lm": ("stdlib_text", dict(dim=16, depth=1, heads=2, attention="sinkhorn:8")),
+    "sinkhorn_classifier": ("sentiment", dict(dim=16, depth=1, heads=2, attention="sparse:4")),
+    "sinkhorn_seq2seq": ("translation", dict(dim=16, depth=1, heads=2, attention="sparse:4", max_len=64)),
+    "sinkhorn_lm": ("stdlib_text", dict(dim=16, depth=1, heads=2, attention="sparse:8")),
 }
-NORMALIZATION_SWITCHED = sorted(name for name in TINY if switched_by(name) == "normalization")
 DATA_OPTIONS = {
     "shapes3d": dict(n_points=32, n_train=2, n_test=1, augment=False),
     "sentiment": dict(n_train=64, n_test=8, vocab_size=64),
@@ -45,25 +44,24 @@ def test_every_model_is_covered():
     assert set(TINY) == set(MODELS)
 
 
-def test_the_sparse_sinkhorn_models_are_switched_by_attention():
-    assert {n for n in MODELS if switched_by(n) == "attention"} == {"sinkhorn_classifier", "sinkhorn_seq2seq",
-                                                                    "sinkhorn_lm"}
-    for name in ("sinkhorn_classifier", "sinkhorn_lm"):
-        assert "attention" in model_options(name) and "normalization" not in model_options(name)
+def test_every_model_is_switched_by_attention_and_n_iters():
+    """One vocabulary: no model lists the old option names."""
+    for name in MODELS:
+        options = model_options(name)
+        assert "attention" in options and "n_iters" in options and "normalization" not in options, name
 
 
-@pytest.mark.parametrize("name", NORMALIZATION_SWITCHED)
+@pytest.mark.parametrize("name", sorted(MODELS))
 def test_transformer_and_sinkformer_have_identical_parameters(name, datasets):
     data_name, options = TINY[name]
     models = []
-    for normalization in ("softmax", "sinkhorn"):
+    for attention in ("softmax", "sinkhorn"):
         torch.manual_seed(0)
-        models.append(build_model(name, datasets[data_name].info, normalization=normalization, n_iters=3, **options))
+        models.append(build_model(name, datasets[data_name].info, **{**options, "attention": attention, "n_iters": 3}))
     softmax, sinkhorn = (dict(m.state_dict()) for m in models)
     assert list(softmax) == list(sinkhorn)
     for key in softmax:
         assert torch.equal(softmax[key], sinkhorn[key]), key
-    assert "normalization" in model_options(name) and "n_iters" in model_options(name)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -75,7 +73,7 @@ def test_each_model_trains_on_its_embedded_data(name, datasets):
     if data_name == "translation":
         data.test.references = data.test.dataset.references
     torch.manual_seed(0)
-    switch = dict(normalization="sinkhorn", n_iters=3) if switched_by(name) == "normalization" else {}
+    switch = {} if "attention" in options else dict(attention="sinkhorn", n_iters=3)
     model = build_model(name, data.info, **switch, **options)
     lr = 2e-2 if name == "vit_attention_only" else 5e-3  # its position embeddings dominate at first
     result = train(model, data, dict(epochs=8, batch_size=16, lr=lr, progress=False))

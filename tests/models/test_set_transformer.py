@@ -30,11 +30,11 @@ def test_sinkhorn_pooling_is_the_mean_and_the_softmax_pooling_option_is_not():
     z = torch.randn(2, 7, 8)
     weights = pma.mab.attn(pma.mab.fc_q(pma.seeds.expand(2, -1, -1)), z, z, average_attn_weights=False)[1]
     torch.testing.assert_close(weights, torch.full_like(weights, 1 / 7))
-    net_same, net_soft = model(pool_normalization="same"), model(pool_normalization="softmax")
+    net_same, net_soft = model(pool_attention="same"), model(pool_attention="softmax")
     assert net_same.pool.mab.attn.normalization == "sinkhorn"
     assert net_soft.pool.mab.attn.normalization == "softmax" and net_soft.encoder[0].mab0.attn.normalization == "sinkhorn"
-    with pytest.raises(ValueError, match="pool_normalization must be one of"):
-        model(pool_normalization="mean")
+    with pytest.raises(ValueError, match="pool_attention must be one of"):
+        model(pool_attention="mean")
 
 
 @pytest.mark.parametrize("normalization", ["softmax", "sinkhorn"])
@@ -62,10 +62,10 @@ def test_official_attention_is_the_authors_mab(normalization):
 def test_vit_with_the_authors_head_width():
     """dim 32 with 2 heads of 24: the inner width 48 is decoupled from dim; both variants share parameters."""
     models = []
-    for normalization in ("softmax", "sinkhorn"):
+    for attention in ("softmax", "sinkhorn"):
         torch.manual_seed(0)
         models.append(build_model("vit", {"n_classes": 3, "image_size": 8, "channels": 1}, patch_size=4, dim=32,
-                                  depth=2, num_heads=2, head_dim=24, dim_feedforward=16, normalization=normalization,
+                                  depth=2, num_heads=2, head_dim=24, dim_feedforward=16, attention=attention,
                                   n_iters=3))
     assert models[0].encoder[0].to_qkv.weight.shape == (3 * 48, 32)
     assert all(torch.equal(a, b) for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values()))

@@ -5,15 +5,15 @@ import torch
 
 from sinkformer.attention import SparseSinkhornAttention
 from sinkformer.attention.sparse_baselines import BaselineSelfAttention
+from sinkformer.models.attention_spec import SPARSE_MODEL_KINDS
 from sinkformer.models.sinkhorn_transformer import (
-    ATTENTION_KINDS,
     AttentionConfig,
     SinkhornClassifier,
     SinkhornSeq2Seq,
     SinkhornTransformerLM,
 )
 
-CAUSAL_KINDS = [k for k in ATTENTION_KINDS if k != "sortcut"]
+CAUSAL_KINDS = [k for k in SPARSE_MODEL_KINDS if k != "sortcut"]
 
 
 def small(kind, **kw):
@@ -26,8 +26,8 @@ def test_attention_config_parses_specs_dicts_and_configs():
     assert AttentionConfig.parse("local:32").label == "Local Attention (32)"
     assert AttentionConfig.parse({"kind": "fixed", "stride": 4}) == AttentionConfig("fixed", stride=4)
     assert AttentionConfig.parse(sortcut, block_size=4).block_size == 4 and AttentionConfig.parse(None) == AttentionConfig()
-    with pytest.raises(ValueError, match="attention spec must look like"):
-        AttentionConfig.parse("sinkhorn:big")
+    with pytest.raises(ValueError, match="attention must be one of 'softmax', 'sinkhorn'"):
+        AttentionConfig.parse("sparse:big")
     with pytest.raises(TypeError, match="attention must be"):
         AttentionConfig.parse(16)
 
@@ -60,7 +60,7 @@ def test_language_model_is_causal(kind):
 
 def test_generation_samples_reproducibly_and_greedy_is_argmax():
     torch.manual_seed(0)
-    lm = SinkhornTransformerLM(7, **small("sinkhorn"))
+    lm = SinkhornTransformerLM(7, **small("sparse"))
     prompt = torch.randint(0, 7, (2, 5))
     a = lm.generate(prompt, 8, generator=torch.Generator().manual_seed(1), top_k=3)
     b = lm.generate(prompt, 8, generator=torch.Generator().manual_seed(1), top_k=3)
@@ -76,7 +76,7 @@ def test_generation_samples_reproducibly_and_greedy_is_argmax():
     assert long.shape == (2, 42)
 
 
-@pytest.mark.parametrize("kind", ATTENTION_KINDS)
+@pytest.mark.parametrize("kind", SPARSE_MODEL_KINDS)
 def test_classifier_ignores_padding(kind):
     torch.manual_seed(0)
     model = SinkhornClassifier(13, 3, **small(kind)).eval()
@@ -86,7 +86,7 @@ def test_classifier_ignores_padding(kind):
     torch.testing.assert_close(model(padded, pad), model(tokens), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["sinkhorn", "mixture"])
+@pytest.mark.parametrize("kind", ["sparse", "mixture"])
 def test_seq2seq_gradients_reach_every_parameter(kind):
     torch.manual_seed(0)
     model = SinkhornSeq2Seq(10, **small(kind))
@@ -102,5 +102,5 @@ def test_seq2seq_gradients_reach_every_parameter(kind):
 def test_sortcut_encoder_needs_a_causal_decoder_attention():
     with pytest.raises(ValueError, match="encoder-only"):
         SinkhornSeq2Seq(10, **small("sortcut"))
-    model = SinkhornSeq2Seq(10, **small("sortcut"), decoder_attention=AttentionConfig("sinkhorn", block_size=4))
+    model = SinkhornSeq2Seq(10, **small("sortcut"), decoder_attention=AttentionConfig("sparse", block_size=4))
     assert model(torch.randint(3, 10, (2, 12)), torch.randint(3, 10, (2, 12))).shape == (2, 12, 10)

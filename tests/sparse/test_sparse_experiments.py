@@ -31,16 +31,16 @@ from sinkformer.runs.verdicts import CLAIM, KINDS, MIN_SEEDS, NOISE, WORSE
 NAMES = ["sort", "charlm", "wordlm", "pixels", "sortcut", "nli", "sparse-ablations"]
 TINY = {"dim": 16, "depth": 1, "heads": 2, "epochs": 1, "max_train_batches": 2, "seeds": 2}
 CASES = {  # models are the paper's rows, trained with the paper's numbers of blocks at these lengths
-    "sort": {"models": ["vanilla", "sinkhorn:32"], "n_train": 64, "n_test": 8, "length": 16, "test_length": 20},
+    "sort": {"models": ["softmax", "sparse:32"], "n_train": 64, "n_test": 8, "length": 16, "test_length": 20},
     "charlm": {"models": ["local:128", "mixture:128"], "max_chars": 20000, "seq_len": 32, "max_eval_batches": 2,
                "sample_chars": 10},
-    "pixels": {"models": ["fixed:256", "sinkhorn:256"], "max_eval_batches": 2},
-    "sortcut": {"word_models": ["sinkhorn:32"], "char_models": ["sortcut:2x32"], "n_train": 64, "n_test": 16,
+    "pixels": {"models": ["fixed:256", "sparse:256"], "max_eval_batches": 2},
+    "sortcut": {"word_models": ["sparse:32"], "char_models": ["sortcut:2x32"], "n_train": 64, "n_test": 16,
                 "char_max_len": 64},
-    "nli": {"models": ["vanilla", "sortcut:2x16"], "n_train": 64, "n_test": 16},
+    "nli": {"models": ["softmax", "sortcut:2x16"], "n_train": 64, "n_test": 16},
     "sparse-ablations": {"temperatures": [0.5, 0.75], "iterations": [0, 5], "max_chars": 20000, "seq_len": 32,
                          "max_eval_batches": 2, "seeds": 1},
-    "wordlm": {"models": ["vanilla", "sinkhorn:64"], "max_chars": 20000, "seq_len": 32, "max_eval_batches": 2,
+    "wordlm": {"models": ["softmax", "sparse:64"], "max_chars": 20000, "seq_len": 32, "max_eval_batches": 2,
                "sample_chars": 10, "vocab_size": 300},
 }
 #: the Sparse Sinkhorn models of each case compared with its vanilla Transformer (with verdicts): the
@@ -88,7 +88,7 @@ def test_language_model_learns_a_repeating_text():
     ids = encode_bytes("abcdefgh" * 300)
     data = DataBundle(LMDataset(ids, 32), LMDataset(ids[:400], 32), {"kind": "lm", "vocab_size": 260, "max_len": 32},
                       LMCollate())
-    model = SinkhornTransformerLM(260, dim=32, depth=1, heads=2, max_len=32, attention=AttentionConfig.parse("sinkhorn:8"))
+    model = SinkhornTransformerLM(260, dim=32, depth=1, heads=2, max_len=32, attention=AttentionConfig.parse("sparse:8"))
     final, _ = train(model, data, {"epochs": 6, "batch_size": 8, "lr": 3e-3}, seed=0, sequence=True)
     assert final["test_loss"] / math.log(2) < 1.0
 
@@ -111,7 +111,7 @@ def test_sorting_decoding_metrics_after_training_the_copy_of_short_sequences():
 
     data = load_sorting(length=4, test_length=4, n_train=1500, n_test=50, n_symbols=4)
     model = SinkhornSeq2Seq(data.info["vocab_size"], dim=32, depth=1, heads=2, max_len=data.info["max_len"],
-                            attention=AttentionConfig.parse("vanilla"))
+                            attention=AttentionConfig.parse("softmax"))
     train(model, data, {"epochs": 2, "batch_size": 32, "lr": 3e-3}, seed=0, sequence=True)
     metrics = decode_metrics(model, data, 50)
     assert metrics["exact_match"] > 60 and metrics["edit_distance"] < 0.2
@@ -125,15 +125,15 @@ def test_quick_form_runs(name, tmp_path):
 
 
 def test_one_block_rule_keeps_the_papers_number_of_blocks():
-    models = table_models(["vanilla", "sinkhorn:32", "sortcut:2x16", "local:32"], 32 / 256, short=True)
+    models = table_models(["softmax", "sparse:32", "sortcut:2x16", "local:32"], 32 / 256, short=True)
     assert [m.label for m in models] == ["Transformer", "Sinkhorn (32 → 4)", "SortCut (2x16 → 2x2)",
                                          "Local Attention (32 → 4)"]
     assert [m.attention.block_size for m in models[1:]] == [4, 2, 4] and models[2].attention.sortcut_budget == 2
     assert [m.paper.block_size for m in models[1:]] == [32, 16, 32]
-    assert table_models(["sinkhorn:32"], 1.0)[0].label == "Sinkhorn Transformer (32)"  # --full: the paper's blocks
-    assert scale_blocks(AttentionConfig.parse("sinkhorn:256"), 64 / 3072).block_size == 5  # 5.33 rounded
+    assert table_models(["sparse:32"], 1.0)[0].label == "Sinkhorn Transformer (32)"  # --full: the paper's blocks
+    assert scale_blocks(AttentionConfig.parse("sparse:256"), 64 / 3072).block_size == 5  # 5.33 rounded
     with pytest.raises(ValueError, match=r"blocks of 8 at the paper's length scale to 0.25 tokens"):
-        scale_blocks(AttentionConfig.parse("sinkhorn:8"), 1 / 32)
+        scale_blocks(AttentionConfig.parse("sparse:8"), 1 / 32)
 
 
 @pytest.mark.parametrize("module, name, length", [
@@ -147,7 +147,7 @@ def test_quick_forms_train_the_papers_rows_with_their_numbers_of_blocks(module, 
     paper_length = module.PAPER_LENGTH if isinstance(module.PAPER_LENGTH, int) else module.PAPER_LENGTH[cfg["level"]]
     paper = module.PAPER if hasattr(module, "PAPER") else (module.PAPER_CHAR if cfg["level"] == "char" else module.PAPER_WORD)
     for m in table_models(cfg["models"], length(cfg) / paper_length):
-        if m.attention.kind == "vanilla":
+        if m.attention.kind == "softmax":
             continue
         assert paper_row(paper, m.paper) is not None, m.label  # a row of the paper's table ...
         blocks_here, blocks_paper = length(cfg) / m.attention.block_size, paper_length / m.paper.block_size
@@ -155,9 +155,9 @@ def test_quick_forms_train_the_papers_rows_with_their_numbers_of_blocks(module, 
 
 
 def test_the_paper_row_is_the_block_size_of_the_row_never_another():
-    assert paper_row(sort.PAPER, AttentionConfig.parse("sinkhorn:32")) == "Sinkhorn Transformer (32)"
-    assert paper_row(sort.PAPER, AttentionConfig.parse("sinkhorn:4")) is None  # no such row: no verdict
-    assert paper_row(charlm.PAPER_CHAR, AttentionConfig.parse("sinkhorn:128")) == "Sinkhorn Transformer"
+    assert paper_row(sort.PAPER, AttentionConfig.parse("sparse:32")) == "Sinkhorn Transformer (32)"
+    assert paper_row(sort.PAPER, AttentionConfig.parse("sparse:4")) is None  # no such row: no verdict
+    assert paper_row(charlm.PAPER_CHAR, AttentionConfig.parse("sparse:128")) == "Sinkhorn Transformer"
     assert paper_row(nli.PAPER, AttentionConfig.parse("sortcut:2x16")) == "SortCut (2x16)"
 
 
@@ -173,13 +173,13 @@ def test_each_comparison_declares_what_it_tests():
               {"SortCut (2x16)": CLAIM, "Sinkhorn (32)": NOISE, "SortCut (2x32)": NOISE})]
     for module, name, scale, column, higher, expected in cases:
         models = table_models(get(name).defaults["models"], scale, short=name == "nli")
-        per_seed = {m.label: seeds[m.attention.kind != "vanilla"] for m in models}
+        per_seed = {m.label: seeds[m.attention.kind != "softmax"] for m in models}
         paper = column(module.PAPER if name != "wordlm" else module.PAPER_WORD)
         kinds = {c.variant: c.kind for c in versus_vanilla(per_seed, models, paper, metric="m", higher_is_better=higher)}
         assert kinds == expected, name
-    words = {m.label: seeds[m.attention.kind != "vanilla"]
-             for m in table_models(["vanilla", "sortcut:2x16", "sortcut:2x32"], 1.0, short=True)}
-    kinds = [c.kind for c in versus_vanilla(words, table_models(["vanilla", "sortcut:2x16", "sortcut:2x32"], 1.0,
+    words = {m.label: seeds[m.attention.kind != "softmax"]
+             for m in table_models(["softmax", "sortcut:2x16", "sortcut:2x32"], 1.0, short=True)}
+    kinds = [c.kind for c in versus_vanilla(words, table_models(["softmax", "sortcut:2x16", "sortcut:2x32"], 1.0,
                                                                 short=True),
                                             {k: v[0] for k, v in sortcut.PAPER.items()}, metric="m", higher_is_better=True)]
     assert kinds == [WORSE, NOISE]  # IMDb word level: 80.12 and 84.43 against 85.12
@@ -193,13 +193,13 @@ BUILDERS = {
 
 
 @pytest.mark.parametrize("builder", BUILDERS)
-@pytest.mark.parametrize("spec", ["sinkhorn:8", "sortcut:2x8", "mixture:8", "local:8"])
+@pytest.mark.parametrize("spec", ["sparse:8", "sortcut:2x8", "mixture:8", "local:8"])
 def test_every_model_of_a_seed_starts_from_the_transformers_weights(builder, spec):
     build = BUILDERS[builder]
     if spec.startswith("sortcut") and builder != "classifier":
         return  # SortCut is encoder-only
     attention = AttentionConfig.parse(spec)
-    transformer, variant = seeded(build, AttentionConfig("vanilla"), 7), seeded(build, attention, 7)
+    transformer, variant = seeded(build, AttentionConfig("softmax"), 7), seeded(build, attention, 7)
     ref, var = transformer.state_dict(), variant.state_dict()
     for name, tensor in ref.items():
         if name in var:
@@ -216,8 +216,8 @@ def test_every_model_of_a_seed_starts_from_the_transformers_weights(builder, spe
 
 def test_share_weights_copies_only_tensors_of_the_same_shape():
     torch.manual_seed(0)
-    small, large = BUILDERS["classifier"](AttentionConfig("vanilla")), SinkhornClassifier(
-        50, 3, dim=32, depth=2, heads=2, max_len=32, attention="sinkhorn:8")
+    small, large = BUILDERS["classifier"](AttentionConfig("softmax")), SinkhornClassifier(
+        50, 3, dim=32, depth=2, heads=2, max_len=32, attention="sparse:8")
     assert share_weights(large, small) == ["classifier.bias"]  # every other shape differs
 
 
@@ -230,7 +230,7 @@ def test_seeds_of_the_quick_and_full_forms_give_a_sign_flip_test():
 
 
 def test_charlm_reports_bits_per_byte(tmp_path):
-    ctx = run_experiment("charlm", overrides={**TINY, **CASES["charlm"], "models": ["vanilla", "sinkhorn:128"]},
+    ctx = run_experiment("charlm", overrides={**TINY, **CASES["charlm"], "models": ["softmax", "sparse:128"]},
                          runs_dir=tmp_path)
     results = json.loads((ctx.out_dir / "results.json").read_text())
     assert results["unit"] == "bits per byte" and results["comparisons"][0]["metric"] == "bits per byte"

@@ -36,7 +36,7 @@ def _subset(data, n_train, n_test=32):
 
 def _vit(data, **options):
     """A tiny ViT; SoftMax attention by default."""
-    options = {"normalization": "softmax", "n_iters": 1, "dropout": 0.0, **options}
+    options = {"attention": "softmax", "n_iters": 1, "dropout": 0.0, **options}
     return build_model("vit", data.info, patch_size=4, dim=16, depth=1, num_heads=2, dim_feedforward=32, **options)
 
 
@@ -93,7 +93,7 @@ def test_a_sinkformer_trains_in_mixed_precision(digits, precision):
     """Sinkhorn attention runs under autocast like SDPA (the engines compute in float32 inside)."""
     data = _subset(digits, 128, 32)
     torch.manual_seed(0)
-    model = _vit(data, normalization="sinkhorn", n_iters=5)
+    model = _vit(data, attention="sinkhorn", n_iters=5)
     result = train(model, data, _quiet(epochs=2, batch_size=32, lr=1e-2, precision=precision, device="cpu"))
     losses = [row["train_loss"] for row in result.history]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses

@@ -205,8 +205,8 @@ def _copy(run, tmp_path):
 
 
 @pytest.mark.parametrize("flags, listed", [
-    ({"normalization": "softmax", "sets": ["train.lr=0.5"]},
-     ["model.normalization 'sinkhorn' -> 'softmax'", "train.lr 0.001 -> 0.5"]),  # the issue's case
+    ({"attention": "softmax", "sets": ["train.lr=0.5"]},
+     ["model.attention 'sinkhorn' -> 'softmax'", "train.lr 0.001 -> 0.5"]),  # the issue's case
     ({"n_iters": 3}, ["model.n_iters 5 -> 3"]),
     ({"sets": ["model.dim=32"]}, ["model.dim 16 -> 32"]),
     ({"sets": ["train.batch_size=32"]}, ["train.batch_size 64 -> 32"]),
@@ -219,7 +219,7 @@ def _copy(run, tmp_path):
     ({"sets": ["model.patch_size=2", "train.epochs=3"]}, ["model.patch_size 4 -> 2 (and the schedule: train.epochs 1 -> 3)"]),
 ])
 def test_a_resume_with_other_options_is_refused_listing_them(one_epoch_run, tmp_path, flags, listed):
-    """Before: resuming a Sinkformer run with --normalization softmax --set train.lr=0.5 continued it as a
+    """Before: resuming a Sinkformer run with --attention softmax --set train.lr=0.5 continued it as a
     Transformer and rewrote config.yaml, which then misdescribed the epochs already trained."""
     out = _copy(one_epoch_run, tmp_path)
     before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
@@ -235,11 +235,11 @@ def test_a_resume_with_other_options_is_refused_listing_them(one_epoch_run, tmp_
 
 def test_the_command_line_refuses_the_issues_resume(one_epoch_run, tmp_path, capsys):
     out = _copy(one_epoch_run, tmp_path)
-    assert main(["train", "--resume", "--out", str(out), "--normalization", "softmax", "--set", "train.lr=0.5",
+    assert main(["train", "--resume", "--out", str(out), "--attention", "softmax", "--set", "train.lr=0.5",
                  "--threads", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"sinkformer train: error: --out {out}: cannot resume the run in {out} with other model")
-    assert "model.normalization 'sinkhorn' -> 'softmax', train.lr 0.001 -> 0.5" in err
+    assert "model.attention 'sinkhorn' -> 'softmax', train.lr 0.001 -> 0.5" in err
 
 
 def test_schedule_changes_need_the_flag_and_are_recorded(one_epoch_run, tmp_path):

@@ -140,7 +140,7 @@ def test_cli_train_help_and_errors(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = capsys.readouterr().out
-    for expected in ("--normalization", "--n-iters", "--config", "set_transformer [points]", "n_iters=5",
+    for expected in ("--attention", "--n-iters", "--config", "set_transformer [points]", "n_iters=5",
                      "modelnet40_off [points, needs --data PATH]", "milestones=[]", "record_attention=False"):
         assert expected in text
     assert main(["train", "--model", "vit", "--data", "shapes3d"]) == 2
@@ -157,10 +157,10 @@ def test_config_files_yaml_and_toml(tmp_path):
     (tmp_path / "a.yaml").write_text("model:\n  name: vit\n  dim: 16\ndata:\n  name: digits\ntrain:\n  lr: 1e-4\n")
     (tmp_path / "a.toml").write_text('[model]\nname = "vit"\ndim = 16\n[data]\nname = "digits"\n[train]\nlr = 1e-4\n')
     for file in ("a.yaml", "a.toml"):
-        config = resolve_config(tmp_path / file, normalization="softmax", sets=["model.dim=32"])
+        config = resolve_config(tmp_path / file, attention="softmax", sets=["model.dim=32"])
         plan = check_config(config)
         # what the file and the flags do not set comes from the defaults for the dataset
-        assert plan.model_options == {**DATASET_MODEL_DEFAULTS["digits"], "dim": 32, "normalization": "softmax"}
+        assert plan.model_options == {**DATASET_MODEL_DEFAULTS["digits"], "dim": 32, "attention": "softmax"}
         assert set(plan.from_dataset) == set(DATASET_MODEL_DEFAULTS["digits"]) - {"dim"} and plan.train.lr == 1e-4
     (tmp_path / "bad.yaml").write_text("modle:\n  name: vit\n")
     with pytest.raises(ValueError, match="unknown section 'modle'; valid sections: model, data, train"):
@@ -176,7 +176,7 @@ def test_shipped_configs_are_valid():
 
 @pytest.mark.parametrize("model, data, attention", [
     ("sinkhorn_classifier", "sentiment", "sortcut:2x4"),
-    ("sinkhorn_lm", "stdlib_text", "sinkhorn:8"),
+    ("sinkhorn_lm", "stdlib_text", "sparse:8"),
 ])
 def test_cli_trains_the_sparse_sinkhorn_models(tmp_path, capsys, model, data, attention):
     """The Sparse Sinkhorn models are in the model registry: `sinkformer train` builds them by attention=."""
@@ -188,8 +188,13 @@ def test_cli_trains_the_sparse_sinkhorn_models(tmp_path, capsys, model, data, at
     assert main(["train", *common, "--out", str(tmp_path / "run")]) == 0
     rows = _rows(tmp_path / "run" / "metrics.jsonl")
     assert len(rows) == 1 and rows[0]["train_loss"] > 0
-    assert main(["train", *common, "--normalization", "sinkhorn"]) == 2
-    assert "switched by model.attention" in capsys.readouterr().err
+    assert main(["train", *common, "--attention", "softmax", "--normalization", "sinkhorn"]) == 2
+    assert "--normalization is the old name of --attention: give one of them" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_sparse_kind_for_a_dense_model(capsys):
+    assert main(["train", "--model", "vit", "--dataset", "digits", "--attention", "sparse:8"]) == 2
+    assert "attention must be one of ['softmax', 'sinkhorn'" in capsys.readouterr().err
 
 
 def test_configs_are_found_by_name_or_path(tmp_path):

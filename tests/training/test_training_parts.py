@@ -175,7 +175,7 @@ def test_attention_recorder_records_column_sums_and_leaves_no_hooks():
     torch.manual_seed(0)
     info = {"kind": "images", "n_classes": 3, "image_size": 8, "channels": 1}
     model = build_model("vit", info, patch_size=2, dim=8, depth=2, num_heads=2, dim_feedforward=16,
-                        normalization="softmax").eval()
+                        attention="softmax").eval()
     attention = [m for m in model.modules() if isinstance(m, MultiheadAttention)]
     own_hooks = [dict(m._forward_pre_hooks) for m in attention]
     x = torch.randn(3, 1, 8, 8)
@@ -197,7 +197,7 @@ def test_attention_recorder_records_column_sums_and_leaves_no_hooks():
 def test_attention_recorder_sees_doubly_stochastic_sinkhorn_and_offset_attention():
     torch.manual_seed(0)
     info = {"kind": "images", "n_classes": 3, "image_size": 8, "channels": 1}
-    model = build_model("vit_attention_only", info, patch_size=2, dim=8, normalization="sinkhorn", n_iters=61)
+    model = build_model("vit_attention_only", info, patch_size=2, dim=8, attention="sinkhorn", n_iters=61)
     with AttentionRecorder(model) as recorder:
         model(torch.randn(2, 1, 8, 8))
     assert recorder.coefficient_of_variation() < 1e-3

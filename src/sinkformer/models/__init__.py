@@ -1,32 +1,35 @@
-"""The architectures of the papers, each switchable between Transformer and Sinkformer.
+"""The architectures of the papers, each switchable between its attentions by ``attention=``.
 
-Every model takes ``normalization=`` (``"softmax"``: Transformer, ``"sinkhorn"``: Sinkformer)
-and ``n_iters=``; both variants of one configuration have the same parameters. Models declare
-the ``input_kind`` of data they read (see :mod:`sinkformer.data`), and :func:`build_model`
-fills their size arguments (``n_classes``, ``image_size``, ``vocab_size``, ...) from a dataset's
-``info``::
+Every model takes ``attention=`` and ``n_iters=`` in one vocabulary
+(:mod:`sinkformer.models.attention_spec`): ``"softmax"`` (the Transformer) or ``"sinkhorn"`` (the
+Sinkformer, ``n_iters`` normalisations), and for the Sparse Sinkhorn models also ``"local:B"``,
+``"fixed:B"``, ``"sparse:B"`` (Sparse Sinkhorn Attention), ``"sortcut:KxB"`` and ``"mixture:B"``.
+Both variants of a Transformer/Sinkformer configuration have the same parameters. Models declare
+the ``input_kind`` of data they read (see :mod:`sinkformer.data`), and :func:`build_model` fills
+their size arguments (``n_classes``, ``image_size``, ``vocab_size``, ...) from a dataset's ``info``::
 
     data = sinkformer.data.load_dataset("digits")
-    model = build_model("vit", data.info, patch_size=2, dim=32, depth=2, normalization="softmax")
+    model = build_model("vit", data.info, patch_size=2, dim=32, depth=2, attention="softmax")
 
-============================ ================================= ===========
-name                         class                             input kind
-============================ ================================= ===========
-``set_transformer``          :class:`SetTransformerClassifier` points
-``point_cloud_transformer``  :class:`PointCloudTransformer`    points
-``text_classifier``          :class:`TextClassifier`           tokens
-``vit``                      :class:`ViT`                      images
-``vit_attention_only``       :class:`AttentionOnlyViT`         images
-``seq2seq``                  :class:`Seq2SeqTransformer`       translation
-``sinkhorn_classifier``      :class:`SinkhornClassifier`       tokens
-``sinkhorn_seq2seq``         :class:`SinkhornSeq2Seq`          translation
-``sinkhorn_lm``              :class:`SinkhornTransformerLM`    lm
-============================ ================================= ===========
+============================ ================================= =========== =====================
+name                         class                             input kind  ``attention``
+============================ ================================= =========== =====================
+``set_transformer``          :class:`SetTransformerClassifier` points      dense kinds
+``point_cloud_transformer``  :class:`PointCloudTransformer`    points      dense kinds
+``text_classifier``          :class:`TextClassifier`           tokens      dense kinds
+``vit``                      :class:`ViT`                      images      dense kinds
+``vit_attention_only``       :class:`AttentionOnlyViT`         images      dense kinds
+``seq2seq``                  :class:`Seq2SeqTransformer`       translation dense kinds
+``sinkhorn_classifier``      :class:`SinkhornClassifier`       tokens      every kind but pointwise
+``sinkhorn_seq2seq``         :class:`SinkhornSeq2Seq`          translation every kind but pointwise
+``sinkhorn_lm``              :class:`SinkhornTransformerLM`    lm          every kind but pointwise
+============================ ================================= =========== =====================
 
-The last three are Sparse Sinkhorn Attention's models (Tay et al. 2020): they are switched by
-``attention=`` (``"vanilla"``, ``"local:32"``, ``"sinkhorn:32"``, ``"sortcut:2x8"``, ``"mixture:32"``,
-see :class:`~sinkformer.models.sinkhorn_transformer.AttentionConfig`), not by ``normalization=``;
-:func:`switched_by` tells which.
+The last three are Sparse Sinkhorn Attention's models (Tay et al. 2020); "dense kinds" are
+:data:`~sinkformer.models.attention_spec.DENSE_KINDS` (``softmax``, ``sinkhorn`` and the pointwise
+normalisations of :func:`sinkformer.attention`). The old spellings (``normalization=``,
+``"vanilla"``, ``"sinkhorn:32"`` for Sparse Sinkhorn Attention, ``"sinkformer:3"``) still work, with
+a ``FutureWarning`` that gives the new one.
 
 :class:`~sinkformer.models.causal_lm.CausalLM`, the byte-level language model of ``sinkformer run
 causal-lm`` (causal SoftMax or causal Sinkhorn self-attention, switched by ``n_iters``), is built for a
@@ -41,6 +44,7 @@ from typing import Any
 import torch
 
 from .._options import REQUIRED, check_options, did_you_mean, signature_options
+from .attention_spec import RENAMED_OPTIONS, AttentionConfig, renamed_options
 from .causal_lm import CausalLM
 from .decoding import beam_search, greedy_decode
 from .point_cloud_transformer import PointCloudTransformer
@@ -65,7 +69,7 @@ __all__ = [
     "SinkhornSeq2Seq",
     "SinkhornTransformerLM",
     "CausalLM",
-    "switched_by",
+    "AttentionConfig",
     "greedy_decode",
     "beam_search",
 ]
@@ -90,15 +94,11 @@ def get_model_class(name: str) -> type[torch.nn.Module]:
     return MODELS[name]
 
 
-def switched_by(name: str) -> str:
-    """``"normalization"`` for the Transformer/Sinkformer models (``normalization=``, ``n_iters=``,
-    identical parameters in both variants), ``"attention"`` for the Sparse Sinkhorn ones."""
-    return "normalization" if "normalization" in model_options(name) else "attention"
-
-
 def model_options(name: str) -> dict[str, Any]:
-    """Constructor options of model ``name`` with their defaults (``REQUIRED`` if none)."""
-    return signature_options(get_model_class(name).__init__)
+    """Constructor options of model ``name`` with their defaults (``REQUIRED`` if none), without the old
+    spellings of :data:`~sinkformer.models.attention_spec.RENAMED_OPTIONS`."""
+    return {key: default for key, default in signature_options(get_model_class(name).__init__).items()
+            if key not in RENAMED_OPTIONS}
 
 
 def build_model(name: str, info: dict[str, Any] | None = None, **options: Any) -> torch.nn.Module:
@@ -106,9 +106,11 @@ def build_model(name: str, info: dict[str, Any] | None = None, **options: Any) -
 
     Raises ``ValueError`` for an unknown model or option, a dataset of the wrong kind, or a
     required size that neither ``options`` nor ``info`` gives; ``TypeError`` for a value of the
-    wrong type. Seed torch before calling for reproducible weights.
+    wrong type. Old option names (``normalization=``...) are renamed with a ``FutureWarning``.
+    Seed torch before calling for reproducible weights.
     """
     cls = get_model_class(name)
+    options = renamed_options(options, f"model {name!r}")
     info = info or {}
     if "kind" in info and info["kind"] != cls.input_kind:
         compatible = [n for n, c in MODELS.items() if c.input_kind == info["kind"]]

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..nn.offset_attention import OffsetAttention
+from .attention_spec import dense_attention
 
 __all__ = ["PointCloudTransformer", "farthest_point_sample", "sample_and_group"]
 
@@ -104,9 +105,10 @@ class PointCloudTransformer(torch.nn.Module):
         k_neighbors: neighbours per centre (32).
         n_attention_layers: offset-attention layers (4).
         dropout: classifier dropout (0.5).
-        normalization: ``"softmax"`` (PCT) or ``"sinkhorn"``. n_iters: Sinkhorn iterations; even by
-            default (4), ending on a column normalisation like PCT's own (row SoftMax, then column L1),
-            since offset-attention aggregates along columns.
+        attention: ``"softmax"`` (PCT) or ``"sinkhorn"`` (:mod:`~sinkformer.models.attention_spec`;
+            ``normalization``: its old spelling). n_iters: Sinkhorn iterations; even by default (4),
+            ending on a column normalisation like PCT's own (row SoftMax, then column L1), since
+            offset-attention aggregates along columns.
     """
 
     input_kind = "points"
@@ -121,10 +123,12 @@ class PointCloudTransformer(torch.nn.Module):
         k_neighbors: int = 32,
         n_attention_layers: int = 4,
         dropout: float = 0.5,
-        normalization: str = "sinkhorn",
+        attention: str = "sinkhorn",
         n_iters: int = 4,
+        normalization: str | None = None,
     ) -> None:
         super().__init__()
+        normalization, n_iters = dense_attention(attention, n_iters, old=normalization)
         if len(n_samples) != 2 or n_samples[1] > n_samples[0]:
             raise ValueError(f"n_samples must be two decreasing sizes like (512, 256), got {tuple(n_samples)}")
         if k_neighbors > n_samples[1]:

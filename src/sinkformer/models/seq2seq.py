@@ -1,7 +1,7 @@
 r"""Encoder-decoder Transformer for translation (Sinkformers paper §6.3, fairseq's IWSLT'14 model).
 
 By default Sinkhorn attention is used in the **encoder only** (§6.3): the decoder's
-self-attention is causal SoftMax and its cross-attention SoftMax. ``decoder_normalization=
+self-attention is causal SoftMax and its cross-attention SoftMax. ``decoder_attention=
 "sinkhorn"`` makes the decoder's self-attention causal Sinkhorn (row :math:`t` balanced on the
 prefix :math:`0..t` alone, ``sinkformer.attention(..., is_causal=True)``: no leak from the
 future); the cross-attention stays SoftMax (its column normalisation would sum over all target
@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from ..nn.layers import TransformerDecoder, TransformerEncoder, sinusoidal_positions
+from .attention_spec import dense_attention
 
 __all__ = ["Seq2SeqTransformer"]
 
@@ -42,9 +43,11 @@ class Seq2SeqTransformer(torch.nn.Module):
         max_len: longest sequence (position table size).
         dim, encoder_layers, decoder_layers, num_heads, dim_feedforward, dropout: shape
             (fairseq IWSLT: 512, 6, 6, 4, 1024, 0.3).
-        normalization, n_iters: encoder self-attention normalisation (``"softmax"``: Transformer).
-        decoder_normalization: decoder self-attention normalisation: ``"softmax"`` (default, §6.3)
-            or ``"sinkhorn"`` (causal Sinkhorn with the same ``n_iters``).
+        attention, n_iters: encoder self-attention, ``"softmax"`` (the Transformer) or ``"sinkhorn"`` with
+            ``n_iters`` normalisations (:mod:`~sinkformer.models.attention_spec`).
+        decoder_attention: decoder self-attention: ``"softmax"`` (default, §6.3) or ``"sinkhorn"`` (causal
+            Sinkhorn with the same ``n_iters``).
+        normalization, decoder_normalization: the old spellings of ``attention`` and ``decoder_attention``.
     """
 
     input_kind = "translation"
@@ -63,11 +66,16 @@ class Seq2SeqTransformer(torch.nn.Module):
         num_heads: int = 4,
         dim_feedforward: int = 1024,
         dropout: float = 0.3,
-        normalization: str = "sinkhorn",
+        attention: str = "sinkhorn",
         n_iters: int = 5,
-        decoder_normalization: str = "softmax",
+        decoder_attention: str = "softmax",
+        normalization: str | None = None,
+        decoder_normalization: str | None = None,
     ) -> None:
         super().__init__()
+        normalization, encoder_iters = dense_attention(attention, n_iters, old=normalization)
+        decoder_normalization, n_iters = dense_attention(decoder_attention, n_iters, argument="decoder_attention",
+                                                         old=decoder_normalization)
         if dim % num_heads:
             raise ValueError(f"dim must be divisible by num_heads, got dim={dim}, num_heads={num_heads}")
         self.pad_id, self.bos_id, self.eos_id, self.max_len = pad_id, bos_id, eos_id, max_len
@@ -82,7 +90,7 @@ class Seq2SeqTransformer(torch.nn.Module):
         self.dropout = torch.nn.Dropout(dropout)
         layer = dict(dim_feedforward=dim_feedforward, dropout=dropout)
         self.encoder = TransformerEncoder(
-            dim, num_heads, encoder_layers, normalization=normalization, n_iters=n_iters, **layer
+            dim, num_heads, encoder_layers, normalization=normalization, n_iters=encoder_iters, **layer
         )
         self.decoder = TransformerDecoder(dim, num_heads, decoder_layers, n_iters=n_iters,
                                           self_normalization=decoder_normalization, **layer)

@@ -12,7 +12,7 @@ the pooling and before the classifier, LayerNorms in the blocks. Paper: 5000 poi
 iterations) vs 87.8 %.
 
 With a single seed, Sinkhorn makes PMA's ``1 × n`` matrix uniform from 2 iterations on: the paper's
-Set Sinkformer pools by the mean. ``pool_normalization="softmax"`` keeps the pooling on SoftMax (an
+Set Sinkformer pools by the mean. ``pool_attention="softmax"`` keeps the pooling on SoftMax (an
 ablation); ``official_attention=True`` computes every attention as the authors' code does (scores
 over :math:`\sqrt{d_{model}}`, Sinkhorn rows summing to :math:`1/n_q`; see
 :mod:`sinkformer.nn.set_blocks`) — their code's behaviour, not the paper's text.
@@ -25,6 +25,7 @@ from torch import Tensor
 
 from .._validation import check_choice
 from ..nn.set_blocks import ISAB, PMA
+from .attention_spec import deprecated, dense_attention
 
 __all__ = ["SetTransformerClassifier"]
 
@@ -39,10 +40,11 @@ class SetTransformerClassifier(torch.nn.Module):
         num_inducing: inducing points per ISAB.
         layer_norm: LayerNorms inside the blocks (on in the authors' Set Sinkformer).
         dropout: dropout before PMA and before the classifier.
-        normalization: attention normalisation of every block (``"softmax"`` = Set Transformer,
-            ``"sinkhorn"`` = Set Sinkformer). n_iters: Sinkhorn iterations (paper: 21).
-        pool_normalization: ``"same"`` (the paper's model: the PMA uses ``normalization``) or
-            ``"softmax"`` (pooling kept on SoftMax).
+        attention: every block's attention, ``"softmax"`` (Set Transformer) or ``"sinkhorn"`` (Set
+            Sinkformer), see :mod:`~sinkformer.models.attention_spec`. n_iters: Sinkhorn iterations (paper: 21).
+        pool_attention: ``"same"`` (the paper's model: the PMA uses ``attention``) or ``"softmax"``
+            (pooling kept on SoftMax).
+        normalization, pool_normalization: the old spellings of ``attention`` and ``pool_attention``.
         official_attention: the authors' code's attention (see the module docstring).
     """
 
@@ -58,20 +60,26 @@ class SetTransformerClassifier(torch.nn.Module):
         num_inducing: int = 16,
         layer_norm: bool = True,
         dropout: float = 0.5,
-        normalization: str = "sinkhorn",
+        attention: str = "sinkhorn",
         n_iters: int = 5,
-        pool_normalization: str = "same",
+        pool_attention: str = "same",
         official_attention: bool = False,
+        normalization: str | None = None,
+        pool_normalization: str | None = None,
     ) -> None:
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"dim must be divisible by num_heads, got dim={dim}, num_heads={num_heads}")
-        check_choice(pool_normalization, "pool_normalization", ("same", "softmax"))
+        normalization, n_iters = dense_attention(attention, n_iters, old=normalization)
+        if pool_normalization is not None:
+            deprecated(f"pool_normalization={pool_normalization!r}", f"pool_attention={pool_normalization!r}")
+            pool_attention = pool_normalization
+        check_choice(pool_attention, "pool_attention", ("same", "softmax"))
         opts = dict(layer_norm=layer_norm, normalization=normalization, n_iters=n_iters, official=official_attention)
         self.encoder = torch.nn.ModuleList(
             [ISAB(in_features, dim, num_heads, num_inducing, **opts), ISAB(dim, dim, num_heads, num_inducing, **opts)]
         )
-        pool = opts if pool_normalization == "same" else {**opts, "normalization": "softmax", "n_iters": 1}
+        pool = opts if pool_attention == "same" else {**opts, "normalization": "softmax", "n_iters": 1}
         self.pool = PMA(dim, num_heads, 1, rff=False, **pool)
         self.dropout = torch.nn.Dropout(dropout)
         self.classifier = torch.nn.Linear(dim, n_classes)

@@ -9,48 +9,40 @@ Every model is a stack of pre-norm layers (Tensor2Tensor's layout, which the pap
     x \leftarrow x + W_2\,\mathrm{ReLU}(W_1\,\mathrm{LN}(x)),
 
 on :math:`\sqrt d\,E[x_t] + PE_t` (sinusoidal positions), with a final LN. Only the
-self-attention changes, chosen by :class:`AttentionConfig` ``kind``:
-
-==============  ====================================================================
-``vanilla``     dense SoftMax attention (the Transformer)
-``local``       block-local attention, blocks of ``block_size``
-``fixed``       Sparse Transformer fixed pattern (Child et al.): block ``block_size``,
-                ``stride`` summary positions per block
-``sinkhorn``    Sparse Sinkhorn Attention, blocks of ``block_size``
-``sortcut``     SortCut Sinkhorn: first ``sortcut_budget`` sorted blocks (encoders only)
-``mixture``     Sparse Sinkhorn plus vanilla attention
-``sinkformer``  dense Sinkhorn attention (the Sinkformer), ``n_iters`` normalisations;
-                causal models use causal Sinkhorn (row :math:`t` balanced on the prefix
-                :math:`0..t` alone: no leak from the future); ``n_iters=1`` is ``vanilla``
-==============  ====================================================================
+self-attention changes, chosen by ``attention=`` in the models' one vocabulary
+(:mod:`sinkformer.models.attention_spec`): ``"softmax"`` (the Transformer), ``"sinkhorn"``
+(dense Sinkhorn attention with ``n_iters`` normalisations, the Sinkformer; causal models use
+causal Sinkhorn: row :math:`t` balanced on the prefix :math:`0..t` alone, no leak from the
+future), ``"local:B"``, ``"fixed:B"`` (Child et al.), ``"sparse:B"`` (Sparse Sinkhorn Attention,
+blocks of ``B``), ``"sortcut:KxB"`` (encoders only) and ``"mixture:B"``; or an
+:class:`~sinkformer.models.attention_spec.AttentionConfig` with further options.
 
 Models: :class:`SinkhornTransformerEncoder`, :class:`SinkhornTransformerDecoder`,
 :class:`SinkhornTransformerLM` (causal, with sampling), :class:`SinkhornSeq2Seq` (encoder-decoder,
 decoded by :func:`sinkformer.models.decoding.greedy_decode`) and :class:`SinkhornClassifier`.
-Decoder cross-attention is always vanilla (the paper sparsifies self-attention).
+Decoder cross-attention is always SoftMax (the paper sparsifies self-attention).
 
 :meth:`SinkhornTransformerLM.generate` decodes incrementally when every layer's self-attention
-is ``vanilla`` or ``sinkformer``: each layer carries a
+is ``softmax`` or ``sinkhorn``: each layer carries a
 :class:`~sinkformer.attention.CausalSinkhornCache` (keys, values and the running column sums;
-``n_iters=1`` for ``vanilla``, a plain KV cache), so a new token costs :math:`O(t)` per layer
-(:math:`O(t^2 n\_iters)` for ``sinkformer`` with ``n_iters >= 4``) instead of a forward over the
+``n_iters=1`` for ``softmax``, a plain KV cache), so a new token costs :math:`O(t)` per layer
+(:math:`O(t^2 n\_iters)` for ``sinkhorn`` with ``n_iters >= 4``) instead of a forward over the
 whole prefix; the outputs are those of the full forward.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
 
-from .._validation import check_choice, check_positive_int, check_tensor
+from .._validation import check_positive_int, check_tensor
 from ..attention import CausalSinkhornCache
-from ..attention.sparse import SparseOptions
-from ..nn.sparse import BaselineSelfAttention, DenseSinkhornSelfAttention, SparseSinkhornAttention
 from ..nn.heads import fused_self_attention
 from ..nn.layers import sinusoidal_positions
+from ..nn.sparse import BaselineSelfAttention, DenseSinkhornSelfAttention
+from .attention_spec import ATTENTION_KINDS, AttentionConfig, model_attention
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -64,96 +56,10 @@ __all__ = [
     "share_weights",
 ]
 
-ATTENTION_KINDS = ("vanilla", "local", "fixed", "sinkhorn", "sortcut", "mixture", "sinkformer")
-
-
-@dataclass
-class AttentionConfig:
-    """Which self-attention a model uses, with its options (see the module table).
-
-    ``block_size``: local/Sinkhorn block :math:`b` (Child et al.'s :math:`l` for ``fixed``);
-    ``sort_iters``, ``temperature``: :class:`~sinkformer.attention.sparse.SparseOptions` (their
-    defaults and checks); ``sort_net``, ``share_kv``: :class:`~sinkformer.nn.SparseSinkhornAttention`'s; ``sortcut_budget``: blocks kept by
-    SortCut; ``stride``: summary positions per block of the fixed pattern (the paper's :math:`c = 8`);
-    ``n_iters``: Sinkhorn normalisations of ``sinkformer`` attention (1 = SoftMax).
-    """
-
-    kind: str = "sinkhorn"
-    block_size: int = 16
-    sort_iters: int = SparseOptions.sort_iters
-    temperature: float = SparseOptions.temperature
-    sort_net: str = "linear"
-    share_kv: bool = False
-    sortcut_budget: int = 2
-    stride: int = 8
-    n_iters: int = 5
-
-    def __post_init__(self) -> None:
-        check_choice(self.kind, "attention kind", ATTENTION_KINDS)
-        check_positive_int(self.block_size, "block_size")
-        check_positive_int(self.n_iters, "n_iters")
-
-    @classmethod
-    def parse(cls, value: "AttentionConfig | str | dict | None" = None, **options) -> "AttentionConfig":
-        """An ``AttentionConfig`` from itself, a dict of its fields, ``None`` (the default), or a spec
-        string ``KIND[:BLOCK]`` / ``sortcut:BUDGETxBLOCK`` / ``sinkformer:N_ITERS`` (``"local:32"``,
-        ``"sortcut:2x8"``, ``"sinkformer:3"``); ``options`` set further fields (e.g. ``temperature=0.5``)."""
-        if isinstance(value, cls):
-            return replace(value, **options) if options else value
-        if value is None or isinstance(value, dict):
-            return cls(**{**(value or {}), **options})
-        if not isinstance(value, str):
-            raise TypeError(f"attention must be an AttentionConfig, a dict, a spec string or None, got {type(value).__name__}")
-        kind, _, size = value.partition(":")
-        try:
-            if kind == "sortcut" and "x" in size:
-                budget, _, size = size.partition("x")
-                options["sortcut_budget"] = int(budget)
-            if size:
-                options["n_iters" if kind == "sinkformer" else "block_size"] = int(size)
-        except ValueError:
-            raise ValueError(
-                f"attention spec must look like 'sinkhorn:16', 'sortcut:2x8' or 'sinkformer:3', got {value!r}"
-            ) from None
-        return cls(kind, **options)
-
-    @property
-    def label(self) -> str:
-        """The paper's name for this model, e.g. ``"Sinkhorn Transformer (32)"``, ``"SortCut (2x8)"``."""
-        b = self.block_size
-        return {
-            "vanilla": "Transformer",
-            "local": f"Local Attention ({b})",
-            "fixed": f"Sparse Transformer ({b})",
-            "sinkhorn": f"Sinkhorn Transformer ({b})",
-            "sortcut": f"SortCut Sinkhorn ({self.sortcut_budget}x{b})",
-            "mixture": f"Sinkhorn Mixture ({b})",
-            "sinkformer": f"Sinkformer (n_iters={self.n_iters})",
-        }[self.kind]
-
-    def build(self, dim: int, heads: int, *, max_len: int, causal: bool, dropout: float = 0.0) -> nn.Module:
-        """The self-attention module: ``forward(x (B, n, dim), key_padding_mask (B, n)) -> (B, n, dim)``."""
-        if self.kind in ("vanilla", "local", "fixed"):
-            pattern = {"vanilla": "full", "local": "local", "fixed": "fixed"}[self.kind]
-            stride = min(self.stride, self.block_size)
-            return BaselineSelfAttention(dim, heads, pattern=pattern, block_size=self.block_size, stride=stride,
-                                         causal=causal, dropout=dropout)
-        if self.kind == "sinkformer":
-            return DenseSinkhornSelfAttention(dim, heads, n_iters=self.n_iters, causal=causal, dropout=dropout)
-        if self.kind == "sortcut" and causal:
-            raise ValueError("attention kind 'sortcut' cannot be causal: SortCut is an encoder-only scheme (§3.4)")
-        return SparseSinkhornAttention(
-            dim, heads, block_size=self.block_size, max_len=max_len, sort_iters=self.sort_iters,
-            temperature=self.temperature, sort_net=self.sort_net, causal=causal,
-            sortcut_budget=self.sortcut_budget if self.kind == "sortcut" else None,
-            mixture=self.kind == "mixture", share_kv=self.share_kv, dropout=dropout,
-        )
-
-
 def decoding_cache(self_attn: nn.Module) -> CausalSinkhornCache | None:
     """The incremental decoding state of a causal self-attention module, or ``None`` if it has none.
 
-    :class:`DenseSinkhornSelfAttention`: causal Sinkhorn with its ``n_iters``; ``vanilla``
+    :class:`DenseSinkhornSelfAttention`: causal Sinkhorn with its ``n_iters``; ``softmax``
     (:class:`~sinkformer.nn.BaselineSelfAttention` with the full pattern): ``n_iters=1``, causal
     SoftMax with a KV cache. Sparse patterns (local, fixed, Sparse Sinkhorn) have none.
     """
@@ -171,7 +77,7 @@ def _attention_step(self_attn: BaselineSelfAttention, x: Tensor, cache: CausalSi
 
 
 class SinkhornTransformerLayer(nn.Module):
-    """One pre-norm layer: self-attention (``attention``), optional vanilla cross-attention, feed-forward."""
+    """One pre-norm layer: self-attention (``attention``), optional SoftMax cross-attention, feed-forward."""
 
     def __init__(
         self,
@@ -272,9 +178,10 @@ class SinkhornTransformerEncoder(_Stack):
     """Bidirectional encoder: ``tokens (B, n)`` (``padding_mask`` True = pad) -> ``(B, n, dim)``."""
 
     def __init__(self, vocab_size: int, *, dim: int = 128, depth: int = 2, heads: int = 4, max_len: int = 512,
-                 attention: AttentionConfig | str | dict | None = None, ff_mult: int = 4, dropout: float = 0.0, pad_id: int = 0) -> None:
+                 attention: AttentionConfig | str | dict | None = None, n_iters: int = 5, ff_mult: int = 4,
+                 dropout: float = 0.0, pad_id: int = 0) -> None:
         super().__init__(vocab_size, dim=dim, depth=depth, heads=heads, max_len=max_len,
-                         attention=AttentionConfig.parse(attention), causal=False, cross_attention=False,
+                         attention=model_attention(attention, n_iters), causal=False, cross_attention=False,
                          ff_mult=ff_mult, dropout=dropout, pad_id=pad_id)
 
     def forward(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
@@ -282,12 +189,13 @@ class SinkhornTransformerEncoder(_Stack):
 
 
 class SinkhornTransformerDecoder(_Stack):
-    """Causal decoder with vanilla cross-attention: ``tokens (B, T)``, ``memory (B, S, dim)`` -> ``(B, T, dim)``."""
+    """Causal decoder with SoftMax cross-attention: ``tokens (B, T)``, ``memory (B, S, dim)`` -> ``(B, T, dim)``."""
 
     def __init__(self, vocab_size: int, *, dim: int = 128, depth: int = 2, heads: int = 4, max_len: int = 512,
-                 attention: AttentionConfig | str | dict | None = None, ff_mult: int = 4, dropout: float = 0.0, pad_id: int = 0) -> None:
+                 attention: AttentionConfig | str | dict | None = None, n_iters: int = 5, ff_mult: int = 4,
+                 dropout: float = 0.0, pad_id: int = 0) -> None:
         super().__init__(vocab_size, dim=dim, depth=depth, heads=heads, max_len=max_len,
-                         attention=AttentionConfig.parse(attention), causal=True, cross_attention=True,
+                         attention=model_attention(attention, n_iters), causal=True, cross_attention=True,
                          ff_mult=ff_mult, dropout=dropout, pad_id=pad_id)
 
 
@@ -297,18 +205,19 @@ class SinkhornTransformerLM(nn.Module):
     Output projection tied to the input embedding; ``pad_id`` (default none: every id is a
     real symbol) gets a zero, frozen embedding. Position :math:`t` predicts token
     :math:`t + 1` from tokens :math:`\\le t` only (causal Sinkhorn balancing, §3.3, for the sparse
-    kinds; causal Sinkhorn attention for ``attention="sinkformer:N_ITERS"``, the causal Sinkformer).
+    kinds; causal Sinkhorn attention for ``attention="sinkhorn"``, the causal Sinkformer with
+    ``n_iters`` normalisations).
     """
 
     input_kind = "lm"
 
     def __init__(self, vocab_size: int, *, dim: int = 128, depth: int = 2, heads: int = 4, max_len: int = 512,
-                 attention: AttentionConfig | str | dict | None = None, ff_mult: int = 4, dropout: float = 0.0,
-                 pad_id: int | None = None) -> None:
+                 attention: AttentionConfig | str | dict | None = None, n_iters: int = 5, ff_mult: int = 4,
+                 dropout: float = 0.0, pad_id: int | None = None) -> None:
         super().__init__()
         self.vocab_size, self.max_len = vocab_size, max_len
         self.body = _Stack(vocab_size, dim=dim, depth=depth, heads=heads, max_len=max_len,
-                           attention=AttentionConfig.parse(attention), causal=True, cross_attention=False,
+                           attention=model_attention(attention, n_iters), causal=True, cross_attention=False,
                            ff_mult=ff_mult, dropout=dropout, pad_id=pad_id)
 
     def forward(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
@@ -324,9 +233,9 @@ class SinkhornTransformerLM(nn.Module):
         ``top_k`` most likely tokens if given; ``temperature=0`` is greedy decoding.
 
         With ``use_cache`` (default) and a self-attention that has an incremental form
-        (``vanilla``, ``sinkformer``), the prompt is run once and each new token goes through
+        (``softmax``, ``sinkhorn``), the prompt is run once and each new token goes through
         the layers alone, against per-layer :class:`~sinkformer.attention.CausalSinkhornCache`
-        states: :math:`O(t)` per token and layer (:math:`O(t^2 n\_iters)` for ``sinkformer``
+        states: :math:`O(t)` per token and layer (:math:`O(t^2 n\_iters)` for ``sinkhorn``
         with ``n_iters >= 4``), the same logits as the full forward. Otherwise — or once the
         sequence is longer than ``max_len`` — each step re-runs the model on the last
         ``max_len`` tokens (a sliding window).
@@ -377,20 +286,21 @@ class SinkhornSeq2Seq(nn.Module):
     another one, SortCut being encoder-only). Shared embeddings, tied output projection.
     ``encode``/``decode``, ``bos_id``, ``eos_id`` and ``max_len`` make it usable with
     :func:`sinkformer.models.decoding.greedy_decode`, which decodes incrementally through
-    ``decoding_caches``/``decode_step`` when the decoder attention is ``vanilla`` or ``sinkformer``.
+    ``decoding_caches``/``decode_step`` when the decoder attention is ``softmax`` or ``sinkhorn``.
     """
 
     input_kind = "translation"
 
     def __init__(self, vocab_size: int, *, dim: int = 128, depth: int = 2, heads: int = 4, max_len: int = 512,
-                 attention: AttentionConfig | str | dict | None = None, decoder_attention: AttentionConfig | str | dict | None = None,
-                 ff_mult: int = 4, dropout: float = 0.0, pad_id: int = 0, bos_id: int = 1, eos_id: int = 2) -> None:
+                 attention: AttentionConfig | str | dict | None = None, n_iters: int = 5,
+                 decoder_attention: AttentionConfig | str | dict | None = None, ff_mult: int = 4, dropout: float = 0.0,
+                 pad_id: int = 0, bos_id: int = 1, eos_id: int = 2) -> None:
         super().__init__()
-        attention = AttentionConfig.parse(attention)
+        attention = model_attention(attention, n_iters)
         self.pad_id, self.bos_id, self.eos_id, self.max_len = pad_id, bos_id, eos_id, max_len
         shape = dict(dim=dim, depth=depth, heads=heads, max_len=max_len, ff_mult=ff_mult, dropout=dropout, pad_id=pad_id)
         self.encoder = SinkhornTransformerEncoder(vocab_size, attention=attention, **shape)
-        decoder_attention = attention if decoder_attention is None else AttentionConfig.parse(decoder_attention)
+        decoder_attention = attention if decoder_attention is None else model_attention(decoder_attention, n_iters)
         self.decoder = SinkhornTransformerDecoder(vocab_size, attention=decoder_attention, **shape)
         self.decoder.embedding = self.encoder.embedding
 
@@ -424,12 +334,13 @@ class SinkhornClassifier(nn.Module):
     input_kind = "tokens"
 
     def __init__(self, vocab_size: int, n_classes: int = 2, *, dim: int = 128, depth: int = 2, heads: int = 4,
-                 max_len: int = 512, attention: AttentionConfig | str | dict | None = None, ff_mult: int = 4, dropout: float = 0.0,
-                 pad_id: int = 0) -> None:
+                 max_len: int = 512, attention: AttentionConfig | str | dict | None = None, n_iters: int = 5,
+                 ff_mult: int = 4, dropout: float = 0.0, pad_id: int = 0) -> None:
         super().__init__()
         check_positive_int(n_classes, "n_classes", minimum=2)
         self.encoder = SinkhornTransformerEncoder(vocab_size, dim=dim, depth=depth, heads=heads, max_len=max_len,
-                                                  attention=attention, ff_mult=ff_mult, dropout=dropout, pad_id=pad_id)
+                                                  attention=attention, n_iters=n_iters, ff_mult=ff_mult,
+                                                  dropout=dropout, pad_id=pad_id)
         self.classifier = nn.Linear(dim, n_classes)
 
     def forward(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
@@ -445,7 +356,7 @@ def share_weights(model: nn.Module, reference: nn.Module) -> list[str]:
 
     A tensor is shared when ``reference`` has one of the same name and shape, or when it is a
     ``q_proj`` / ``k_proj`` / ``v_proj`` weight or bias and ``reference`` has the fused ``qkv_proj`` of
-    the same module (vanilla, local and fixed attention fuse them; rows ``[q; k; v]``). Seeded alike,
+    the same module (SoftMax, local and fixed attention fuse them; rows ``[q; k; v]``). Seeded alike,
     the models of one comparison then start from the Transformer's weights wherever they have them;
     what only the variant has (a SortNet) keeps its own initialisation.
     """

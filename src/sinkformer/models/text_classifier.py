@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..nn.layers import TransformerEncoder, sinusoidal_positions
+from .attention_spec import dense_attention
 
 __all__ = ["TextClassifier"]
 
@@ -28,7 +29,8 @@ class TextClassifier(torch.nn.Module):
         max_len: longest sequence (size of the position table).
         pad_id: id of the padding token (its embedding stays zero).
         dim, depth, num_heads, dim_feedforward, dropout: encoder shape (paper: depth 6, 8 heads).
-        normalization, n_iters: attention normalisation (``"softmax"``: Transformer).
+        attention, n_iters: ``"softmax"`` (the Transformer) or ``"sinkhorn"`` with ``n_iters`` normalisations,
+            see :mod:`~sinkformer.models.attention_spec`; ``normalization``: the old spelling of ``attention``.
     """
 
     input_kind = "tokens"
@@ -45,10 +47,12 @@ class TextClassifier(torch.nn.Module):
         num_heads: int = 8,
         dim_feedforward: int = 256,
         dropout: float = 0.1,
-        normalization: str = "sinkhorn",
+        attention: str = "sinkhorn",
         n_iters: int = 5,
+        normalization: str | None = None,
     ) -> None:
         super().__init__()
+        normalization, n_iters = dense_attention(attention, n_iters, old=normalization)
         if dim % num_heads:
             raise ValueError(f"dim must be divisible by num_heads, got dim={dim}, num_heads={num_heads}")
         self.embedding = torch.nn.Embedding(vocab_size, dim, padding_idx=pad_id)

@@ -32,6 +32,7 @@ from ..attention import attention
 from ..nn.heads import fused_self_attention
 from ..nn.layers import TransformerEncoder
 from ..nn.multihead import MultiheadAttention
+from .attention_spec import dense_attention
 
 __all__ = ["ViT", "AttentionOnlyViT", "PatchEmbedding"]
 
@@ -67,7 +68,9 @@ class ViT(torch.nn.Module):
             :class:`sinkformer.nn.MultiheadAttention` layers). Given, the attention's inner width
             ``num_heads * head_dim`` is decoupled from ``dim``, as in the authors' cats-vs-dogs model
             (``vit-pytorch``: dim 128, 8 heads of 64, feed-forward 128).
-        normalization, n_iters: attention normalisation (paper's ViT Sinkformer: 3 iterations).
+        attention, n_iters: ``"softmax"`` (the Transformer) or ``"sinkhorn"`` with ``n_iters`` normalisations
+            (paper's ViT Sinkformer: 3), see :mod:`~sinkformer.models.attention_spec`; ``normalization``: the
+            old spelling of ``attention``.
     """
 
     input_kind = "images"
@@ -85,10 +88,12 @@ class ViT(torch.nn.Module):
         dim_feedforward: int = 256,
         dropout: float = 0.0,
         head_dim: int | None = None,
-        normalization: str = "sinkhorn",
+        attention: str = "sinkhorn",
         n_iters: int = 5,
+        normalization: str | None = None,
     ) -> None:
         super().__init__()
+        normalization, n_iters = dense_attention(attention, n_iters, old=normalization)
         if head_dim is None and dim % num_heads:
             raise ValueError(f"dim must be divisible by num_heads, got dim={dim}, num_heads={num_heads}")
         self.patches = PatchEmbedding(image_size, patch_size, channels, dim)
@@ -140,7 +145,7 @@ class AttentionOnlyViT(torch.nn.Module):
         n_classes, image_size, channels: task shape (MNIST: 10, 28, 1).
         patch_size: side of the square patches (divides ``image_size``).
         dim: embedding width.
-        normalization, n_iters: attention normalisation.
+        attention, n_iters: as :class:`ViT`'s.
     """
 
     input_kind = "images"
@@ -153,10 +158,12 @@ class AttentionOnlyViT(torch.nn.Module):
         *,
         patch_size: int = 7,
         dim: int = 128,
-        normalization: str = "sinkhorn",
+        attention: str = "sinkhorn",
         n_iters: int = 5,
+        normalization: str | None = None,
     ) -> None:
         super().__init__()
+        normalization, n_iters = dense_attention(attention, n_iters, old=normalization)
         self.patches = PatchEmbedding(image_size, patch_size, channels, dim)
         self.cls_token = torch.nn.Parameter(torch.randn(1, 1, dim))
         self.positions = torch.nn.Parameter(torch.randn(1, self.patches.n_patches + 1, dim))

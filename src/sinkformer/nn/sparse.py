@@ -221,7 +221,7 @@ class DenseSinkhornSelfAttention(BaselineSelfAttention):
     r"""Dense multi-head Sinkhorn self-attention (a Sinkformer layer), causal or not.
 
     The projections of :class:`~sinkformer.nn.BaselineSelfAttention` (``qkv_proj``, ``out_proj``:
-    a ``vanilla`` model's weights load as they are) with :math:`P = \mathrm{Sinkhorn}_{n\_iters}(QK^\top/\sqrt e)`;
+    a ``softmax`` model's weights load as they are) with :math:`P = \mathrm{Sinkhorn}_{n\_iters}(QK^\top/\sqrt e)`;
     ``causal=True`` is causal Sinkhorn (``sinkformer.attention(..., is_causal=True)``: row
     :math:`t` balanced on the prefix :math:`0..t` alone). ``n_iters=1`` is SoftMax attention.
 

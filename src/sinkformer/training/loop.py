@@ -8,7 +8,7 @@
 
     data = load_dataset("shapes3d")
     torch.manual_seed(0)
-    model = build_model("set_transformer", data.info, normalization="sinkhorn", n_iters=21, dim=64)
+    model = build_model("set_transformer", data.info, attention="sinkhorn", n_iters=21, dim=64)
     result = train(model, data, TrainConfig(epochs=20, lr=1e-3, milestones=(15,)), out_dir="runs/st")
     result.final["test_acc"], result.history        # one dict per epoch
 

@@ -3,7 +3,7 @@
 A configuration has three sections (YAML or TOML files; :mod:`sinkformer.configs` ships the paper's,
 found by name: ``--config pct_modelnet40``)::
 
-    model: {name: set_transformer, normalization: sinkhorn, n_iters: 21, dim: 256}
+    model: {name: set_transformer, attention: sinkhorn, n_iters: 21, dim: 256}
     data:  {name: modelnet40_off, path: ~/data/ModelNet40, n_points: 5000}
     train: {epochs: 300, batch_size: 64, lr: 1.0e-3, milestones: [200]}
 
@@ -60,7 +60,8 @@ from typing import Any
 import torch
 
 from ..data import DATASETS, dataset_options, get_dataset, load_dataset
-from ..models import MODELS, build_model, get_model_class, model_options, switched_by
+from ..models import MODELS, build_model, get_model_class, model_options
+from ..models.attention_spec import renamed_options
 from .._optional import require
 from .._options import REQUIRED, check_options
 from ..configs import find_config
@@ -133,13 +134,13 @@ def resolve_config(
     model: str | None = None,
     data: str | None = None,
     data_path: str | None = None,
-    normalization: str | None = None,
+    attention: str | None = None,
     n_iters: int | None = None,
     sets: list[str] = (),
 ) -> dict[str, dict[str, Any]]:
     """The configuration from a file, then the named flags, then ``--set`` pairs (later wins)."""
     config = read_config_file(file) if file is not None else {s: {} for s in SECTIONS}
-    flags = {"model": {"name": model, "normalization": normalization, "n_iters": n_iters},
+    flags = {"model": {"name": model, "attention": attention, "n_iters": n_iters},
              "data": {"name": data, "path": data_path}}
     _merge(config, {s: {k: v for k, v in values.items() if v is not None} for s, values in flags.items()}, "flags")
     apply_sets(config, list(sets))
@@ -191,11 +192,7 @@ def check_config(config: dict[str, dict[str, Any]]) -> Plan:
             f"model {model_name!r} reads {cls.input_kind} but dataset {data_name!r} gives {spec.kind}; "
             f"datasets for {model_name!r}: {', '.join(compatible)}"
         )
-    if switched_by(model_name) == "attention" and ({"normalization", "n_iters"} & set(model_cfg)):
-        raise ValueError(
-            f"model {model_name!r} is a Sparse Sinkhorn Attention model, switched by model.attention "
-            f"(e.g. --set model.attention=sinkhorn:16, vanilla, sortcut:2x8), not by --normalization / --n-iters"
-        )
+    model_cfg = renamed_options(model_cfg, f"model {model_name!r}")
     options = model_options(model_name)
     from_dataset = {k: v for k, v in DATASET_MODEL_DEFAULTS.get(data_name, {}).items()
                     if k in options and k not in model_cfg}
@@ -234,9 +231,8 @@ def effective_options(plan: Plan) -> dict[str, Any]:
 
 def _default_out_dir(plan: Plan) -> Path:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    switch = switched_by(plan.model)
-    norm = plan.model_options.get(switch, model_options(plan.model)[switch]) or "sinkhorn"
-    norm = str(norm).replace(":", "")
+    spec = plan.model_options.get("attention", model_options(plan.model)["attention"]) or "sparse"
+    norm = str(spec).replace(":", "")
     return Path("runs") / "train" / f"{plan.model}-{norm}-{plan.data}-{stamp}"
 
 
@@ -496,7 +492,7 @@ def run_training(
 ) -> TrainResult:
     """Check ``config``, load the data, build the model (seeded) and :func:`~sinkformer.training.train` it.
 
-    ``out_dir`` defaults to ``runs/train/<model>-<normalization>-<data>-<timestamp>/``; it gets
+    ``out_dir`` defaults to ``runs/train/<model>-<attention>-<data>-<timestamp>/``; it gets
     ``config.yaml`` (the resolved configuration), ``provenance.json``, ``data_info.json`` and, for
     text data, ``tokenizer.json`` besides what :func:`train` writes (see the module's docstring).
     A folder that already holds a run is refused unless ``resume`` (continue from its newest

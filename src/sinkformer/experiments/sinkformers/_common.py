@@ -3,7 +3,7 @@ vit, patch-size).
 
 Every experiment compares a Transformer with its Sinkformer, everything else equal:
 
-* :func:`variant` — ``n_iters = 1`` is the Transformer (``normalization="softmax"``, PyTorch's
+* :func:`variant` — ``n_iters = 1`` is the Transformer (``attention="softmax"``, PyTorch's
   fused kernel; one Sinkhorn normalisation *is* SoftMax), ``n_iters > 1`` the Sinkformer;
 * :func:`build` — the model, seeded, so both variants of one seed start from identical weights;
 * :func:`load_data` — the experiment's dataset: embedded by default, the real one under
@@ -44,7 +44,7 @@ COLORS = {TRANSFORMER: TRANSFORMER_COLOR, SINKFORMER: SINKFORMER_COLOR}  # the s
 
 
 def variant(n_iters: int) -> tuple[str, int]:
-    """``(normalization, n_iters)`` of a model: SoftMax for ``n_iters == 1``, else Sinkhorn."""
+    """``(attention, n_iters)`` of a model: SoftMax for ``n_iters == 1``, else Sinkhorn."""
     if n_iters < 1:
         raise ValueError(f"n_iters must be >= 1, got {n_iters}")
     return ("softmax", 1) if n_iters == 1 else ("sinkhorn", n_iters)
@@ -77,9 +77,9 @@ def build(model: str, data: DataBundle, n_iters: int, seed: int, options: dict[s
 
     The two variants have the same parameters, so for one seed they start from identical weights.
     """
-    normalization, n_iters = variant(n_iters)
+    spec, n_iters = variant(n_iters)
     torch.manual_seed(seed)
-    return build_model(model, data.info, normalization=normalization, n_iters=n_iters, **options)
+    return build_model(model, data.info, attention=spec, n_iters=n_iters, **options)
 
 
 def seed_summary(values: Sequence[float]) -> dict[str, float]:

@@ -132,7 +132,7 @@ def _full_cost(cfg: dict) -> list:
         info, inputs, examples = _PANEL_SHAPES[panel["model"]]
         batch = panel["train"]["batch_size"]
         work.append(Workload(panel["title"], panel["model"], info,
-                             {**panel.get("model_options", {}), "normalization": "softmax", "n_iters": 1},
+                             {**panel.get("model_options", {}), "attention": "softmax", "n_iters": 1},
                              inputs, batch, panel["train"]["epochs"] * examples // batch))
     return work
 

@@ -132,7 +132,7 @@ def set_variants(iterations: list[int], pairs: list[str], pool_ablation: bool) -
         variants[SET_T] = (1, {})
         variants.update({symmetric_sinkformer(k): (k, {}) for k in sinks})
         if pool_ablation:
-            variants[f"{symmetric_sinkformer(sinks[-1])}, SoftMax pooling"] = (sinks[-1], {"pool_normalization": "softmax"})
+            variants[f"{symmetric_sinkformer(sinks[-1])}, SoftMax pooling"] = (sinks[-1], {"pool_attention": "softmax"})
     return variants
 
 
@@ -141,12 +141,12 @@ def _full_cost(cfg: dict) -> list:
     set_batch, pct_batch = cfg["set_train"]["batch_size"], cfg["pct_train"]["batch_size"]
     info = {"n_classes": 40, "in_features": 3}
     set_points, pct_points = cfg["set_data"]["n_points"], cfg["pct_data"]["n_points"]
-    work = [Workload(name, "set_transformer", info, {**cfg["set_model"], **extra, "normalization": variant(k)[0],
+    work = [Workload(name, "set_transformer", info, {**cfg["set_model"], **extra, "attention": variant(k)[0],
                                                      "n_iters": variant(k)[1]},
                      points(set_points), set_batch, cfg["set_train"]["epochs"] * 9843 // set_batch, cfg["seeds"])
             for name, (k, extra) in set_variants(cfg["set_n_iters"], cfg["set_pairs"], cfg["pool_ablation"]).items()]
     if cfg["pct"]:
-        work += [Workload(name, "point_cloud_transformer", info, {**cfg["pct_model"], "normalization": variant(k)[0],
+        work += [Workload(name, "point_cloud_transformer", info, {**cfg["pct_model"], "attention": variant(k)[0],
                                                                   "n_iters": variant(k)[1]},
                           points(pct_points), pct_batch, cfg["pct_train"]["epochs"] * 9843 // pct_batch, cfg["seeds"])
                  for name, k in ((PCT_T, 1), ("Point Cloud Sinkformer", cfg["pct_n_iters"]))]

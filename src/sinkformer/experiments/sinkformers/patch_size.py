@@ -61,7 +61,7 @@ def _full_cost(cfg: dict) -> list:
     """Two models per patch size and seed on MNIST (60,000 training images)."""
     steps = cfg["train"]["epochs"] * 60_000 // cfg["train"]["batch_size"]
     return [Workload(f"{name}, patch {p}", "vit_attention_only", {"n_classes": 10, "image_size": 28, "channels": 1},
-                     {**cfg["model_options"], "patch_size": p, "normalization": variant(n)[0], "n_iters": variant(n)[1]},
+                     {**cfg["model_options"], "patch_size": p, "attention": variant(n)[0], "n_iters": variant(n)[1]},
                      images(1, 28), cfg["train"]["batch_size"], steps, cfg["seeds"])
             for p in cfg["patch_sizes"] for name, n in ((TRANSFORMER, 1), (SINKFORMER, cfg["n_iters"]))]
 

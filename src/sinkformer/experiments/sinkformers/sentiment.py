@@ -70,7 +70,7 @@ def _full_cost(cfg: dict) -> list:
     length, vocab = cfg["data_options"].get("max_len", 512), cfg["data_options"].get("vocab_size", 16000)
     steps = cfg["train"]["epochs"] * 25_000 // cfg["train"]["batch_size"]
     return [Workload(name, "text_classifier", {"vocab_size": vocab, "n_classes": 2, "max_len": length},
-                     {**cfg["model_options"], "normalization": variant(n)[0], "n_iters": variant(n)[1]},
+                     {**cfg["model_options"], "attention": variant(n)[0], "n_iters": variant(n)[1]},
                      tokens(vocab, length), cfg["train"]["batch_size"], steps, cfg["seeds"])
             for name, n in ((TRANSFORMER, 1), (SINKFORMER, cfg["n_iters"]))]
 

@@ -144,7 +144,7 @@ def _full_cost(cfg: dict) -> list:
     per_epoch = 160_000 // batch
     info = {"vocab_size": vocab, "max_len": cfg["data_options"].get("max_len", 128)}
     work = lambda label, n, epochs: Workload(  # noqa: E731
-        label, "seq2seq", info, {**cfg["model_options"], "normalization": variant(n)[0], "n_iters": variant(n)[1]},
+        label, "seq2seq", info, {**cfg["model_options"], "attention": variant(n)[0], "n_iters": variant(n)[1]},
         translation(vocab, 28, 28), batch, epochs * per_epoch, cfg["seeds"])
     return [work("Transformer, training", 1, cfg["train"]["epochs"]),
             work("Transformer, fine-tuning", 1, cfg["finetune_epochs"]),

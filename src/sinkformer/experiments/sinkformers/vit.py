@@ -68,7 +68,7 @@ def _full_cost(cfg: dict) -> list:
     steps = cfg["train"]["epochs"] * 20_000 // cfg["train"]["batch_size"]
     size = cfg["data_options"].get("image_size", 224)
     return [Workload(name, "vit", {"n_classes": 2, "image_size": size, "channels": 3},
-                     {**cfg["model_options"], "normalization": variant(n)[0], "n_iters": variant(n)[1]},
+                     {**cfg["model_options"], "attention": variant(n)[0], "n_iters": variant(n)[1]},
                      images(3, size), cfg["train"]["batch_size"], steps, cfg["seeds"])
             for name, n in ((TRANSFORMER, 1), (SINKFORMER, cfg["n_iters"]))]
 

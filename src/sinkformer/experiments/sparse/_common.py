@@ -64,7 +64,7 @@ def scale_blocks(attention: AttentionConfig, scale: float) -> AttentionConfig:
     ``round(b * scale)`` (vanilla attention has no blocks; ``scale == 1``: unchanged).
 
     Raises ``ValueError`` when the block would hold less than one token."""
-    if scale == 1 or attention.kind in ("vanilla", "sinkformer"):
+    if scale == 1 or attention.kind in ("softmax", "sinkhorn"):
         return attention
     block = round(attention.block_size * scale)
     if block < 1:
@@ -79,7 +79,7 @@ class Model:
     """One row of a paper's table as this run trains it.
 
     Attributes:
-        spec: the paper's row as a spec (``"sinkhorn:32"``: the paper's block size).
+        spec: the paper's row as a spec (``"sparse:32"``: the paper's block size).
         paper: its :class:`AttentionConfig` (the paper's blocks).
         attention: what is trained here: the same number of blocks at this run's length (:func:`scale_blocks`).
         label: ``"Sinkhorn Transformer (32 → 4)"`` (the paper's row, then the block trained), or the
@@ -93,7 +93,7 @@ class Model:
 
 
 def table_models(specs: Sequence[str], scale: float, *, short: bool = False, **options: Any) -> list[Model]:
-    """The paper's rows ``specs`` (``["vanilla", "sinkhorn:32", "sortcut:2x16"]``) trained at ``scale``
+    """The paper's rows ``specs`` (``["softmax", "sparse:32", "sortcut:2x16"]``) trained at ``scale``
     times the paper's length; ``options``: :meth:`AttentionConfig.parse` options (``sort_iters``, ...);
     ``short``: the classification tables' names (:func:`short_label`)."""
     out = []
@@ -109,7 +109,7 @@ def table_models(specs: Sequence[str], scale: float, *, short: bool = False, **o
 
 def blocks_line(models: Sequence[Model], length: float, paper_length: float, what: str = "length") -> str:
     """The block rule in words for a report: each row's blocks here and in the paper."""
-    blocked = [m for m in models if m.attention.kind not in ("vanilla", "sinkformer")]
+    blocked = [m for m in models if m.attention.kind not in ("softmax", "sinkhorn")]
     if not blocked:
         return ""
     if all(m.attention == m.paper for m in blocked):
@@ -134,9 +134,9 @@ def seeded(build: Callable[[AttentionConfig], nn.Module], attention: AttentionCo
     start from the same weights, whatever their attention creates besides."""
     torch.manual_seed(seed)
     model = build(attention)
-    if attention.kind != "vanilla":
+    if attention.kind != "softmax":
         torch.manual_seed(seed)
-        share_weights(model, build(AttentionConfig("vanilla")))
+        share_weights(model, build(AttentionConfig("softmax")))
     return model
 
 
@@ -214,7 +214,7 @@ def bar_figure(labels: Sequence[str], panels: dict[str, Sequence[float]], title:
 
 #: Attention kinds of the Sparse Sinkhorn family (compared with the vanilla Transformer, with verdicts);
 #: local and fixed attention are the paper's other baselines.
-SINKHORN_KINDS = ("sinkhorn", "sortcut", "mixture")
+SINKHORN_KINDS = ("sparse", "sortcut", "mixture")
 
 
 def paper_row(paper: dict[str, Any], attention: AttentionConfig) -> str | None:

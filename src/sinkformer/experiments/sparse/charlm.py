@@ -70,7 +70,7 @@ def _language_modelling(name: str, level: str, description: str, paper: str, qui
     """Register one language-modelling experiment (char or word level) with its quick and full forms."""
     base = {  # "models": the paper's rows (its block sizes), trained with its numbers of blocks at "seq_len"
         "level": level, "seq_len": 128, "max_chars": 300_000, "vocab_size": 2000, "max_files": 1,
-        "models": ["vanilla", "sinkhorn:128", "mixture:128"], "scale_blocks": True, "train_fraction": 0.8,
+        "models": ["softmax", "sparse:128", "mixture:128"], "scale_blocks": True, "train_fraction": 0.8,
         "fixed_stride": 2, "sort_iters": 5, "temperature": 0.75,
         "dim": 64, "depth": 2, "heads": 4, "dropout": 0.0,
         "epochs": 1, "batch_size": 16, "lr": 2e-3, "grad_clip": 1.0, "max_eval_batches": 20, "seed": 0, "seeds": 6,
@@ -109,7 +109,7 @@ def run(ctx: Run) -> None:
         for m in models:
             model, scores = train_language_model(subset, m.attention, cfg, seed=seed)
             n_params = sum(p.numel() for p in model.parameters())
-            if m.attention.kind == "sinkhorn" and sinkhorn_model is None:
+            if m.attention.kind == "sparse" and sinkhorn_model is None:
                 sinkhorn_model = model
             ctx.log(model=m.label, spec=m.spec, block_size=m.attention.block_size, seed=seed, **scores)
             results.setdefault(m.spec, []).append(scores)
@@ -177,7 +177,7 @@ _language_modelling(
     full={  # LM1B, 1024 characters, blocks of 128; 25 epochs of 12.2k steps = the paper's 300k steps; 6 seeds
         "full_minutes": 120000.0, "seeds": 6, "scale_blocks": False, "train_fraction": 1.0, "seq_len": 1024,
         "max_chars": LM1B_CHARS, "max_files": 100,
-        "models": ["vanilla", "local:128", "fixed:128", "sinkhorn:128", "mixture:128"], "fixed_stride": 16,
+        "models": ["softmax", "local:128", "fixed:128", "sparse:128", "mixture:128"], "fixed_stride": 16,
         "dim": 512, "depth": 6, "heads": 8, "dropout": 0.1, "epochs": 25, "batch_size": 32, "lr": 5e-4,
         "max_eval_batches": 0,
     },
@@ -186,12 +186,12 @@ _language_modelling(
     "wordlm", "word",
     description="word-level (32k subword) language modelling in perplexity: vanilla, local, Sparse Transformer, Sinkhorn",
     paper="Sparse Sinkhorn Attention, Tables 2-3",
-    quick={"quick_minutes": 0.75, "models": ["vanilla", "sinkhorn:32", "sinkhorn:64", "mixture:32"],
+    quick={"quick_minutes": 0.75, "models": ["softmax", "sparse:32", "sparse:64", "mixture:32"],
            "max_chars": 150_000, "vocab_size": 1000},
     full={  # LM1B, 32k word pieces, lmx_base; blocks of 32 (tuned in {16, 32, 64}); 98 epochs of ~3k steps = 300k
         "full_minutes": 120000.0, "seeds": 6, "scale_blocks": False, "train_fraction": 1.0, "seq_len": 256,
         "max_chars": LM1B_CHARS, "max_files": 100, "vocab_size": 32000,
-        "models": ["vanilla", "local:32", "fixed:64", "sinkhorn:32", "sinkhorn:64", "mixture:32"], "fixed_stride": 8,
+        "models": ["softmax", "local:32", "fixed:64", "sparse:32", "sparse:64", "mixture:32"], "fixed_stride": 8,
         "dim": 512, "depth": 6, "heads": 8, "dropout": 0.1, "epochs": 98, "batch_size": 128, "lr": 5e-4,
         "max_eval_batches": 0,
     },

@@ -65,7 +65,7 @@ def _full_cost(cfg: dict) -> list:
     quick_minutes=2.3,
     full_minutes=180000.0,
     defaults={  # "models": the paper's rows (its block sizes), trained with its numbers of blocks per pair
-        "models": ["vanilla", "sinkhorn:32", "sortcut:2x16", "sortcut:2x32"], "scale_blocks": True,
+        "models": ["softmax", "sparse:32", "sortcut:2x16", "sortcut:2x32"], "scale_blocks": True,
         "train_fraction": 0.8,
         "n_train": 1800, "n_test": 300, "min_facts": 2, "max_facts": 4, "max_len": 128, "vocab_size": 16000,
         "max_train": 0, "max_test": 0,
@@ -75,7 +75,7 @@ def _full_cost(cfg: dict) -> list:
     full={  # Tensor2Tensor's transformer_tiny: 2 layers, width 128, 4 heads
         "seeds": 6,  # the paper reports single runs; 6 seeds give paired intervals and a sign-flip test
         "scale_blocks": False, "train_fraction": 1.0,
-        "models": ["vanilla", "sinkhorn:8", "sinkhorn:16", "sinkhorn:32", "sortcut:2x8", "sortcut:2x16", "sortcut:2x32"],
+        "models": ["softmax", "sparse:8", "sparse:16", "sparse:32", "sortcut:2x8", "sortcut:2x16", "sortcut:2x32"],
         # the paper: 500k steps of 4096 tokens (TINY Transformer, one V100); SNLI's 550k pairs of ~32 tokens
         # in batches of 128 give 4.3k steps per epoch, so 116 epochs
         "min_facts": 3, "max_facts": 6, "dim": 128, "depth": 2, "heads": 4, "dropout": 0.1, "epochs": 116,

@@ -63,7 +63,7 @@ def _full_cost(cfg: dict) -> list:
     info = {"vocab_size": cfg["vocab_size"], "max_len": cfg["seq_len"]}
     shape = {"dim": cfg["dim"], "depth": cfg["depth"], "heads": cfg["heads"], "dropout": cfg["dropout"]}
     return [Workload(label, "sinkhorn_lm", info,
-                     {**shape, "attention": AttentionConfig.parse(f"sinkhorn:{cfg['block_size']}", **options)},
+                     {**shape, "attention": AttentionConfig.parse(f"sparse:{cfg['block_size']}", **options)},
                      tokens(cfg["vocab_size"], cfg["seq_len"]), cfg["batch_size"], steps, cfg["seeds"])
             for label, options in unique.values()]
 
@@ -100,7 +100,7 @@ def run(ctx: Run) -> None:
         if key not in trained:
             scores = []
             for seed in range(cfg["seed"], cfg["seed"] + cfg["seeds"]):
-                attention = AttentionConfig.parse(f"sinkhorn:{cfg['block_size']}", **options)
+                attention = AttentionConfig.parse(f"sparse:{cfg['block_size']}", **options)
                 _, score = train_language_model(data, attention, cfg, seed=seed)
                 ctx.log(variant=label, group=group, seed=seed, **options, **score)
                 scores.append(score[metric])
