@@ -348,6 +348,34 @@ def test_training_subsets_are_drawn_by_seed_and_shared_by_the_models_of_a_seed()
         training_subset(data, 0, 1.5)
 
 
+def test_over_seeds_trains_every_variant_of_a_seed_on_that_seeds_subset():
+    from sinkformer.experiments._seeds import over_seeds
+
+    data, calls = load_dataset("digits"), []
+
+    def train(name, variant, subset, seed):
+        calls.append((seed, name, subset.train.indices))
+        return name, variant, seed
+
+    out = over_seeds(data, [3, 1], 0.5, {"a": 10, "b": 20}, train)
+    assert out == {"a": [("a", 10, 3), ("a", 10, 1)], "b": [("b", 20, 3), ("b", 20, 1)]}
+    assert [call[:2] for call in calls] == [(3, "a"), (3, "b"), (1, "a"), (1, "b")]
+    assert calls[0][2] == calls[1][2] != calls[2][2] == calls[3][2]
+
+
+def test_the_paired_experiments_draw_their_subsets_through_over_seeds():
+    """One variants x seeds loop: only translation (its Sinkformer is converted from the seed's trained
+    Transformer, not trained beside it) and hidden-states (one model) draw a subset themselves."""
+    from pathlib import Path
+
+    import sinkformer.experiments as experiments
+
+    root = Path(experiments.__file__).parent
+    own = {path.relative_to(root).as_posix() for path in root.rglob("*.py")
+           if "training_subset(" in path.read_text() and path.name != "_seeds.py"}
+    assert own == {"sinkformers/translation.py", "dynamics/hidden_states.py"}
+
+
 def test_the_column_sums_pct_panel_trains_as_modelnet_does():
     pct = get("column-sums").full["panels"][2]
     modelnet = {**get("modelnet").defaults, **get("modelnet").full}

@@ -1,22 +1,30 @@
 """What a seed varies in the papers' experiments, besides the initial weights, batch order and dropout:
-the training subset.
+the training subset; and the one loop that trains every variant of an experiment on every seed.
 
 :func:`training_subset` draws, for seed ``s``, a random subset of the training split (the same one for
 every model of that seed, so comparisons stay paired); the test split never changes. The intervals
 of the paired comparisons then run over initial weights, batch order, dropout *and* training data,
 not over the test set, which is fixed. ``fraction = 1`` keeps the whole split (the ``--full`` forms).
+
+:func:`over_seeds` is the paired experiments' loop (variants × seeds): each seed's subset, then every
+variant on it, the results collected per variant in seed order, ready for
+:func:`sinkformer.runs.verdicts.paired`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
+from typing import TypeVar
 
 import torch
 from torch.utils.data import Dataset
 
 from ..data.base import DataBundle
 
-__all__ = ["TrainingSubset", "training_subset", "subset_line"]
+__all__ = ["TrainingSubset", "training_subset", "subset_line", "over_seeds"]
+
+K, V, R = TypeVar("K"), TypeVar("V"), TypeVar("R")
 
 
 class TrainingSubset(Dataset):
@@ -61,3 +69,17 @@ def subset_line(fraction: float, n_train: int) -> str:
     return (f"Seeds vary the initial weights, the batch order, dropout and the training data: each seed trains on its "
             f"own random {fraction:.0%} of the {n_train} training examples (every model of a seed on the same ones); "
             "the test set is the same for all.")
+
+
+def over_seeds(data: DataBundle, seeds: Iterable[int], fraction: float, variants: Mapping[K, V],
+               train: Callable[[K, V, DataBundle, int], R]) -> dict[K, list[R]]:
+    """Train every variant on every seed, paired: for each seed in order, its training subset
+    (:func:`training_subset` of ``fraction``, the same for every variant), then ``train(name, variant,
+    subset, seed)`` for each of ``variants`` in order. Returns ``{name: [result of each seed]}``, the
+    seeds in the same order for every name."""
+    results: dict[K, list[R]] = {name: [] for name in variants}
+    for seed in seeds:
+        subset = training_subset(data, seed, fraction)
+        for name, variant in variants.items():
+            results[name].append(train(name, variant, subset, seed))
+    return results

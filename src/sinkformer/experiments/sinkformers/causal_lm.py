@@ -38,7 +38,7 @@ from ...models.causal_lm import build_lm
 from ...plotting import SINKFORMER_COLOR, TRANSFORMER_COLOR, pyplot
 from ...runs import Run, fit, markdown_table, register
 from ...runs.verdicts import EXTENSION, paired
-from .._seeds import subset_line, training_subset
+from .._seeds import over_seeds, subset_line
 from ._common import finding, mode_line, training_line
 
 __all__ = ["label", "uniform_causal", "attention_statistics", "run"]
@@ -227,23 +227,23 @@ def run(ctx: Run) -> None:
     data, bytes_per_char, source = _load(ctx)
     names = [label(n) for n in n_iters]
     probe = torch.stack([data.test[i][:-1] for i in range(min(cfg["stats_windows"], len(data.test)))])
-    bpc: dict[str, list[float]] = {name: [] for name in names}
-    accuracy: dict[str, list[float]] = {name: [] for name in names}
-    seconds: dict[str, list[float]] = {name: [] for name in names}
-    stats: dict[str, list[list[dict]]] = {name: [] for name in names}
-    n_params = 0
-    for seed in range(cfg["seeds"]):
-        subset = training_subset(data, seed, cfg["train_fraction"])
-        for n, name in zip(n_iters, names):
-            torch.manual_seed(seed)
-            model = build_lm(data.info, **cfg["model_options"], n_iters=n)
-            n_params = sum(p.numel() for p in model.parameters())
-            result = fit(model, subset, cfg["train"], seed=seed, ctx=ctx, label=name, model=name, n_iters=n)
-            bpc[name].append(result.final["test_loss"] / LN2 * bytes_per_char)
-            accuracy[name].append(100 * result.final["test_acc"])
-            seconds[name] += [row["epoch_seconds"] for row in result.history]
-            weights = model.attention_weights(probe.to(next(model.parameters()).device))
-            stats[name].append([attention_statistics(w) for w in weights])
+
+    def train(name: str, n: int, subset, seed: int) -> dict:
+        torch.manual_seed(seed)
+        model = build_lm(data.info, **cfg["model_options"], n_iters=n)
+        result = fit(model, subset, cfg["train"], seed=seed, ctx=ctx, label=name, model=name, n_iters=n)
+        weights = model.attention_weights(probe.to(next(model.parameters()).device))
+        return {"bpc": result.final["test_loss"] / LN2 * bytes_per_char, "accuracy": 100 * result.final["test_acc"],
+                "seconds": [row["epoch_seconds"] for row in result.history],
+                "stats": [attention_statistics(w) for w in weights],
+                "parameters": sum(p.numel() for p in model.parameters())}
+
+    runs = over_seeds(data, range(cfg["seeds"]), cfg["train_fraction"], dict(zip(names, n_iters)), train)
+    bpc = {name: [r["bpc"] for r in runs[name]] for name in names}
+    accuracy = {name: [r["accuracy"] for r in runs[name]] for name in names}
+    seconds = {name: [s for r in runs[name] for s in r["seconds"]] for name in names}
+    stats = {name: [r["stats"] for r in runs[name]] for name in names}
+    n_params = runs[names[-1]][-1]["parameters"]
 
     mean_stats = {name: _mean_stats(stats[name]) for name in names}
     references = _references(cfg["seq_len"])

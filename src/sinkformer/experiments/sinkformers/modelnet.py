@@ -35,7 +35,7 @@ from ...plotting import pyplot
 from ...runs import Run, fit, markdown_table, register
 from ...runs.cost import Workload, points
 from ...runs.verdicts import EXTENSION, paired, paper_kind
-from .._seeds import subset_line, training_subset
+from .._seeds import over_seeds, subset_line
 from ._common import (
     COLORS,
     TRANSFORMER,
@@ -86,15 +86,13 @@ def _train_family(ctx: Run, data, model: str, family: str, variants: dict[str, t
                   model_options, train_options, train_fraction: float) -> dict[str, list[list[dict]]]:
     """Train every variant ``name -> (n_iters, extra model options)`` once per seed (same initial
     weights and the same training subset per seed); returns ``{name: [history per seed]}``."""
-    curves: dict[str, list[list[dict]]] = {name: [] for name in variants}
-    for seed in seeds:
-        subset = training_subset(data, seed, train_fraction)
-        for name, (n_iters, extra) in variants.items():
-            net = build(model, subset, n_iters, seed, {**model_options, **extra})
-            result = fit(net, subset, train_options, seed=seed, ctx=ctx, label=f"{family}: {name}", model=name,
-                         n_iters=n_iters)
-            curves[name].append(result.history)
-    return curves
+    def train(name: str, variant: tuple[int, dict], subset, seed: int) -> list[dict]:
+        n_iters, extra = variant
+        net = build(model, subset, n_iters, seed, {**model_options, **extra})
+        return fit(net, subset, train_options, seed=seed, ctx=ctx, label=f"{family}: {name}", model=name,
+                   n_iters=n_iters).history
+
+    return over_seeds(data, seeds, train_fraction, variants, train)
 
 
 SET_T, PCT_T = "Set Transformer", "Point Cloud Transformer"

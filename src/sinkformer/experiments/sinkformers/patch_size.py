@@ -18,7 +18,7 @@ from ...plotting import pyplot
 from ...runs import Run, fit, markdown_table, register
 from ...runs.cost import Workload, images
 from ...runs.verdicts import CLAIM
-from .._seeds import subset_line, training_subset
+from .._seeds import over_seeds, subset_line
 from ._common import (
     COLORS,
     SINKFORMER,
@@ -93,16 +93,16 @@ def run(ctx: Run) -> None:
     lrs = {TRANSFORMER: cfg["transformer_lr"], SINKFORMER: cfg["sinkformer_lr"]}
     accuracy: dict[str, dict[int, list[float]]] = {TRANSFORMER: {}, SINKFORMER: {}}
     seconds: dict[str, list[float]] = {TRANSFORMER: [], SINKFORMER: []}
-    subsets = {seed: training_subset(data, seed, cfg["train_fraction"]) for seed in seeds}
     for patch in cfg["patch_sizes"]:
-        for seed in seeds:
-            for name, n_iters in ((TRANSFORMER, 1), (SINKFORMER, cfg["n_iters"])):
-                options = {**cfg["model_options"], "patch_size": patch}
-                model = build("vit_attention_only", subsets[seed], n_iters, seed, options)
-                result = fit(model, subsets[seed], {**cfg["train"], "lr": lrs[name]}, seed=seed, ctx=ctx,
-                             label=f"patch {patch}, {name}", model=name, n_iters=n_iters, patch_size=patch)
-                accuracy[name].setdefault(patch, []).append(result.final["test_acc"])
-                seconds[name] += [row["epoch_seconds"] for row in result.history]
+        def train(name: str, n_iters: int, subset, seed: int):
+            model = build("vit_attention_only", subset, n_iters, seed, {**cfg["model_options"], "patch_size": patch})
+            return fit(model, subset, {**cfg["train"], "lr": lrs[name]}, seed=seed, ctx=ctx,
+                       label=f"patch {patch}, {name}", model=name, n_iters=n_iters, patch_size=patch)
+
+        runs = over_seeds(data, seeds, cfg["train_fraction"], {TRANSFORMER: 1, SINKFORMER: cfg["n_iters"]}, train)
+        for name, results in runs.items():
+            accuracy[name][patch] = [result.final["test_acc"] for result in results]
+            seconds[name] += [row["epoch_seconds"] for result in results for row in result.history]
     ctx.save_figure(_figure(image_size, cfg["patch_sizes"], accuracy, len(seeds)), "patch_size")
 
     patches = cfg["patch_sizes"]

@@ -17,7 +17,7 @@ from ...plotting import pyplot
 from ...runs import Run, fit, markdown_table, register
 from ...runs.cost import Workload, tokens
 from ...runs.verdicts import CLAIM
-from .._seeds import subset_line, training_subset
+from .._seeds import over_seeds, subset_line
 from ._common import (
     COLORS,
     SINKFORMER,
@@ -95,13 +95,13 @@ def _full_cost(cfg: dict) -> list:
 def run(ctx: Run) -> None:
     cfg = ctx.config
     data = load_data(ctx, cfg["dataset"], cfg["data_options"])
-    histories: dict[str, list[list[dict]]] = {TRANSFORMER: [], SINKFORMER: []}
-    for seed in range(cfg["seeds"]):
-        subset = training_subset(data, seed, cfg["train_fraction"])
-        for name, n_iters in ((TRANSFORMER, 1), (SINKFORMER, cfg["n_iters"])):
-            model = build("text_classifier", subset, n_iters, seed, cfg["model_options"])
-            result = fit(model, subset, cfg["train"], seed=seed, ctx=ctx, label=name, model=name, n_iters=n_iters)
-            histories[name].append(result.history)
+
+    def train(name: str, n_iters: int, subset, seed: int) -> list[dict]:
+        model = build("text_classifier", subset, n_iters, seed, cfg["model_options"])
+        return fit(model, subset, cfg["train"], seed=seed, ctx=ctx, label=name, model=name, n_iters=n_iters).history
+
+    histories = over_seeds(data, range(cfg["seeds"]), cfg["train_fraction"],
+                           {TRANSFORMER: 1, SINKFORMER: cfg["n_iters"]}, train)
 
     final = {n: seed_summary([h[-1]["test_acc"] for h in runs]) for n, runs in histories.items()}
     peak = {n: seed_summary([max(r["test_acc"] for r in h) for h in runs]) for n, runs in histories.items()}

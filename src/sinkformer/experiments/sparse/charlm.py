@@ -26,7 +26,7 @@ import torch
 from ...data.text_lm import BYTE_OFFSET, load_text_lm
 from ...runs import Run, markdown_table, register
 from ...runs.verdicts import record
-from .._seeds import subset_line, training_subset
+from .._seeds import over_seeds, subset_line
 from ._common import bar_figure, blocks_line, table_models, train_language_model, versus_vanilla, workloads
 
 __all__ = ["PAPER_CHAR", "PAPER_WORD", "PAPER_LENGTH", "run", "decode_sample"]
@@ -102,17 +102,19 @@ def run(ctx: Run) -> None:
     models = table_models(cfg["models"], cfg["seq_len"] / paper_length if cfg["scale_blocks"] else 1.0,
                           sort_iters=cfg["sort_iters"], temperature=cfg["temperature"], stride=cfg["fixed_stride"])
     labels = {m.spec: m.label for m in models}
-    results: dict[str, list[dict]] = {}
     sinkhorn_model, n_params = None, 0
-    for seed in range(cfg["seed"], cfg["seed"] + cfg["seeds"]):
-        subset = training_subset(data, seed, cfg["train_fraction"])
-        for m in models:
-            model, scores = train_language_model(subset, m.attention, cfg, seed=seed)
-            n_params = sum(p.numel() for p in model.parameters())
-            if m.attention.kind == "sparse" and sinkhorn_model is None:
-                sinkhorn_model = model
-            ctx.log(model=m.label, spec=m.spec, block_size=m.attention.block_size, seed=seed, **scores)
-            results.setdefault(m.spec, []).append(scores)
+
+    def train(spec: str, m, subset, seed: int) -> dict:
+        nonlocal sinkhorn_model, n_params
+        model, scores = train_language_model(subset, m.attention, cfg, seed=seed)
+        n_params = sum(p.numel() for p in model.parameters())
+        if m.attention.kind == "sparse" and sinkhorn_model is None:
+            sinkhorn_model = model
+        ctx.log(model=m.label, spec=spec, block_size=m.attention.block_size, seed=seed, **scores)
+        return scores
+
+    results = over_seeds(data, range(cfg["seed"], cfg["seed"] + cfg["seeds"]), cfg["train_fraction"],
+                         {m.spec: m for m in models}, train)
 
     mean = lambda spec, key: statistics.mean(r[key] for r in results[spec])  # noqa: E731
     unit = "bits per byte" if char else "perplexity per subword token"

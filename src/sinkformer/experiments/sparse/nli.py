@@ -23,7 +23,7 @@ from ...data.nli import load_generated_nli, load_nli
 from ...runs import Run, markdown_table, register
 from ...runs.cost import tokens
 from ...runs.verdicts import record
-from .._seeds import subset_line, training_subset
+from .._seeds import over_seeds, subset_line
 from ._common import (
     bar_figure,
     blocks_line,
@@ -98,15 +98,16 @@ def run(ctx: Run) -> None:
     models = table_models(cfg["models"], length / PAPER_MEAN_LENGTH if cfg["scale_blocks"] else 1.0, short=True,
                           sort_iters=cfg["sort_iters"], temperature=cfg["temperature"])
     seeds = range(cfg["seed"], cfg["seed"] + cfg["seeds"])
-    subsets = {seed: training_subset(data, seed, cfg["train_fraction"]) for seed in seeds}
-    rows, per_seed = [], {}
-    for m in models:
-        scores = [train_classifier(subsets[seed], m.attention, cfg, seed=seed) for seed in seeds]
-        for seed, score in zip(seeds, scores):
-            ctx.log(model=m.label, spec=m.spec, block_size=m.attention.block_size, seed=seed, **score)
-        per_seed[m.label] = [s["accuracy"] for s in scores]
-        rows.append([m.label, statistics.mean(per_seed[m.label]),
-                     round(statistics.mean(s["train_seconds"] for s in scores))])
+
+    def train(label: str, m, subset, seed: int) -> dict:
+        score = train_classifier(subset, m.attention, cfg, seed=seed)
+        ctx.log(model=label, spec=m.spec, block_size=m.attention.block_size, seed=seed, **score)
+        return score
+
+    runs = over_seeds(data, seeds, cfg["train_fraction"], {m.label: m for m in models}, train)
+    per_seed = {label: [s["accuracy"] for s in scores] for label, scores in runs.items()}
+    rows = [[label, statistics.mean(per_seed[label]), round(statistics.mean(s["train_seconds"] for s in scores))]
+            for label, scores in runs.items()]
     ctx.results["accuracy"] = {r[0]: r[1] for r in rows}
     comparisons = versus_vanilla(per_seed, models, {k: v[0] for k, v in PAPER.items()}, metric="test accuracy (%)",
                                  higher_is_better=True)

@@ -20,7 +20,7 @@ from ...data.cifar10 import load_cifar10_pixels, load_digit_pixels
 from ...runs import Run, markdown_table, register
 from ...runs.cost import tokens
 from ...runs.verdicts import record
-from .._seeds import subset_line, training_subset
+from .._seeds import over_seeds, subset_line
 from ._common import bar_figure, blocks_line, table_models, train_language_model, versus_vanilla, workloads
 
 __all__ = ["PAPER", "PAPER_LENGTH", "run"]
@@ -74,13 +74,14 @@ def run(ctx: Run) -> None:
     models = table_models(cfg["models"], data.info["max_len"] / PAPER_LENGTH if cfg["scale_blocks"] else 1.0,
                           sort_iters=cfg["sort_iters"], temperature=cfg["temperature"], stride=cfg["fixed_stride"])
     labels = {m.spec: m.label for m in models}
-    results: dict[str, list[dict]] = {}
-    for seed in range(cfg["seed"], cfg["seed"] + cfg["seeds"]):
-        subset = training_subset(data, seed, cfg["train_fraction"])
-        for m in models:
-            _, scores = train_language_model(subset, m.attention, cfg, seed=seed)
-            ctx.log(model=m.label, spec=m.spec, block_size=m.attention.block_size, seed=seed, **scores)
-            results.setdefault(m.spec, []).append(scores)
+
+    def train(spec: str, m, subset, seed: int) -> dict:
+        _, scores = train_language_model(subset, m.attention, cfg, seed=seed)
+        ctx.log(model=m.label, spec=spec, block_size=m.attention.block_size, seed=seed, **scores)
+        return scores
+
+    results = over_seeds(data, range(cfg["seed"], cfg["seed"] + cfg["seeds"]), cfg["train_fraction"],
+                         {m.spec: m for m in models}, train)
 
     mean = lambda spec, key: statistics.mean(r[key] for r in results[spec])  # noqa: E731
     rows = [[labels[s], mean(s, "bits"), round(mean(s, "train_seconds"))] for s in cfg["models"]]

@@ -24,7 +24,7 @@ from ...models.sinkhorn_transformer import SinkhornSeq2Seq
 from ...runs import Run, markdown_table, register
 from ...runs.cost import translation
 from ...runs.verdicts import record
-from .._seeds import subset_line, training_subset
+from .._seeds import over_seeds, subset_line
 from ._common import bar_figure, blocks_line, seeded, table_models, train, versus_vanilla, workloads
 
 __all__ = ["PAPER", "decode_metrics", "run"]
@@ -97,21 +97,22 @@ def run(ctx: Run) -> None:
     models = table_models(cfg["models"], scale, sort_iters=cfg["sort_iters"], temperature=cfg["temperature"],
                           stride=cfg["fixed_stride"])
     labels = {m.spec: m.label for m in models}
-    results: dict[str, list[dict]] = {}
-    for seed in range(cfg["seed"], cfg["seed"] + cfg["seeds"]):
-        subset = training_subset(data, seed, cfg["train_fraction"])
-        for m in models:
-            model = seeded(lambda a: SinkhornSeq2Seq(data.info["vocab_size"], dim=cfg["dim"], depth=cfg["depth"],
-                                                     heads=cfg["heads"], max_len=data.info["max_len"], attention=a,
-                                                     pad_id=data.info["pad_id"], bos_id=data.info["bos_id"],
-                                                     eos_id=data.info["eos_id"]), m.attention, seed)
-            final, seconds = train(model, subset, cfg, seed=seed, sequence=True)
-            metrics = decode_metrics(model, data, cfg["n_test"])
-            row = {"model": m.label, "spec": m.spec, "block_size": m.attention.block_size, "seed": seed, **metrics,
-                   "train_loss": final["train_loss"], "train_seconds": round(seconds, 1),
-                   "parameters": sum(p.numel() for p in model.parameters())}
-            ctx.log(**row)
-            results.setdefault(m.spec, []).append(row)
+
+    def train_one(spec: str, m, subset, seed: int) -> dict:
+        model = seeded(lambda a: SinkhornSeq2Seq(data.info["vocab_size"], dim=cfg["dim"], depth=cfg["depth"],
+                                                 heads=cfg["heads"], max_len=data.info["max_len"], attention=a,
+                                                 pad_id=data.info["pad_id"], bos_id=data.info["bos_id"],
+                                                 eos_id=data.info["eos_id"]), m.attention, seed)
+        final, seconds = train(model, subset, cfg, seed=seed, sequence=True)
+        metrics = decode_metrics(model, data, cfg["n_test"])
+        row = {"model": m.label, "spec": spec, "block_size": m.attention.block_size, "seed": seed, **metrics,
+               "train_loss": final["train_loss"], "train_seconds": round(seconds, 1),
+               "parameters": sum(p.numel() for p in model.parameters())}
+        ctx.log(**row)
+        return row
+
+    results = over_seeds(data, range(cfg["seed"], cfg["seed"] + cfg["seeds"]), cfg["train_fraction"],
+                         {m.spec: m for m in models}, train_one)
 
     mean = lambda spec, key: statistics.mean(r[key] for r in results[spec])  # noqa: E731
     table_rows = [[labels[s], mean(s, "edit_distance"), mean(s, "exact_match"), round(mean(s, "train_seconds"))]

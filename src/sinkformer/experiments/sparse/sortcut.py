@@ -39,7 +39,7 @@ from ...data.text_lm import BYTE_VOCAB, encode_bytes
 from ...runs import Run, markdown_table, register
 from ...runs.cost import tokens
 from ...runs.verdicts import record
-from .._seeds import subset_line, training_subset
+from .._seeds import over_seeds, subset_line
 from ._common import (
     bar_figure,
     blocks_line,
@@ -183,15 +183,16 @@ def run(ctx: Run) -> None:
                               short=True, sort_iters=cfg["sort_iters"], temperature=cfg["temperature"])
         blocks.append(f"{level} level — " + (blocks_line(models, length, PAPER_MEAN_LENGTH[level], "mean length")
                                               or "no blocks."))
-        subsets = {seed: training_subset(data, seed, cfg["train_fraction"]) for seed in seeds}
-        per_seed = {}
-        for m in models:
-            scores = [train_classifier(subsets[seed], m.attention, cfg, seed=seed) for seed in seeds]
-            for seed, score in zip(seeds, scores):
-                ctx.log(level=level, model=m.label, spec=m.spec, block_size=m.attention.block_size, seed=seed, **score)
-            per_seed[m.label] = [s["accuracy"] for s in scores]
-            table.append([level, m.label, statistics.mean(per_seed[m.label]),
-                          round(statistics.mean(s["train_seconds"] for s in scores))])
+
+        def train(label: str, m, subset, seed: int) -> dict:
+            score = train_classifier(subset, m.attention, cfg, seed=seed)
+            ctx.log(level=level, model=label, spec=m.spec, block_size=m.attention.block_size, seed=seed, **score)
+            return score
+
+        runs = over_seeds(data, seeds, cfg["train_fraction"], {m.label: m for m in models}, train)
+        per_seed = {label: [s["accuracy"] for s in scores] for label, scores in runs.items()}
+        table += [[level, label, statistics.mean(per_seed[label]),
+                   round(statistics.mean(s["train_seconds"] for s in scores))] for label, scores in runs.items()]
         imdb = {k: v[column] for k, v in PAPER.items()}  # the IMDb column of this level
         comparisons += versus_vanilla(per_seed, models, imdb, metric=f"test accuracy (%), {level} level",
                                       higher_is_better=True)
