@@ -49,17 +49,20 @@ def causal_block_attention(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None,
 
 
 class _Problem:
-    """Masks and marginals of the ``B`` causal problems, and one row block's quantities."""
+    """Masks and marginals of the ``B`` causal problems, and one row block's quantities.
+
+    Without padding (``keep`` None) the mask and the marginals are the same for every slice: they are
+    computed once per block, ``(1, rows, end)``, and every row is valid."""
 
     def __init__(self, q: Tensor, k: Tensor, keep: Tensor | None, scale: float, n_iters: int, rows: int):
-        B, n = q.shape[0], q.shape[1]
-        self.q, self.k, self.scale, self.n_iters, self.rows = q, k, scale, n_iters, rows
-        self.keys = torch.ones(B, n, dtype=torch.bool, device=q.device) if keep is None else keep
+        n = q.shape[1]
+        self.q, self.k, self.scale, self.n_iters, self.rows, self.keys = q, k, scale, n_iters, rows, keep
         # b[t, j] = sum_{i=j..t} 1/count_i (count_i: keys kept by row i) = H[t] - H[j-1], in float64
         # (prefix.prefix_column_marginals, read block by block instead of as an (n, n) table)
-        count = self.keys.to(torch.float64).cumsum(-1)
-        self.row_valid = count > 0  # row t keeps a key j <= t
-        self.H, self.H_before = inverse_count_sums(count)
+        count = (torch.arange(1, n + 1, dtype=torch.float64, device=q.device).unsqueeze(0) if keep is None
+                 else keep.to(torch.float64).cumsum(-1))
+        self.row_valid = None if keep is None else count > 0  # row t keeps a key j <= t
+        self.H, self.H_before = inverse_count_sums(count)  # (B or 1, n)
 
     def blocks(self):
         n = self.q.shape[1]
@@ -71,16 +74,16 @@ class _Problem:
         q, k = self.q[:, start:end], self.k[:, :end]
         S = torch.baddbmm(q.new_empty(()), q, k.transpose(1, 2), beta=0.0, alpha=self.scale)
         t = torch.arange(start, end, device=q.device).unsqueeze(-1)
-        allowed = (torch.arange(end, device=q.device) <= t) & self.keys[:, :end].unsqueeze(-2)  # (B, r, end)
-        S.masked_fill_(~allowed, float("-inf"))
-        top = S.amax(-1, keepdim=True)
-        R = torch.softmax(S.sub_(torch.where(torch.isfinite(top), top, 0.0)), dim=-1)
-        valid = self.row_valid[:, start:end].unsqueeze(-1)
-        R = torch.where(valid, R, 0.0)
+        allowed = (torch.arange(end, device=q.device) <= t).unsqueeze(0)  # (1, r, end)
+        if self.keys is not None:
+            allowed = allowed & self.keys[:, :end].unsqueeze(-2)  # (B, r, end)
+        R = torch.softmax(S.masked_fill_(~allowed, float("-inf")), dim=-1)
+        if self.row_valid is not None:  # a row without a kept key: NaN from the softmax, no mass
+            R = torch.where(self.row_valid[:, start:end].unsqueeze(-1), R, 0.0)
         C = cumsum_rows(R).add_(carry[:, :end].unsqueeze(-2))
         b = (self.H[:, start:end].unsqueeze(-1) - self.H_before[:, :end].unsqueeze(-2)).to(R.dtype)
-        P, safe_C, total, inexact = scaled_rows(R, C, allowed, b, self.n_iters == 3, self.q.shape[1])
-        return dict(R=R, C=C, safe_C=safe_C, b=b, P=P, total=total, inexact=inexact)
+        P, safe_C, ratio, total, inexact = scaled_rows(R, C, allowed, b, self.n_iters == 3, self.q.shape[1])
+        return dict(R=R, C=C, safe_C=safe_C, ratio=ratio, b=b, P=P, total=total, inexact=inexact)
 
 
 class _CausalBlocks(torch.autograd.Function):
@@ -117,7 +120,7 @@ class _CausalBlocks(torch.autograd.Function):
         # a gradient broadcast from a sum (stride 0) would send every product of a block to a loop over slices
         d_out = d_out.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        later = q.new_zeros(q.shape[0], q.shape[1])  # column sums of dC over the rows after the block
+        later = q.new_zeros(q.shape[0], q.shape[1])  # column sums of -dC over the rows after the block
         for index, (start, end) in reversed(list(enumerate(problem.blocks()))):
             blk = problem.block(start, end, carries[index])
             dO = d_out[:, start:end]
@@ -125,23 +128,16 @@ class _CausalBlocks(torch.autograd.Function):
             dA = torch.bmm(dO, v[:, :end].transpose(1, 2))
             if n_iters == 3:
                 dA.sub_((dA * blk["P"]).sum(-1, keepdim=True)).div_(blk["total"])
-            dQ = dA.mul_(blk["b"])
-            ratio = blk["R"] / blk["safe_C"]
-            dR = dQ / blk["safe_C"]
-            dC = dQ.mul_(ratio).div_(blk["safe_C"]).neg_()
-            suffix = _reverse_cumsum_rows(dC).add_(later[:, :end].unsqueeze(-2))
-            later[:, :end] += dC.sum(-2)
-            dR.add_(suffix)
+            dR = dA.mul_(blk["b"]).div_(blk["safe_C"])
+            minus_dC = dR * blk["ratio"]  # dC = -b dA (R / C) / C
+            suffix = cumsum_rows(minus_dC, reverse=True).add_(later[:, :end].unsqueeze(-2))
+            later[:, :end] += minus_dC.sum(-2)
+            dR.sub_(suffix)
             R = blk["R"]
             dS = R * (dR - (dR * R).sum(-1, keepdim=True))
             dq[:, start:end] = torch.bmm(dS, k[:, :end]).mul_(scale)
             dk[:, :end].baddbmm_(dS.transpose(1, 2), q[:, start:end], alpha=scale)
         return dq, dk, dv, None, None, None, None
-
-
-def _reverse_cumsum_rows(x: Tensor) -> Tensor:
-    """``sum_{i >= t} x[..., i, :]`` for every row ``t``."""
-    return cumsum_rows(x.flip(-2)).flip(-2)
 
 
 def _grads_with_graph(d_out, q, k, v, keep, scale, n_iters):

@@ -151,39 +151,42 @@ def _rows_first_in_scaling_domain(problem: "_Prefix", n_iters: int) -> tuple[Ten
     R = torch.softmax(problem.x_rows, dim=-1)
     if _skip_data_checks(R) or not bool(problem.row_valid.all()):
         R = torch.where(problem.row_valid.unsqueeze(-1), R, 0.0)
-    weights, _, _, inexact_rows = scaled_rows(R, cumsum_rows(R), problem.col_valid, problem.log_b.exp(),
+    weights, _, _, _, inexact_rows = scaled_rows(R, cumsum_rows(R), problem.col_valid, problem.log_b.exp(),
                                               n_iters == 3, R.shape[-1])
     return weights, inexact_rows
 
 
 def scaled_rows(R: Tensor, C: Tensor, needed: Tensor, b: Tensor, normalise: bool,
-                terms: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+                terms: int) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
     r""":math:`A = b \odot R / C`, and :math:`A / A\mathbf 1` when ``normalise``: causal Sinkhorn's rows
     after 2 (3) iterations from the row SoftMax ``R`` and its cumulative column sums ``C``.
 
-    ``needed``: bool, the entries with mass (causal and kept); an entry whose ``C`` is below
-    ``terms * tiny / eps`` is inexact (terms lost to underflow could exceed its rounding). Returns the
-    weights, the ``C`` used (1 added off the exact entries, where ``R`` is 0 or the row is replaced:
-    every ratio finite), the row totals (``None`` without ``normalise``) and the ``(..., rows)`` bool
-    of rows with an inexact entry. ``b (R / C)``, not ``R (b / C)``: ``R_tj <= C_tj``, so a
-    backward's ``(R / C) / C`` stays finite where ``b / C^2`` would not."""
+    ``needed``: bool, the entries with mass (causal and kept), broadcastable to ``C``, which is exactly 0
+    off them (``R`` is 0 there); an entry whose ``C`` is below ``terms * tiny / eps`` is inexact (terms
+    lost to underflow could exceed its rounding). Returns the weights, the ``C`` used (1 added where
+    ``C`` is that small: off ``needed``, where ``R`` is 0, and on inexact entries, whose row is
+    replaced: every ratio finite), the ratio ``R / C``, the row totals (``None`` without ``normalise``)
+    and the ``(..., rows)`` bool of rows with an inexact entry. ``b (R / C)``, not ``R (b / C)``:
+    ``R_tj <= C_tj``, so a backward's ``(R / C) / C`` stays finite where ``b / C^2`` would not."""
     info = torch.finfo(C.dtype)
-    exact = needed & (C.detach() >= terms * info.tiny / info.eps)
-    inexact_rows = (needed & ~exact).any(-1)
-    safe_C = C + ~exact
-    A = b * (R / safe_C)
+    small = C.detach() < terms * info.tiny / info.eps  # every entry off `needed` (C = 0 there), and the inexact
+    inexact_rows = (needed & small).any(-1)
+    safe_C = C + small
+    ratio = R / safe_C
+    A = b * ratio
     if not normalise:
-        return A, safe_C, None, inexact_rows
+        return A, safe_C, ratio, None, inexact_rows
     total = A.sum(-1, keepdim=True)
     total = torch.where(total > 0, total, 1.0)
-    return A / total, safe_C, total, inexact_rows
+    return A / total, safe_C, ratio, total, inexact_rows
 
 
 _CUMSUM_BLOCK = 64  # rows per triangular product of cumsum_rows
 
 
-def cumsum_rows(x: Tensor) -> Tensor:
-    r""":math:`C_{t\cdot} = \sum_{i \le t} x_{i\cdot}`: ``torch.cumsum(x, -2)``, differentiable, faster on CPUs.
+def cumsum_rows(x: Tensor, reverse: bool = False) -> Tensor:
+    r""":math:`C_{t\cdot} = \sum_{i \le t} x_{i\cdot}` (``reverse``: :math:`\sum_{i \ge t}`): ``torch.cumsum(x, -2)``,
+    differentiable, faster on CPUs.
 
     On the CPU, ``torch.cumsum`` over a dimension other than the last runs element by element
     (about 4x slower than this at 1024 x 1024): here each block of :data:`_CUMSUM_BLOCK` rows is one
@@ -191,9 +194,11 @@ def cumsum_rows(x: Tensor) -> Tensor:
     Row :math:`t` reads rows :math:`> t` only through exact zeros, so it is causal to the last bit;
     sums are float32 products (relative error a few ulps). Other devices use ``torch.cumsum``.
     """
-    if x.device.type != "cpu" or x.shape[-2] <= 1:
-        return torch.cumsum(x, -2)
-    return _CumsumRows.apply(x, False)
+    if x.shape[-2] <= 1:
+        return x.clone()
+    if x.device.type != "cpu":
+        return torch.cumsum(x.flip(-2), -2).flip(-2) if reverse else torch.cumsum(x, -2)
+    return _CumsumRows.apply(x, reverse)
 
 
 class _CumsumRows(torch.autograd.Function):
