@@ -29,12 +29,15 @@ from torch import Tensor
 
 from .prefix import cumsum_rows, inverse_count_sums, scaled_rows
 
-__all__ = ["causal_block_attention", "BLOCK_SCORES"]
+__all__ = ["causal_block_attention", "BLOCK_SCORES", "BLOCK_ROWS"]
 
-#: Scores per row block (all slices together), at least 16 rows. Small blocks stay in cache: at
-#: n = 1024, 8 heads, 3 iterations, forward+backward took 103 ms with 2^19 scores, 126 ms with 2^20,
-#: 264 ms with 2^22 (2-core Xeon).
-BLOCK_SCORES = 1 << 19
+#: Scores per row block (all slices together), within :data:`BLOCK_ROWS` rows. What counts is the rows of
+#: a block, the row count of each of its matrix products: forward+backward, 3 iterations, 2 threads (2-core
+#: EPYC), b x h = 32 at n = 1024 took 543 ms in blocks of 16 rows, 385-397 ms in 32 or 64, 482 ms in 128;
+#: b x h = 8 at n = 4096, 1899 ms in 16 rows, 1456 ms in 64, 1662 ms in 256.
+BLOCK_SCORES = 1 << 21
+#: Fewest and most rows per block (the most also bounds the block's memory, ``b x h x 64 x n`` scores).
+BLOCK_ROWS = (32, 64)
 
 
 def causal_block_attention(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, scale: float,
@@ -43,7 +46,7 @@ def causal_block_attention(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None,
 
     ``keep``: bool ``(B, n)`` kept keys, or ``None``; ``n_iters``: 2 or 3."""
     B, n = q.shape[0], q.shape[1]
-    rows = max(16, min(n, BLOCK_SCORES // max(1, B * n)))
+    rows = min(n, max(BLOCK_ROWS[0], min(BLOCK_ROWS[1], BLOCK_SCORES // max(1, B * n))))
     out, inexact, _ = _CausalBlocks.apply(q, k, v, keep, scale, n_iters, rows)
     return out, inexact
 
