@@ -71,21 +71,26 @@ class _Problem:
         n = self.q.shape[1]
         return [(start, min(n, start + self.rows)) for start in range(0, n, self.rows)]
 
-    def block(self, start: int, end: int, carry: Tensor) -> dict:
+    def block(self, start: int, end: int, carry: Tensor, flags: bool = True) -> dict:
         """Rows ``[start, end)`` against keys ``[0, end)``: ``R``, ``C`` (with ``carry``, the column sums
-        of the rows before), ``b`` and what :func:`~.prefix.scaled_rows` makes of them."""
+        of the rows before), ``b`` and what :func:`~.prefix.scaled_rows` makes of them (``flags``: with
+        the rows to replace, which the backward does not need)."""
         q, k = self.q[:, start:end], self.k[:, :end]
         S = torch.baddbmm(q.new_empty(()), q, k.transpose(1, 2), beta=0.0, alpha=self.scale)
         t = torch.arange(start, end, device=q.device).unsqueeze(-1)
         allowed = (torch.arange(end, device=q.device) <= t).unsqueeze(0)  # (1, r, end)
         if self.keys is not None:
             allowed = allowed & self.keys[:, :end].unsqueeze(-2)  # (B, r, end)
-        R = torch.softmax(S.masked_fill_(~allowed, float("-inf")), dim=-1)
+            S.masked_fill_(~allowed, float("-inf"))
+        else:  # only the keys [start, end) of the block's own rows can be in a row's future
+            S[..., start:].masked_fill_(~allowed[..., start:], float("-inf"))
+        R = torch.softmax(S, dim=-1)
         if self.row_valid is not None:  # a row without a kept key: NaN from the softmax, no mass
             R = torch.where(self.row_valid[:, start:end].unsqueeze(-1), R, 0.0)
         C = cumsum_rows(R).add_(carry[:, :end].unsqueeze(-2))
         b = (self.H[:, start:end].unsqueeze(-1) - self.H_before[:, :end].unsqueeze(-2)).to(R.dtype)
-        P, safe_C, ratio, total, inexact = scaled_rows(R, C, allowed, b, self.n_iters == 3, self.q.shape[1])
+        P, safe_C, ratio, total, inexact = scaled_rows(R, C, allowed if flags else None, b, self.n_iters == 3,
+                                                       self.q.shape[1])
         return dict(R=R, C=C, safe_C=safe_C, ratio=ratio, b=b, P=P, total=total, inexact=inexact)
 
 
@@ -125,7 +130,7 @@ class _CausalBlocks(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         later = q.new_zeros(q.shape[0], q.shape[1])  # column sums of -dC over the rows after the block
         for index, (start, end) in reversed(list(enumerate(problem.blocks()))):
-            blk = problem.block(start, end, carries[index])
+            blk = problem.block(start, end, carries[index], flags=False)
             dO = d_out[:, start:end]
             dv[:, :end].baddbmm_(blk["P"].transpose(1, 2), dO)
             dA = torch.bmm(dO, v[:, :end].transpose(1, 2))
