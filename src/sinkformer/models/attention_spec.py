@@ -191,7 +191,7 @@ def dense_attention(attention: str, n_iters: int, *, argument: str = "attention"
     """
     if old is not None:
         old_name = next(o for o, new in RENAMED_OPTIONS.items() if new == argument)
-        deprecated(f"{old_name}={old!r}", f"{argument}={old!r}")
+        deprecated(f"{old_name}={old!r}", f"{argument}={old!r}", stacklevel=4)  # the model's caller
         attention = old
     spec = AttentionConfig.parse(attention, n_iters=n_iters)
     if spec.kind not in DENSE_KINDS:

@@ -32,9 +32,10 @@ from .prefix import cumsum_rows, inverse_count_sums, scaled_rows
 __all__ = ["causal_block_attention", "BLOCK_SCORES", "BLOCK_ROWS"]
 
 #: Scores per row block (all slices together), within :data:`BLOCK_ROWS` rows. What counts is the rows of
-#: a block, the row count of each of its matrix products: forward+backward, 3 iterations, 2 threads (2-core
-#: EPYC), b x h = 32 at n = 1024 took 543 ms in blocks of 16 rows, 385-397 ms in 32 or 64, 482 ms in 128;
-#: b x h = 8 at n = 4096, 1899 ms in 16 rows, 1456 ms in 64, 1662 ms in 256.
+#: a block, the row count of each of its matrix products. Informal timings (forward+backward, 3 iterations,
+#: 2 threads, 2-core EPYC): b x h = 32 at n = 1024 took 543 ms in blocks of 16 rows, 385-397 ms in 32 or
+#: 64, 482 ms in 128; b x h = 8 at n = 4096, 1899 ms in 16 rows, 1456 ms in 64, 1662 ms in 256. The change
+#: from 2^19 scores (16 rows at b x h = 32, n = 1024) is in benchmarks/results/ab_issue26_causal.md.
 BLOCK_SCORES = 1 << 21
 #: Fewest and most rows per block (the most also bounds the block's memory, ``b x h x 64 x n`` scores).
 BLOCK_ROWS = (32, 64)
