@@ -73,9 +73,10 @@ class _Problem:
         return [(start, min(n, start + self.rows)) for start in range(0, n, self.rows)]
 
     def block(self, start: int, end: int, carry: Tensor, flags: bool = True) -> dict:
-        """Rows ``[start, end)`` against keys ``[0, end)``: ``R``, ``C`` (with ``carry``, the column sums
-        of the rows before), ``b`` and what :func:`~.prefix.scaled_rows` makes of them (``flags``: with
-        the rows to replace, which the backward does not need)."""
+        """Rows ``[start, end)`` against keys ``[0, end)``: ``R``, the last row of ``C`` (with ``carry``, the
+        column sums of the rows before: the next block's carry), ``b`` and what :func:`~.prefix.scaled_rows`
+        makes of them, in place of ``C`` (``flags``: with the rows to replace, which the backward does not
+        need)."""
         q, k = self.q[:, start:end], self.k[:, :end]
         S = torch.baddbmm(q.new_empty(()), q, k.transpose(1, 2), beta=0.0, alpha=self.scale)
         t = torch.arange(start, end, device=q.device).unsqueeze(-1)
@@ -89,10 +90,11 @@ class _Problem:
         if self.row_valid is not None:  # a row without a kept key: NaN from the softmax, no mass
             R = torch.where(self.row_valid[:, start:end].unsqueeze(-1), R, 0.0)
         C = cumsum_rows(R).add_(carry[:, :end].unsqueeze(-2))
+        last = C[:, -1].clone()  # before scaled_rows adds 1 to the small entries of C
         b = (self.H[:, start:end].unsqueeze(-1) - self.H_before[:, :end].unsqueeze(-2)).to(R.dtype)
         P, safe_C, ratio, total, inexact = scaled_rows(R, C, allowed if flags else None, b, self.n_iters == 3,
-                                                       self.q.shape[1])
-        return dict(R=R, C=C, safe_C=safe_C, ratio=ratio, b=b, P=P, total=total, inexact=inexact)
+                                                       self.q.shape[1], inplace=True)
+        return dict(R=R, last=last, safe_C=safe_C, ratio=ratio, b=b, P=P, total=total, inexact=inexact)
 
 
 class _CausalBlocks(torch.autograd.Function):
@@ -109,7 +111,7 @@ class _CausalBlocks(torch.autograd.Function):
             blk = problem.block(start, end, carry)
             out[:, start:end] = torch.bmm(blk["P"], v[:, :end])  # (not out=: torch.export refuses it)
             inexact[:, start:end] = blk["inexact"]
-            carry[:, :end] = blk["C"][:, -1]
+            carry[:, :end] = blk["last"]
         return out, inexact, torch.stack(carries) if carries else q.new_zeros(0, B, n)
 
     @staticmethod

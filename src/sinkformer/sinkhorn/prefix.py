@@ -156,8 +156,8 @@ def _rows_first_in_scaling_domain(problem: "_Prefix", n_iters: int) -> tuple[Ten
     return weights, inexact_rows
 
 
-def scaled_rows(R: Tensor, C: Tensor, needed: Tensor | None, b: Tensor, normalise: bool,
-                terms: int) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+def scaled_rows(R: Tensor, C: Tensor, needed: Tensor | None, b: Tensor, normalise: bool, terms: int,
+                inplace: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     r""":math:`A = b \odot R / C`, and :math:`A / A\mathbf 1` when ``normalise``: causal Sinkhorn's rows
     after 2 (3) iterations from the row SoftMax ``R`` and its cumulative column sums ``C``.
 
@@ -166,19 +166,21 @@ def scaled_rows(R: Tensor, C: Tensor, needed: Tensor | None, b: Tensor, normalis
     lost to underflow could exceed its rounding). Returns the weights, the ``C`` used (1 added where
     ``C`` is that small: off ``needed``, where ``R`` is 0, and on inexact entries, whose row is
     replaced: every ratio finite), the ratio ``R / C``, the row totals (``None`` without ``normalise``)
-    and the ``(..., rows)`` bool of rows with an inexact entry (``None`` when ``needed`` is: not flagged). ``b (R / C)``, not ``R (b / C)``:
-    ``R_tj <= C_tj``, so a backward's ``(R / C) / C`` stays finite where ``b / C^2`` would not."""
+    and the ``(..., rows)`` bool of rows with an inexact entry (``None`` when ``needed`` is: not
+    flagged). ``inplace`` (no autograd): the ``C`` used is ``C`` itself, and the weights are normalised
+    in place. ``b (R / C)``, not ``R (b / C)``: ``R_tj <= C_tj``, so a backward's ``(R / C) / C`` stays
+    finite where ``b / C^2`` would not."""
     info = torch.finfo(C.dtype)
     small = C.detach() < terms * info.tiny / info.eps  # every entry off `needed` (C = 0 there), and the inexact
     inexact_rows = None if needed is None else (needed & small).any(-1)
-    safe_C = C + small
+    safe_C = C.add_(small) if inplace else C + small
     ratio = R / safe_C
     A = b * ratio
     if not normalise:
         return A, safe_C, ratio, None, inexact_rows
     total = A.sum(-1, keepdim=True)
     total = torch.where(total > 0, total, 1.0)
-    return A / total, safe_C, ratio, total, inexact_rows
+    return A.div_(total) if inplace else A / total, safe_C, ratio, total, inexact_rows
 
 
 #: Rows per triangular product of cumsum_rows: fewer rows, fewer products by zero. Informal timings, one
