@@ -47,7 +47,7 @@ from ..attention.sparse import SparseOptions
 from ..nn.sparse import BaselineSelfAttention, DenseSinkhornSelfAttention, SparseSinkhornAttention
 
 __all__ = ["AttentionConfig", "ATTENTION_KINDS", "DENSE_KINDS", "SPARSE_MODEL_KINDS", "RENAMED_OPTIONS",
-           "dense_attention", "model_attention", "renamed_options"]
+           "dense_attention", "model_attention", "old_option", "renamed_options"]
 
 #: The kinds that take no size: :func:`sinkformer.attention`'s normalisations.
 DENSE_KINDS: tuple[str, ...] = NORMALIZATIONS
@@ -189,16 +189,24 @@ def dense_attention(attention: str, n_iters: int, *, argument: str = "attention"
 
     Raises ``ValueError`` naming ``argument`` for a sparse kind (the Sparse Sinkhorn models serve those).
     """
-    if old is not None:
-        old_name = next(o for o, new in RENAMED_OPTIONS.items() if new == argument)
-        deprecated(f"{old_name}={old!r}", f"{argument}={old!r}", stacklevel=4)  # the model's caller
-        attention = old
+    attention = old_option(attention, old, argument, stacklevel=5)
     spec = AttentionConfig.parse(attention, n_iters=n_iters)
     if spec.kind not in DENSE_KINDS:
         raise ValueError(f"{argument} must be one of {list(DENSE_KINDS)} for this model, got {attention!r}; "
                          "the sparse kinds are the Sparse Sinkhorn models' (sinkhorn_classifier, sinkhorn_seq2seq, "
                          "sinkhorn_lm)")
     return spec.kind, spec.n_iters
+
+
+def old_option(value: Any, old: Any, name: str, *, stacklevel: int = 4) -> Any:
+    """A model constructor's option ``name`` (``attention``, ``pool_attention``...): ``value``, or the value
+    ``old`` of its old spelling (:data:`RENAMED_OPTIONS`) when given, with a ``FutureWarning`` pointing at
+    the constructor's caller (``stacklevel`` counts from the warning: 4 when the constructor calls this)."""
+    if old is None:
+        return value
+    old_name = next(o for o, new in RENAMED_OPTIONS.items() if new == name)
+    deprecated(f"{old_name}={old!r}", f"{name}={old!r}", stacklevel=stacklevel)
+    return old
 
 
 def model_attention(attention: "AttentionConfig | str | dict | None", n_iters: int) -> AttentionConfig:

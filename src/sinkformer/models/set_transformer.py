@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .._validation import check_choice
 from ..nn.set_blocks import ISAB, PMA
-from .attention_spec import deprecated, dense_attention
+from .attention_spec import dense_attention, old_option
 
 __all__ = ["SetTransformerClassifier"]
 
@@ -71,9 +71,7 @@ class SetTransformerClassifier(torch.nn.Module):
         if dim % num_heads:
             raise ValueError(f"dim must be divisible by num_heads, got dim={dim}, num_heads={num_heads}")
         normalization, n_iters = dense_attention(attention, n_iters, old=normalization)
-        if pool_normalization is not None:
-            deprecated(f"pool_normalization={pool_normalization!r}", f"pool_attention={pool_normalization!r}")
-            pool_attention = pool_normalization
+        pool_attention = old_option(pool_attention, pool_normalization, "pool_attention")
         check_choice(pool_attention, "pool_attention", ("same", "softmax"))
         opts = dict(layer_norm=layer_norm, normalization=normalization, n_iters=n_iters, official=official_attention)
         self.encoder = torch.nn.ModuleList(

@@ -90,7 +90,7 @@ class _Problem:
         if self.row_valid is not None:  # a row without a kept key: NaN from the softmax, no mass
             R = torch.where(self.row_valid[:, start:end].unsqueeze(-1), R, 0.0)
         C = cumsum_rows(R).add_(carry[:, :end].unsqueeze(-2))
-        last = C[:, -1].clone()  # before scaled_rows adds 1 to the small entries of C
+        last = C[:, -1].clone() if flags else None  # the forward's next carry, before scaled_rows adds 1
         b = (self.H[:, start:end].unsqueeze(-1) - self.H_before[:, :end].unsqueeze(-2)).to(R.dtype)
         P, safe_C, ratio, total, inexact = scaled_rows(R, C, allowed if flags else None, b, self.n_iters == 3,
                                                        self.q.shape[1], inplace=True)
