@@ -179,6 +179,8 @@ def run_scenario(flash, dtype, d: int, e: int, scenario: str, n: int = 4096, m: 
     """The launcher's forward and backward of one scenario on meta tensors (kernels compile-only)."""
     import torch
 
+    from sinkformer.sinkhorn.problem import Problem
+
     m = n if m is None else m
     meta = dict(device="meta")
     q, k = torch.empty(B, n, d, dtype=dtype, **meta), torch.empty(B, m, d, dtype=dtype, **meta)
@@ -188,8 +190,8 @@ def run_scenario(flash, dtype, d: int, e: int, scenario: str, n: int = 4096, m: 
     if scenario != "odd" and scenario != "implicit":
         keep = torch.empty(B if huge_mask else 1, n, m, dtype=torch.bool, **meta)
         bias = None if huge_mask else torch.empty(1, n, m, dtype=acc, **meta)
-    p = flash._Problem(q, k, e, keep, bias, [B], 0.125, interpreted=False)
     n_iters = 5 if scenario in ("odd", "implicit") else 4
+    p = flash._Operands(Problem(q, k, v, keep, bias, [B], 0.125, n_iters), interpreted=False)
     backward = "implicit" if scenario == "implicit" else "unrolled"
     out, fs, gs, counts, *_ = flash._forward(p, v, n_iters, None, 1000, "unrolled")
     if backward == "implicit":

@@ -64,12 +64,13 @@ def launches(n_iters: int, B: int, n: int, d: int) -> list[dict]:
 
     from benchmarks.flash_compile import stand_in_kernels
     from sinkformer.sinkhorn import flash
+    from sinkformer.sinkhorn.problem import Problem
 
     record: list = []
     meta = dict(device="meta", dtype=torch.bfloat16)
     q, k, v = (torch.empty(B, n, d, **meta) for _ in range(3))
     with stand_in_kernels(flash, lambda fn, name: _Recorder(fn, name, record)):
-        p = flash._Problem(q, k, d, None, None, [B], d ** -0.5, interpreted=False)
+        p = flash._Operands(Problem(q, k, v, None, None, [B], d ** -0.5, n_iters), interpreted=False)
         out, fs, gs, counts, *_ = flash._forward(p, v, n_iters, None, 1000, "unrolled")
         forward = len(record)
         flash._backward(p, torch.empty_like(out), v, out, fs, gs, counts, "unrolled", fixed=True)

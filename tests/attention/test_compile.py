@@ -173,14 +173,15 @@ def test_compiled_causal_sinkhorn_takes_the_exact_paths_where_sums_underflow(n_i
     """Scores spanning ~1e3: rows whose sums underflow come from the log domain, log-sum-exp products
     that underflow are recomputed exactly; compiled, these are torch.cond branches, same results."""
     from sinkformer.sinkhorn import causal_blocks, prefix
+    from sinkformer.sinkhorn.problem import Problem
 
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, 12, 4, generator=g) for _ in range(3))
     q, k = 12 * q, 12 * k
     fn = lambda q, k, v: sinkformer.attention(q, k, v, is_causal=True, n_iters=n_iters)  # noqa: E731
     if n_iters == 3:  # some rows underflow (not all)
-        flat = (t.flatten(0, 1) for t in (q, k, v))
-        inexact = causal_blocks.causal_block_attention(*flat, None, 0.5, 3)[1]
+        flat = [t.flatten(0, 1) for t in (q, k, v)]
+        inexact = causal_blocks.causal_block_attention(Problem(*flat, None, None, (2,), 0.5, 3))[1]
         assert inexact.any() and not inexact.all()
     else:  # some products underflow
         taken = []

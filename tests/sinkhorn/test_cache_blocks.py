@@ -34,7 +34,7 @@ def test_small_slices_are_whole_blocks_large_ones_row_ranges():
 @pytest.mark.parametrize("budget", [1 << 19, 7])  # whole slices per block; rows of one slice
 @pytest.mark.parametrize("masked", [False, True])
 def test_the_stored_tile_after_the_first_sweep_is_the_recomputed_one_bit_for_bit(budget, masked):
-    from sinkformer.sinkhorn.problem import Masks
+    from sinkformer.sinkhorn.problem import Problem
     from sinkformer.sinkhorn.scaling import Options, Tile
 
     g = torch.Generator().manual_seed(0)
@@ -44,12 +44,12 @@ def test_the_stored_tile_after_the_first_sweep_is_the_recomputed_one_bit_for_bit
     if masked:
         keep[0, :, 2] = False  # a column without a valid entry
         keep[1, 3] = False  # a row without one
-    options = Options(0.5, 5, None, 1000, "unrolled", 0.0, "scaling", c, block=budget)
-    masks = Masks(keep, None, (c,))
-    stored = Tile(q, k, masks, 0, options, Tile.memory(q, k, options))
+    options = Options("unrolled", 0.0, "scaling", c, block=budget)
+    problem = Problem(q, k, None, keep, None, (c,), 0.5, 5)
+    stored = Tile(problem, options, Tile.memory(problem, options))
     a = torch.ones(c, n)
     stored.first_sweep(a, torch.zeros(c, n))
     tiles = torch.cat([K.reshape(-1) for _, K in stored.visit()])
     shifts = (stored.row_shift, stored.col_shift)
-    fresh = Tile(q, k, masks, 0, options, Tile.memory(q, k, options), shifts=shifts)
+    fresh = Tile(problem, options, Tile.memory(problem, options), shifts=shifts)
     assert torch.equal(tiles, torch.cat([K.reshape(-1).clone() for _, K in fresh.visit()]))

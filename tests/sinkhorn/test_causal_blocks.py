@@ -7,7 +7,15 @@ import torch
 import sinkformer
 from sinkformer.sinkhorn import causal_blocks
 from sinkformer.sinkhorn.causal_blocks import causal_block_attention
+from sinkformer.sinkhorn.problem import Problem
 from sinkformer.sinkhorn.prefix import prefix_sinkhorn
+
+
+
+def blocks(q, k, v, keep, scale, n_iters):
+    """The engine on flat ``(B, n, d)`` operands and a ``(B, n)`` key mask (True = kept), or ``None``."""
+    mask = None if keep is None else keep.unsqueeze(-2)
+    return causal_block_attention(Problem(q, k, v, mask, None, (q.shape[0],), scale, n_iters))
 
 
 def reference(q, k, v, keep, scale, n_iters):
@@ -30,7 +38,7 @@ def test_equals_prefix_sinkhorn_forward_and_gradients(monkeypatch, n_iters, padd
     monkeypatch.setattr(causal_blocks, "BLOCK_SCORES", block_scores)
     q, k, v, keep = inputs(n=37)
     keep = keep if padded else None
-    out, inexact = causal_block_attention(q, k, v, keep, 0.6, n_iters)
+    out, inexact = blocks(q, k, v, keep, 0.6, n_iters)
     want = reference(q, k, v, keep, 0.6, n_iters)
     assert not inexact.any()
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-13)
@@ -45,7 +53,7 @@ def test_equals_prefix_sinkhorn_forward_and_gradients(monkeypatch, n_iters, padd
 def test_first_and_second_derivatives_equal_finite_differences(monkeypatch, n_iters):
     monkeypatch.setattr(causal_blocks, "BLOCK_SCORES", 1)
     q, k, v, keep = inputs(B=2, n=20, d=3, e=2)
-    fn = lambda q, k, v: causal_block_attention(q, k, v, keep, 0.8, n_iters)[0]  # noqa: E731
+    fn = lambda q, k, v: blocks(q, k, v, keep, 0.8, n_iters)[0]  # noqa: E731
     assert torch.autograd.gradcheck(fn, (q, k, v))
     assert torch.autograd.gradgradcheck(fn, (q, k, v))
 
@@ -76,7 +84,7 @@ def test_rows_whose_sums_underflow_come_from_the_log_domain():
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 2, 24, 4, generator=g) for _ in range(3))
     q = 40 * q
-    _, inexact = causal_block_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), None, 1.0, 3)
+    _, inexact = blocks(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), None, 1.0, 3)
     assert inexact.any() and not inexact.all()
     got = sinkformer.attention(q, k, v, is_causal=True, n_iters=3, scale=1.0)
     want = sinkformer.attention(q.double(), k.double(), v.double(), is_causal=True, n_iters=3, scale=1.0)

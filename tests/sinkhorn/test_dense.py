@@ -1,6 +1,7 @@
 """The Sinkhorn core: the mathematics (marginals, limits, invariances, gradients) and its edges."""
 
 import re
+import warnings
 
 import numpy as np
 import ot
@@ -78,12 +79,18 @@ def test_one_marginal_given_other_defaults_to_uniform_with_same_total():
     seed=st.integers(0, 2**31 - 1),
 )
 def test_converged_marginals_property(batch, n, m, spread, seed):
+    """Rows exact; columns within tol, or a warning: a nearly diagonal matrix (e.g. 2 x 2 at spread 4,
+    seed 0) contracts so slowly that 20000 normalisations do not reach 1e-10, and must say so."""
     g = torch.Generator().manual_seed(seed)
     S = spread * torch.randn(batch, n, m, generator=g, dtype=torch.float64)
-    P = converged(S)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        P = converged(S)
     assert torch.all(P >= 0)
     torch.testing.assert_close(P.sum(-1), torch.ones(batch, n, dtype=torch.float64), atol=1e-8, rtol=0)
-    torch.testing.assert_close(P.sum(-2), torch.full((batch, m), n / m, dtype=torch.float64), atol=1e-8, rtol=0)
+    error = (P.sum(-2) - n / m).abs().amax().item()
+    warned = [w for w in caught if issubclass(w.category, SinkhornConvergenceWarning)]
+    assert error <= 1e-8 or (warned and "did not reach tol=1e-10" in str(warned[0].message))
 
 
 # ----------------------------------------------------------------------------- independent solver

@@ -14,7 +14,7 @@ def _inputs(n=12, seed=0):
 
 def _tiled_op_args(q, k, v):
     group = sizes.group_size(q.shape[0], q.shape[1], k.shape[1], q.device)
-    return (q, k, v, None, None, [2, 3], None, 0.5, 5, None, 1000, "unrolled", 0.0, "auto", group,
+    return (q, k, v, None, None, [2, 3], 0.5, 5, None, 1000, None, "unrolled", 0.0, "auto", group,
             sizes.CACHE_BLOCK_ELEMENTS)
 
 
@@ -26,7 +26,7 @@ def test_the_eager_function_equals_the_custom_op(engine):
         args = _tiled_op_args(q, k, v)
         eager, op = tiled._forward_autograd, torch.ops.sinkformer.tiled_forward
     else:
-        args = (q, k, v, None, None, [2, 3], 5, 0.5, 5, None, 1000)
+        args = (q, k, v, None, None, [2, 3], 0.5, 5, None, 1000, 5)
         eager, op = streamed._forward_autograd, torch.ops.sinkformer.streamed_forward
     out_eager, out_op = eager(*args)[0], op(*args)[0]
     assert f"{engine}_forward_eager" in type(out_eager.grad_fn).__name__

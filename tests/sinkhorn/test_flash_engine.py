@@ -21,6 +21,7 @@ import torch
 from sinkformer import attention
 from sinkformer.attention.backends import Call, choose
 from sinkformer.sinkhorn import flash
+from sinkformer.sinkhorn.problem import Problem
 
 pytest.importorskip("triton", reason="the flash engine needs triton (pip install 'sinkformer[gpu]')")
 
@@ -433,7 +434,8 @@ def test_folded_terms_fall_back_where_they_overflow():
     fs[1, 0] += 1000.0  # slice 1, steps 1 and 2: alpha - F = 1000 + O(1) (base 2), past the float64 limit
     u, w = torch.rand(B, 5, n, generator=g, dtype=torch.float64), torch.rand(B, 5, m, generator=g, dtype=torch.float64)
     q = torch.zeros(B, n, 4, dtype=torch.float64)
-    p = flash._Problem(q, torch.zeros(B, m, 4, dtype=torch.float64), 4, None, None, [B], 1.0)
+    k = torch.zeros(B, m, 4, dtype=torch.float64)
+    p = flash._Operands(Problem(q, k, torch.zeros_like(k), None, None, [B], 1.0, 5))
     terms = p.fold(fs, gs, u.clone(), w.clone(), implicit=False)
     assert terms.ok.tolist() == [[1] * 5, [0, 0, 1, 1, 1]]
     for t in range(5):  # step t + 1: alpha = f[t // 2], beta = g[(t + 1) // 2]
@@ -508,6 +510,7 @@ def test_a_call_is_a_handful_of_launches():
         lambda: flash._forward_op._init_fn(q, k, v, None, None, [4], 0.25, 5, None, 1000, "unrolled"))
     assert launches == 5 and ops <= 5
     grad = torch.randn_like(out)
-    ops, launches, _ = _count_ops(lambda: flash._backward_op._init_fn(grad, q, k, v, out, None, None, [4], fs, gs,
-                                                                      counts, shift_q, shift_k, 0.25, "unrolled", True))
+    ops, launches, _ = _count_ops(lambda: flash._backward_op._init_fn(grad, out, q, k, v, None, None, [4], 0.25, 5,
+                                                                      None, 1000, fs, gs, counts, shift_q, shift_k,
+                                                                      "unrolled"))
     assert launches == 1 + 1 + 3 + 1 + 4 and ops <= 5

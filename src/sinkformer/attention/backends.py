@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import Tensor
 
+from ..sinkhorn.problem import Problem, flatten
 
 __all__ = [
     "BACKENDS", "ENGINES", "Engine", "Call", "Prepared", "Choice", "register", "unregister", "engine",
@@ -101,6 +102,14 @@ class Prepared:
     key_padding_mask: Tensor | None = None
     #: the causal mask is the only one: SDPA's own ``is_causal`` (no ``n_q x n_k`` mask formed)
     sdpa_is_causal: bool = False
+
+    def problem(self) -> Problem:
+        """The call as the Sinkhorn engines receive it: a :class:`~sinkformer.sinkhorn.problem.Problem`,
+        the operands flat over the batch ``(B, n, d)``, the masks as they are, the schedule."""
+        n_q, n_k, call = self.q.shape[-2], self.k.shape[-2], self.call
+        return Problem(flatten(self.q, self.batch, n_q), flatten(self.k, self.batch, n_k),
+                       flatten(self.v, self.batch, n_k), self.keep, self.bias, self.batch, self.scale, call.n_iters,
+                       call.tol, call.max_iters)
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,8 @@ from torch import Tensor
 from .._capture import exact_path, patched
 from .._validation import capturing
 from ..sinkhorn import flash, sinkhorn, sizes
-from ..sinkhorn.causal_blocks import causal_block_attention
+from ..sinkhorn.causal_blocks import causal_block_attention, key_mask
 from ..sinkhorn.prefix import prefix_sinkhorn
-from ..sinkhorn.problem import flatten
 from ..sinkhorn.streamed import streamed_attention
 from ..sinkhorn.tiled import tiled_attention
 from .backends import POINTWISE, Call, Engine, Prepared, causal_cost, register
@@ -156,15 +155,13 @@ def in_causal_blocks(p: Prepared) -> bool:
 
 def _causal_blocks(p: Prepared) -> Tensor:
     """Causal Sinkhorn in row blocks; rows whose sums underflow come from the log domain."""
-    n, batch, B = p.q.shape[-2], p.batch, math.prod(p.batch)
-    q, k, v = flatten(p.q, batch, n), flatten(p.k, batch, n), flatten(p.v, batch, n)
-    keep = None if p.keep is None else p.keep.expand(batch + (1, n)).reshape(B, n)
-    n_iters, scale = p.call.n_iters, p.scale
-    out, inexact = causal_block_attention(q, k, v, keep, scale, n_iters)
+    problem = p.problem()
+    out, inexact = causal_block_attention(problem)
+    keep = key_mask(problem)
     # the rows whose sums underflow, from the log domain: row t of prefix_sinkhorn (read rows <= t only)
-    out = patched(out, inexact.unsqueeze(-1), _prefix_attention, q, k, v, *(() if keep is None else (keep,)),
-                  scale=scale, n_iters=n_iters)
-    return out.reshape(batch + (n, p.v.shape[-1])).to(p.out_dtype)
+    out = patched(out, inexact.unsqueeze(-1), _prefix_attention, problem.q, problem.k, problem.v,
+                  *(() if keep is None else (keep,)), scale=problem.scale, n_iters=problem.n_iters)
+    return out.reshape(p.batch + (problem.n, p.v.shape[-1])).to(p.out_dtype)
 
 
 @exact_path
@@ -192,13 +189,10 @@ def _warn_if_cubic(n_iters: int, n: int, slices: int) -> None:
 
 
 def _on_slices(p: Prepared, fn, **options) -> Tensor:
-    """``fn`` on the ``(B, n, d)`` slices, with the options every slice engine takes."""
-    n_q, n_k, d_v = p.q.shape[-2], p.k.shape[-2], p.v.shape[-1]
-    qf, kf, vf = flatten(p.q, p.batch, n_q), flatten(p.k, p.batch, n_k), flatten(p.v, p.batch, n_k)
-    call = p.call
-    out = fn(qf, kf, vf, batch=p.batch, scale=p.scale, n_iters=call.n_iters, tol=call.tol, max_iters=call.max_iters,
-             keep=p.keep, bias=p.bias, **options)
-    return out.reshape(p.batch + (n_q, d_v)).to(p.out_dtype)
+    """``fn`` on the call's :class:`~sinkformer.sinkhorn.problem.Problem` (flat ``(B, n, d)`` slices), with
+    the engine's own ``options``."""
+    out = fn(p.problem(), **options)
+    return out.reshape(p.batch + (p.q.shape[-2], p.v.shape[-1])).to(p.out_dtype)
 
 
 def run_tiled(p: Prepared) -> Tensor:

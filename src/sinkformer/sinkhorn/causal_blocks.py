@@ -16,7 +16,7 @@ each block's scores:
     dR = b\,dA/C + \sum_{t\ge i} dC_{t\cdot},\quad dC = -b\,dA\,(R/C)/C,\quad
     dS = R\odot\big(dR - (dR\odot R)\mathbf 1\big).
 
-Key padding only (``keep`` of shape ``(B, n)``); rows whose sums underflow (``C`` below
+Key padding only (:func:`key_mask`); rows whose sums underflow (``C`` below
 ``n · tiny/eps``) are flagged, and the caller replaces them by the log domain of :mod:`.prefix`.
 Second derivatives recompute the weights with :func:`~.prefix.prefix_sinkhorn` and differentiate
 them by autograd.
@@ -28,8 +28,9 @@ import torch
 from torch import Tensor
 
 from .prefix import cumsum_rows, inverse_count_sums, scaled_rows
+from .problem import Problem
 
-__all__ = ["causal_block_attention", "BLOCK_SCORES", "BLOCK_ROWS"]
+__all__ = ["causal_block_attention", "key_mask", "BLOCK_SCORES", "BLOCK_ROWS"]
 
 #: Scores per row block (all slices together), within :data:`BLOCK_ROWS` rows. What counts is the rows of
 #: a block, the row count of each of its matrix products. Informal timings (forward+backward, 3 iterations,
@@ -41,19 +42,35 @@ BLOCK_SCORES = 1 << 21
 BLOCK_ROWS = (32, 64)
 
 
-def causal_block_attention(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, scale: float,
-                           n_iters: int) -> tuple[Tensor, Tensor]:
-    """``(B, n, d) x (B, n, d) x (B, n, e) -> (B, n, e)`` and the ``(B, n)`` rows to replace.
-
-    ``keep``: bool ``(B, n)`` kept keys, or ``None``; ``n_iters``: 2 or 3."""
-    B, n = q.shape[0], q.shape[1]
+def causal_block_attention(problem: Problem) -> tuple[Tensor, Tensor]:
+    """Causal Sinkhorn attention of ``problem`` (``(B, n, d) x (B, n, d) x (B, n, e) -> (B, n, e)``, the
+    causal mask implied) and the ``(B, n)`` rows to replace. ``n_iters``: 2 or 3; the mask: key padding at
+    most (:func:`key_mask`); no bias."""
+    if problem.n_iters not in (2, 3):
+        raise ValueError(f"causal row blocks serve n_iters 2 or 3, got n_iters={problem.n_iters}")
+    if problem.bias is not None:
+        raise ValueError("causal row blocks serve no bias (an additive mask), got one")
+    B, n = problem.B, problem.n
     rows = min(n, max(BLOCK_ROWS[0], min(BLOCK_ROWS[1], BLOCK_SCORES // max(1, B * n))))
-    out, inexact, _ = _CausalBlocks.apply(q, k, v, keep, scale, n_iters, rows)
+    out, inexact, _ = _CausalBlocks.apply(problem.q, problem.k, problem.v, key_mask(problem), problem.scale,
+                                          problem.n_iters, rows)
     return out, inexact
 
 
-class _Problem:
-    """Masks and marginals of the ``B`` causal problems, and one row block's quantities.
+def key_mask(problem: Problem) -> Tensor | None:
+    """The kept keys ``(B, n)`` of a problem masked by key padding only (``None``: no mask)."""
+    keep = problem.keep_of()
+    if keep is None:
+        return None
+    if keep.shape[-2] != 1:
+        raise ValueError("causal row blocks serve a key padding mask only (keep of shape (..., 1, n)), got keep "
+                         f"of shape {tuple(problem.keep.shape)}")
+    return keep.expand(problem.B, 1, problem.n).reshape(problem.B, problem.n)
+
+
+class _RowBlocks:
+    """The row blocks of ``B`` causal problems: their key masks and causal marginals, and one block's
+    quantities.
 
     Without padding (``keep`` None) the mask and the marginals are the same for every slice: they are
     computed once per block, ``(1, rows, end)``, and every row is valid."""
@@ -100,7 +117,7 @@ class _Problem:
 class _CausalBlocks(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, keep, scale, n_iters, rows):
-        problem = _Problem(q, k, keep, scale, n_iters, rows)
+        problem = _RowBlocks(q, k, keep, scale, n_iters, rows)
         B, n = q.shape[0], q.shape[1]
         out = v.new_empty(B, n, v.shape[-1])
         inexact = torch.zeros(B, n, dtype=torch.bool, device=q.device)
@@ -127,7 +144,7 @@ class _CausalBlocks(torch.autograd.Function):
         scale, n_iters, rows = ctx.args
         if torch.is_grad_enabled():  # create_graph=True: second derivatives through the weights
             return _grads_with_graph(d_out, q, k, v, keep, scale, n_iters) + (None,) * 4
-        problem = _Problem(q, k, keep, scale, n_iters, rows)
+        problem = _RowBlocks(q, k, keep, scale, n_iters, rows)
         # a gradient broadcast from a sum (stride 0) would send every product of a block to a loop over slices
         d_out = d_out.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)

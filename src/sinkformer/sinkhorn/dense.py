@@ -35,7 +35,7 @@ from .._validation import (
 from .loop import sinkhorn_loop
 from .problem import (
     CONVERGED_TOL,
-    Masks,
+    Problem,
     SinkhornResult,
     check_iterations,
     column_error,
@@ -291,20 +291,18 @@ def _check_marginal(marginal: Tensor | None, name: str, shape: tuple[int, ...], 
     return marginal.to(dtype)
 
 
-def attention_grads_with_graph(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, masks: Masks, *, scale: float, n_iters: int | None,
-    tol: float | None, max_iters: int, drop: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` of Sinkhorn attention ``(P ⊙ drop) V`` recorded by autograd, so that they can
-    be differentiated again: how the other engines serve second derivatives (``create_graph=True``),
-    at this engine's memory. ``q (B, n, d)``, ``k (B, m, d)``, ``v (B, m, e)``, flat batch."""
-    B, n, m = q.shape[0], q.shape[1], k.shape[1]
-    S = scale * (q @ k.transpose(1, 2))
-    bias = masks.bias_of(0, B)
+def attention_grads_with_graph(grad_out: Tensor, problem: Problem, *, drop: Tensor | None = None
+                               ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of Sinkhorn attention ``(P ⊙ drop) V`` of ``problem`` (``(B, n, d)`` operands, flat
+    batch) recorded by autograd, so that they can be differentiated again: how the other engines serve
+    second derivatives (``create_graph=True``), at this engine's memory."""
+    q, k, v, B, n, m = problem.q, problem.k, problem.v, problem.B, problem.n, problem.m
+    S = problem.scale * (q @ k.transpose(1, 2))
+    bias = problem.bias_of()
     if bias is not None:
         S = S + bias
-    keep = masks.keep_of(0, B)
-    P = sinkhorn(S, n_iters if tol is None else None, tol=tol, max_iters=max_iters,
+    keep = problem.keep_of()
+    P = sinkhorn(S, problem.n_iters if problem.tol is None else None, tol=problem.tol, max_iters=problem.max_iters,
                  mask=None if keep is None else keep.expand(B, n, m))
     if drop is not None:
         P = P * drop

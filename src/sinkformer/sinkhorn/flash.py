@@ -77,12 +77,10 @@ import torch
 from torch import Tensor
 
 from .problem import (
-    Masks,
+    Problem,
     column_error,
     converged_tol,
     log_marginal,
-    marginals,
-    valid_rows_cols,
     warn_if_unconverged,
     warn_unbalanced,
 )
@@ -269,35 +267,21 @@ def _kernels():
     return _flash_kernels
 
 
-def flash_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    batch: tuple[int, ...],
-    scale: float,
-    n_iters: int | None,
-    tol: float | None = None,
-    max_iters: int = 1000,
-    keep: Tensor | None = None,
-    bias: Tensor | None = None,
-    backward: str = "unrolled",
-) -> Tensor:
-    """Sinkhorn attention ``(B, n, d) x (B, m, d) x (B, m, e) -> (B, n, e)`` on the fused kernels.
+def flash_attention(problem: Problem, *, backward: str = "unrolled") -> Tensor:
+    """Sinkhorn attention ``(B, n, d) x (B, m, d) x (B, m, e) -> (B, n, e)`` of a validated
+    :class:`~.problem.Problem` on the fused kernels.
 
-    ``q, k, v`` are flat over ``batch`` (``B = prod(batch)``), validated by
-    :func:`sinkformer.attention`, all of one dtype (float32/float64, or float16/bfloat16 whose
-    products the kernels run on tensor cores with float32 accumulation). ``keep`` (bool) and
-    ``bias`` (float, no gradient) broadcast to ``batch + (n, m)``. Returns ``(B, n, e)`` in the
-    dtype of ``v`` for half inputs, else in the compute dtype (float64 for float64, else float32).
+    Its operands are all of one dtype (float32/float64, or float16/bfloat16 whose products the kernels
+    run on tensor cores with float32 accumulation); ``bias`` has no gradient. Returns ``(B, n, e)`` in
+    the dtype of ``v`` for half inputs, else in the compute dtype (float64 for float64, else float32).
     ``backward``: ``"unrolled"`` (exact gradient of the ``n_iters`` map) or ``"implicit"`` (the
     balanced fixed point's, by conjugate gradients on matrix-vector sweeps).
     """
+    q, v = problem.q, problem.v
     why = unavailable(q.device.type, q.dtype, q.shape[-1], v.shape[-1])
     if why is not None:
         raise ValueError(f"backend='flash' cannot serve this call: {why}")
-    return _forward_autograd(q, k, v, keep, bias, list(batch), scale, n_iters, tol, max_iters,
-                             backward)[0]
+    return _forward_autograd(*problem.fields(), backward)[0]
 
 
 def _on_device(t: Tensor):
@@ -325,25 +309,23 @@ class _Marginal:
         return _Marginal(mass, log2, torch.where(mass > 0, 1 / mass, torch.zeros_like(mass)))
 
 
-class _Problem:
-    """One call's operands as the kernels see them: slices, masks (strided, never expanded),
+class _Operands:
+    """A :class:`~.problem.Problem` as the kernels see it: slices, masks (strided, never expanded),
     marginals and the launch configuration (``interpreted``: the interpreter's, else the GPU's)."""
 
-    def __init__(self, q: Tensor, k: Tensor, e: int, keep: Tensor | None, bias: Tensor | None, batch: list[int],
-                 scale: float, interpreted: bool | None = None):
-        self.q, self.k, self.scale = q, k, scale
-        self.B, self.n, self.m, self.d, self.e = q.shape[0], q.shape[1], k.shape[1], q.shape[2], e
+    def __init__(self, problem: Problem, interpreted: bool | None = None):
+        q, k = problem.q, problem.k
+        self.q, self.k, self.scale = q, k, problem.scale
+        self.B, self.n, self.m, self.d, self.e = problem.B, problem.n, problem.m, q.shape[2], problem.v.shape[-1]
         self.acc = _acc_dtype(q.dtype)
-        masks = Masks(keep, bias, tuple(batch))
-        keep_s, bias_s = masks.keep_of(0, self.B), masks.bias_of(0, self.B)
+        keep_s, bias_s = problem.keep_of(), problem.bias_of()
         self.keep = None if keep_s is None else keep_s.view(torch.uint8)
         self.bias = None if bias_s is None else bias_s.to(self.acc)
         if keep_s is None:  # rows sum to 1, columns to n / m
             self.rows = _Marginal(1.0, 0.0, 1.0)
             self.cols = _Marginal(self.n / self.m, math.log2(self.n / self.m), self.m / self.n)
         else:
-            shape = (self.B, self.n, self.m)
-            a, b = marginals(*valid_rows_cols(keep_s, shape), shape, q.new_empty((), dtype=self.acc))
+            a, b = problem.marginals(q.new_empty((), dtype=self.acc))
             self.rows, self.cols = _Marginal.of(a), _Marginal.of(b)
         self.dummy = torch.zeros(1, dtype=self.acc, device=q.device)
         #: the shifts of the scores (:mod:`._flash_kernels`), ``(B, n)`` and ``(B, m)``: allocated by
@@ -351,7 +333,7 @@ class _Problem:
         self.shift_q: Tensor | None = None
         self.shift_k: Tensor | None = None
         interpreted = q.device.type == "cpu" if interpreted is None else interpreted
-        self.config = launch_config(q.dtype, self.d, e, interpreted)
+        self.config = launch_config(q.dtype, self.d, self.e, interpreted)
         self.precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
         self.term_precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
 
@@ -508,10 +490,11 @@ def _forward_impl(
     scores, the normalisations each slice ran ``(B,)`` and the shifts of the queries ``(B, n)`` and
     keys ``(B, m)``. ``backward="implicit"`` keeps the last potentials only (``Lf = Lg = 1``)."""
     with _on_device(q):
-        return _forward(_Problem(q, k, v.shape[-1], keep, bias, batch, scale), v, n_iters, tol, max_iters, backward)
+        problem = Problem(q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters)
+        return _forward(_Operands(problem), v, n_iters, tol, max_iters, backward)
 
 
-def _forward(p: _Problem, v: Tensor, n_iters: int | None, tol: float | None, max_iters: int, backward: str):
+def _forward(p: _Operands, v: Tensor, n_iters: int | None, tol: float | None, max_iters: int, backward: str):
     """The forward op's outputs; the shifts also stay on ``p`` (for a backward on the same problem)."""
     p.shift_q = torch.empty(p.B, p.n, dtype=p.acc, device=v.device)
     p.shift_k = torch.zeros(p.B, p.m, dtype=p.acc, device=v.device)  # 0 in the first sweep
@@ -544,7 +527,7 @@ def _(q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters, backward):
             q.new_empty(B, m, dtype=acc))
 
 
-def _iterations(p: _Problem, v: Tensor, n_iters: int | None, tol: float | None, max_iters: int,
+def _iterations(p: _Operands, v: Tensor, n_iters: int | None, tol: float | None, max_iters: int,
                 implicit: bool = False):
     """:func:`~.loop.sinkhorn_loop` on sweeps from ``g = 0``: ``n_iters`` normalisations, or until each
     slice's column error after a row update is ``<= tol`` (its potentials then freeze) or
@@ -619,19 +602,19 @@ class _Terms:
 
 @torch.library.custom_op("sinkformer::flash_backward", mutates_args=())
 def _backward_op(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, keep: Tensor | None, bias: Tensor | None,
-    batch: list[int], fs: Tensor, gs: Tensor, counts: Tensor, shift_q: Tensor, shift_k: Tensor, scale: float,
-    backward: str, fixed: bool,
+    grad_out: Tensor, out: Tensor, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None,
+    batch: list[int], scale: float, n_iters: int | None, tol: float | None, max_iters: int, fs: Tensor, gs: Tensor,
+    counts: Tensor, shift_q: Tensor, shift_k: Tensor, backward: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients ``(dq, dk, dv)`` of the forward op from its saved potentials and shifts (``fixed``:
-    every slice ran the same count, ``n_iters``)."""
+    """Gradients ``(dq, dk, dv)`` of the forward op: the output and its gradient, the problem's fields, the
+    saved potentials and shifts, the backward mode (with ``tol`` the slices ran different counts)."""
     with _on_device(q):
-        p = _Problem(q, k, v.shape[-1], keep, bias, batch, scale)
+        p = _Operands(Problem(q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters))
         p.shift_q, p.shift_k = shift_q, shift_k
-        return _backward(p, grad_out, v, out, fs, gs, counts, backward, fixed)
+        return _backward(p, grad_out, v, out, fs, gs, counts, backward, tol is None)
 
 
-def _backward(p: _Problem, grad_out: Tensor, v: Tensor, out: Tensor, fs: Tensor, gs: Tensor, counts: Tensor,
+def _backward(p: _Operands, grad_out: Tensor, v: Tensor, out: Tensor, fs: Tensor, gs: Tensor, counts: Tensor,
               backward: str, fixed: bool) -> tuple[Tensor, Tensor, Tensor]:
     K = _kernels()
     dO = grad_out.to(v.dtype if _half_operands(p.q) else p.acc)
@@ -652,7 +635,7 @@ def _backward(p: _Problem, grad_out: Tensor, v: Tensor, out: Tensor, fs: Tensor,
 
 
 @_backward_op.register_fake
-def _(grad_out, q, k, v, out, keep, bias, batch, fs, gs, counts, shift_q, shift_k, scale, backward, fixed):
+def _(grad_out, out, q, k, v, *rest):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -662,7 +645,7 @@ def _step_potentials(fs: Tensor, gs: Tensor, t: int) -> tuple[Tensor, Tensor]:
     return fs[:, (t - 1) // 2], gs[:, t // 2]
 
 
-def _reverse_fixed(p: _Problem, fs: Tensor, gs: Tensor, counts: Tensor, dO: Tensor, out: Tensor, v: Tensor,
+def _reverse_fixed(p: _Operands, fs: Tensor, gs: Tensor, counts: Tensor, dO: Tensor, out: Tensor, v: Tensor,
                    u: Tensor, w: Tensor) -> Tensor:
     """Reverse mode through the potentials (as :func:`.tiled._log_backward`, the tile replaced by
     sweeps) when every slice ran ``T`` steps. Step ``t`` (odd: ``f_t = log a - LSE_j(s + g_{t-1})``;
@@ -691,7 +674,7 @@ def _reverse_fixed(p: _Problem, fs: Tensor, gs: Tensor, counts: Tensor, dO: Tens
     return dv
 
 
-def _reverse_tolerance(p: _Problem, fs: Tensor, gs: Tensor, counts: Tensor, dO: Tensor, out: Tensor, v: Tensor,
+def _reverse_tolerance(p: _Operands, fs: Tensor, gs: Tensor, counts: Tensor, dO: Tensor, out: Tensor, v: Tensor,
                        u: Tensor, w: Tensor) -> Tensor:
     """:func:`_reverse_fixed` when slices ran different counts (``tol``): :func:`~.loop.reverse_schedule`
     on sweeps (steps past a slice's count frozen: coefficient 0, its dual passed on unchanged)."""
@@ -716,7 +699,7 @@ def _reverse_tolerance(p: _Problem, fs: Tensor, gs: Tensor, counts: Tensor, dO: 
     return dv
 
 
-def _implicit_duals(p: _Problem, F: Tensor, G: Tensor, r: Tensor, c: Tensor, max_iters: int = 1000):
+def _implicit_duals(p: _Operands, F: Tensor, G: Tensor, r: Tensor, c: Tensor, max_iters: int = 1000):
     """:func:`~.implicit.implicit_duals` for :math:`P = e^{s + F\\oplus G}`, its products with ``P`` and
     ``P^T`` matrix-vector sweeps."""
     K = _kernels()
@@ -734,24 +717,21 @@ def _setup_context(ctx, inputs, output):
     q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters, backward = inputs
     out, fs, gs, counts, shift_q, shift_k = output
     ctx.save_for_backward(q, k, v, out, keep, bias, fs, gs, counts, shift_q, shift_k)
-    ctx.batch, ctx.options = batch, (scale, n_iters, tol, max_iters, backward)
+    ctx.schedule, ctx.backward = (batch, scale, n_iters, tol, max_iters), backward
 
 
 def _first_derivatives(ctx, grad_out):
     q, k, v, out, keep, bias, fs, gs, counts, shift_q, shift_k = ctx.saved_tensors
-    scale, n_iters, tol, max_iters, backward = ctx.options
-    return torch.ops.sinkformer.flash_backward(grad_out, q, k, v, out, keep, bias, ctx.batch, fs, gs, counts,
-                                               shift_q, shift_k, scale, backward, tol is None)
+    return torch.ops.sinkformer.flash_backward(grad_out, out, q, k, v, keep, bias, *ctx.schedule, fs, gs, counts,
+                                               shift_q, shift_k, ctx.backward)
 
 
 def _second_derivatives(ctx, grad_out):
     from .dense import attention_grads_with_graph
 
     q, k, v, out, keep, bias, *_ = ctx.saved_tensors
-    scale, n_iters, tol, max_iters, backward = ctx.options
-    refuse_implicit_second_derivatives(backward, "flash")
-    return attention_grads_with_graph(grad_out, q, k, v, Masks(keep, bias, tuple(ctx.batch)), scale=scale,
-                                      n_iters=n_iters, tol=tol, max_iters=max_iters, drop=None)
+    refuse_implicit_second_derivatives(ctx.backward, "flash")
+    return attention_grads_with_graph(grad_out, Problem(q, k, v, keep, bias, *ctx.schedule))
 
 
 _forward_autograd = register_engine_autograd(

@@ -19,6 +19,9 @@ row and column sums of :math:`P = e^{S + f\oplus g}` are computed. Everything el
   potentials small (same iterates, Proposition 1).
 * **Batches**: :func:`flatten` turns broadcast batch dimensions into one, and :class:`Masks`
   slices ``keep``/``bias`` by flat batch range and row range without expanding them.
+* **The attention problem** (:class:`Problem`): what every attention engine receives — the flat
+  operands, the masks, the scale and the schedule — with the scores, valid rows and columns and
+  marginals of any group of its slices, computed here once for all engines.
 
 The tile-size policy is :mod:`.sizes`, the implicit backward's linear solve :mod:`.implicit`, the
 custom-op setup the engines share :mod:`.ops`.
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -40,6 +43,7 @@ __all__ = [
     "warn_if_unconverged",
     "warn_unbalanced",
     "Masks",
+    "Problem",
     "check_iterations",
     "check_scale",
     "marginals",
@@ -294,9 +298,129 @@ def column_error(col_sums: Tensor, b: Tensor) -> Tensor:
     return gap.amax(-1) if gap.shape[-1] else gap.sum(-1)
 
 
-def valid_rows_cols(keep: Tensor | None, shape: tuple[int, int, int]) -> tuple[Tensor | None, Tensor | None]:
-    """Bool ``(c, n)`` valid rows and ``(c, m)`` valid columns of a ``keep`` slice (``None``: all valid)."""
-    if keep is None:
-        return None, None
-    keep = keep.expand(shape)
-    return keep.any(-1), keep.any(-2)
+#: Scores per block when :meth:`Problem.valid` reads a mask row block by row block.
+_VALID_BLOCK = 1 << 22
+
+
+@dataclass
+class Problem:
+    r"""The Sinkhorn attention problem of one call, as every attention engine receives it.
+
+    ``B = prod(batch)`` slices, flat: ``q (B, n, d)``, ``k (B, m, d)``, ``v (B, m, e)`` (``None`` for a
+    problem without values, e.g. potentials only) in compute precision; the scores
+    :math:`S = \mathrm{scale}\,qk^\top + \mathrm{bias}`, ``-inf`` where ``keep`` is False, both
+    broadcastable to ``batch + (n, m)`` and never expanded (:class:`Masks`); the schedule: ``n_iters``
+    normalisations, or ``tol`` within ``max_iters`` (:func:`check_iterations`). Validated by
+    :func:`sinkformer.attention`, built once (:meth:`~sinkformer.attention.backends.Prepared.problem`).
+
+    An engine's custom op cannot take an object: it receives :meth:`fields` first among its inputs and
+    rebuilds the problem with ``Problem(*fields)``. An engine works on groups of slices: :meth:`group`
+    is the problem of slices ``[start, end)`` (``first``: the flat batch index of its first slice in the
+    masks), whose :meth:`scores`, :meth:`valid` rows and columns and :meth:`marginals` it reads.
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor | None
+    keep: Tensor | None
+    bias: Tensor | None
+    batch: tuple[int, ...]
+    scale: float
+    n_iters: int | None
+    tol: float | None = None
+    max_iters: int = 1000
+    first: int = 0
+    masks: Masks = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.batch = tuple(self.batch)
+        self.masks = Masks(self.keep, self.bias, self.batch)
+
+    def fields(self) -> tuple:
+        """The problem as a custom op receives it: ``(q, k, v, keep, bias, batch, scale, n_iters, tol,
+        max_iters)`` (``batch`` a list); ``Problem(*problem.fields())`` is the same problem."""
+        return (self.q, self.k, self.v, self.keep, self.bias, list(self.batch), self.scale, self.n_iters, self.tol,
+                self.max_iters)
+
+    @property
+    def B(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def n(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def m(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def masked(self) -> bool:
+        """Whether the scores have a mask or a bias (else they are ``scale q k^T`` alone)."""
+        return self.keep is not None or self.bias is not None
+
+    def history_length(self, implicit: bool = False) -> tuple[int, int] | None:
+        """Iterates a forward saves per slice: ``(f_1, f_3, ..)`` and ``(g_0, g_2, ..)``; the last
+        pair only for the ``implicit`` backward; ``None`` when data-dependent (``tol``)."""
+        if implicit:
+            return 1, 1
+        if self.tol is not None:
+            return None
+        return (self.n_iters + 1) // 2, self.n_iters // 2 + 1
+
+    def group(self, start: int, end: int) -> Problem:
+        """The problem of slices ``[start, end)`` (the same masks, read from flat index ``first + start``)."""
+        v = None if self.v is None else self.v[start:end]
+        view = replace(self, q=self.q[start:end], k=self.k[start:end], v=v, first=self.first + start)
+        return view
+
+    def keep_of(self, rows: tuple[int, int | None] = (0, None)) -> Tensor | None:
+        """``keep`` of these slices and query rows ``rows``, broadcastable to ``(B, rows, m)``."""
+        return self.masks.keep_of(self.first, self.first + self.B, *rows)
+
+    def bias_of(self, rows: tuple[int, int | None] = (0, None)) -> Tensor | None:
+        """``bias`` of these slices and query rows ``rows``, broadcastable to ``(B, rows, m)``."""
+        return self.masks.bias_of(self.first, self.first + self.B, *rows)
+
+    def scores(self, rows: tuple[int, int | None] = (0, None), out: Tensor | None = None) -> Tensor:
+        """``scale q k^T + bias`` of query rows ``rows``, ``-inf`` where masked: ``(B, rows, m)``,
+        written into ``out`` when given."""
+        q = self.q[:, rows[0]:rows[1]]
+        kT = self.k.transpose(1, 2)
+        S = (torch.baddbmm(q.new_empty(()), q, kT, beta=0.0, alpha=self.scale) if out is None
+             else out.baddbmm_(q, kT, beta=0.0, alpha=self.scale))
+        if not self.masked:
+            return S
+        bias = self.bias_of(rows)
+        if bias is not None:
+            S.add_(bias)
+        keep = self.keep_of(rows)
+        if keep is not None:
+            S.masked_fill_(~keep, float("-inf"))
+        return S
+
+    def valid(self) -> tuple[Tensor | None, Tensor | None]:
+        """Bool valid rows ``(B, n)`` and columns ``(B, m)`` (``None``: all valid): a row (column) is
+        valid when it keeps an entry. Read in row blocks, never the whole ``(B, n, m)`` mask at once."""
+        if self.keep is None:
+            return None, None
+        B, n, m = self.B, self.n, self.m
+        keep = self.keep_of()
+        if keep.shape[-2] == 1:  # the same in every row (e.g. key padding)
+            row = keep.expand(B, 1, m)
+            return row.any(-1).expand(B, n), row[:, 0]
+        rows = torch.zeros(B, n, dtype=torch.bool, device=self.q.device)
+        cols = torch.zeros(B, m, dtype=torch.bool, device=self.q.device)
+        step = max(1, _VALID_BLOCK // max(1, B * m))
+        for start in range(0, n, step):
+            end = min(n, start + step)
+            block = self.keep_of((start, end)).expand(B, end - start, m)
+            rows[:, start:end] = block.any(-1)
+            cols |= block.any(-2)
+        return rows, cols
+
+    def marginals(self, like: Tensor, a: Tensor | None = None, b: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Row and column marginals ``(B, n)``, ``(B, m)`` of these slices (:func:`marginals`: given
+        ones kept; by default rows 1 and columns ``n_valid / m_valid``; 0 where invalid), in ``like``'s
+        dtype."""
+        return marginals(*self.valid(), (self.B, self.n, self.m), like, a, b)

@@ -52,13 +52,11 @@ from torch import Tensor
 from . import sizes
 from .cpu_parallel import map_groups
 from .problem import (
-    Masks,
+    Problem,
     Tolerance,
     _finite_or_zero,
     column_error,
     converged_tol,
-    marginals,
-    valid_rows_cols,
     warn_if_unconverged,
     warn_unbalanced,
 )
@@ -75,15 +73,11 @@ LOG_SCALING_LIMIT = 60.0
 
 @dataclass(frozen=True)
 class Options:
-    """The non-tensor arguments of an engine's ops. ``group``: slices per group; ``block``: scores per
-    cache block (:func:`~.sizes.cache_blocks`), or ``rows``: query rows per block (the streamed
-    engine); ``stored``: whether the tile is kept (tiled) or recomputed on every visit (streamed).
-    Forward and backward use the same groups and blocks, hence the same tile values."""
+    """An engine's own arguments, beside the :class:`~.problem.Problem`. ``group``: slices per group;
+    ``block``: scores per cache block (:func:`~.sizes.cache_blocks`), or ``rows``: query rows per block
+    (the streamed engine); ``stored``: whether the tile is kept (tiled) or recomputed on every visit
+    (streamed). Forward and backward use the same groups and blocks, hence the same tile values."""
 
-    scale: float
-    n_iters: int | None
-    tol: float | None
-    max_iters: int
     backward: str
     dropout_p: float
     domain: str
@@ -93,26 +87,19 @@ class Options:
     stored: bool = True
     engine: str = "tiled"
 
-    def history_length(self) -> tuple[int, int] | None:
-        """Saved (u or f, v or g) iterates per slice; ``None`` when data-dependent (``tol``)."""
-        if self.backward == "implicit":
-            return 1, 1
-        if self.tol is not None:
-            return None
-        return (self.n_iters + 1) // 2, self.n_iters // 2 + 1
-
     def blocks(self, c: int, n: int, m: int) -> CacheBlocks:
         if self.rows is not None:
             return CacheBlocks(c, n, 1, None) if self.rows >= n else CacheBlocks(c, n, 1, self.rows)
         return cache_blocks(c, n, m, self.block)
 
-    def saves_tile(self, B: int, n: int, m: int, device: torch.device) -> bool:
+    def saves_tile(self, problem: Problem) -> bool:
         """Whether the forward keeps the call's tiles :math:`\\tilde K` for the backward (which then
         recomputes nothing): stored tiles on the CPU, a call of at most
         :data:`~.sizes.SAVED_TILE_SCORES` scores, a fixed ``n_iters >= 2`` and no dropout (the tile
         then ends the forward as :math:`\\tilde K`)."""
-        return (self.stored and self.starts_in_scaling(device) and B * n * m <= sizes.SAVED_TILE_SCORES
-                and self.tol is None and self.n_iters >= 2 and not self.dropout_p)
+        p = problem
+        return (self.stored and self.starts_in_scaling(p.q.device) and p.B * p.n * p.m <= sizes.SAVED_TILE_SCORES
+                and p.tol is None and p.n_iters >= 2 and not self.dropout_p)
 
     def starts_in_scaling(self, device: torch.device) -> bool:
         """Whether a group starts in the scaling domain (``domain="auto"``: on the CPU; GPUs use the
@@ -139,84 +126,80 @@ class GroupState:
 # ------------------------------------------------------------------------------------------------
 # running the groups of a call
 
-#: ``log_forward(q, k, v, masks, start, end, options, seed, out, row_shift, col_shift) -> GroupState``:
-#: an engine's log domain for one group (``row_shift``/``col_shift``: those of the scaling attempt, or None)
+#: ``log_forward(group, options, seed, out, row_shift, col_shift) -> GroupState``: an engine's log domain
+#: for one group (a :meth:`~.problem.Problem.group`; ``row_shift``/``col_shift``: those of the scaling
+#: attempt, or None)
 LogForward = Callable[..., GroupState]
-#: ``log_backward(grad_out, q, k, v, out, masks, start, end, options, seed, row_shift, col_shift, fs, gs,
-#: counts, grads)``: writes the gradients of one group computed in the log domain into ``grads``
+#: ``log_backward(grad_out, group, out, options, seed, row_shift, col_shift, fs, gs, counts, grads)``:
+#: writes the gradients of one group computed in the log domain into ``grads``
 LogBackward = Callable[..., None]
 
 
-def run_forward(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, batch: list[int],
-                seed: Tensor | None, options: Options, log_forward: LogForward) -> tuple[Tensor, ...]:
+def run_forward(problem: Problem, seed: Tensor | None, options: Options, log_forward: LogForward) -> tuple[Tensor, ...]:
     """The forward of every group; returns ``out (B, n, e)``, the shifts ``(B, n)``, ``(B, m)``, the
     iterates ``(B, n, Lu)``, ``(B, m, Lv)``, the normalisations run ``(B,)``, the domain of each
     slice ``(B,)`` (True: log) and the tiles ``(B, n, m)`` kept for the backward (:meth:`Options.saves_tile`;
     else an empty tensor)."""
-    B, n, m = q.shape[0], q.shape[1], k.shape[1]
-    masks = Masks(keep, bias, tuple(batch))
-    out = q.new_empty(B, n, v.shape[-1])
-    tiles = q.new_empty(B, n, m) if options.saves_tile(B, n, m, q.device) else q.new_empty(0)
+    q, B, n, m = problem.q, problem.B, problem.n, problem.m
+    out = q.new_empty(B, n, problem.v.shape[-1])
+    tiles = q.new_empty(B, n, m) if options.saves_tile(problem) else q.new_empty(0)
     if B == 0:
-        lu, lv = options.history_length() or (0, 0)
+        lu, lv = problem.history_length(options.backward == "implicit") or (0, 0)
         return (out, q.new_zeros(0, n), q.new_zeros(0, m), q.new_zeros(0, n, lu), q.new_zeros(0, m, lv),
                 torch.zeros(0, dtype=torch.int64, device=q.device), torch.zeros(0, dtype=torch.bool, device=q.device),
                 tiles)
     scaling = options.starts_in_scaling(q.device)
 
     def run(start: int, scratch: dict) -> GroupState:
-        end = min(B, start + options.group)
-        sl = slice(start, end)
+        sl = slice(start, min(B, start + options.group))
+        group = problem.group(sl.start, sl.stop)
         if scaling:
             memory = tiles[sl].view(-1) if tiles.numel() else scratch.get("memory")
             if memory is None:
-                memory = scratch["memory"] = Tile.memory(q, k, options)
-            tile = Tile(q[sl], k[sl], masks, start, options, memory)
-            state = scaling_forward(tile, v[sl], masks.keep_of(start, end), seed, out[sl], options)
+                memory = scratch["memory"] = Tile.memory(problem, options)
+            tile = Tile(group, options, memory)
+            state = scaling_forward(tile, seed, out[sl], options)
             if state is not None:
                 return state
-            return log_forward(q[sl], k[sl], v[sl], masks, start, end, options, seed, out[sl], tile.row_shift,
-                               tile.col_shift)
-        return log_forward(q[sl], k[sl], v[sl], masks, start, end, options, seed, out[sl], None, None)
+            return log_forward(group, options, seed, out[sl], tile.row_shift, tile.col_shift)
+        return log_forward(group, options, seed, out[sl], None, None)
 
     states = map_groups(list(range(0, B, options.group)), run, q.device, B * n * m)
     implicit = options.backward == "implicit"
     warn_if_unconverged([s.stop for s in states if s.stop is not None], implicit=implicit)
     col_errors = [s.col_error for s in states if s.col_error is not None]
-    if implicit and options.tol is None and col_errors:
-        warn_unbalanced(torch.cat(col_errors), options.n_iters, converged_tol(q.dtype), options.engine)
+    if implicit and problem.tol is None and col_errors:
+        warn_unbalanced(torch.cat(col_errors), problem.n_iters, converged_tol(q.dtype), options.engine)
     logs = [torch.full((s.counts.shape[0],), s.log_domain, dtype=torch.bool, device=q.device) for s in states]
     return (out, _cat([s.row_shift for s in states]), _cat([s.col_shift for s in states]),
             _pad_cat([s.us for s in states]), _pad_cat([s.vs for s in states]), _cat([s.counts for s in states]),
             _cat(logs), tiles)
 
 
-def run_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, keep: Tensor | None,
-                 bias: Tensor | None, batch: list[int], seed: Tensor | None, row_shift: Tensor, col_shift: Tensor,
-                 us: Tensor, vs: Tensor, counts: Tensor, log_domain: Tensor, tiles: Tensor, options: Options,
-                 log_backward: LogBackward) -> tuple[Tensor, Tensor, Tensor]:
+def run_backward(grad_out: Tensor, problem: Problem, out: Tensor, seed: Tensor | None, row_shift: Tensor,
+                 col_shift: Tensor, us: Tensor, vs: Tensor, counts: Tensor, log_domain: Tensor, tiles: Tensor,
+                 options: Options, log_backward: LogBackward) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`run_forward`'s call from what it saved, group by group in
     the domain the forward used (from the kept tiles, if any)."""
-    B, n, m = q.shape[0], q.shape[1], k.shape[1]
-    masks = Masks(keep, bias, tuple(batch))
+    q, k, v, B, n, m = problem.q, problem.k, problem.v, problem.B, problem.n, problem.m
     grad_out = grad_out.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     logs = log_domain.tolist()
 
     def run(start: int, scratch: dict) -> None:
         sl = slice(start, min(B, start + options.group))
+        group = problem.group(sl.start, sl.stop)
         grads = (dq[sl], dk[sl], dv[sl])
         if logs[start]:
-            log_backward(grad_out[sl], q[sl], k[sl], v[sl], out[sl], masks, sl.start, sl.stop, options, seed,
-                         row_shift[sl], col_shift[sl], us[sl], vs[sl], counts[sl], grads)
+            log_backward(grad_out[sl], group, out[sl], options, seed, row_shift[sl], col_shift[sl], us[sl], vs[sl],
+                         counts[sl], grads)
             return
         kept = tiles.numel() > 0
         memory = tiles[sl].view(-1) if kept else scratch.get("memory")
         if memory is None:
-            memory = scratch["memory"] = Tile.memory(q, k, options)
-        tile = Tile(q[sl], k[sl], masks, start, options, memory, shifts=(row_shift[sl], col_shift[sl]), ready=kept)
-        scaling_backward(tile, masks.keep_of(sl.start, sl.stop), seed, us[sl], vs[sl], counts[sl], grad_out[sl],
-                         v[sl], out[sl], options, grads)
+            memory = scratch["memory"] = Tile.memory(problem, options)
+        tile = Tile(group, options, memory, shifts=(row_shift[sl], col_shift[sl]), ready=kept)
+        scaling_backward(tile, seed, us[sl], vs[sl], counts[sl], grad_out[sl], out[sl], options, grads)
 
     map_groups(list(range(0, B, options.group)), run, q.device, B * n * m)
     return dq, dk, dv
@@ -248,8 +231,8 @@ def dropout_mask(shape: tuple[int, int, int], like: Tensor, p: float, seed: Tens
 
 
 class Tile:
-    """The ``(c, n, m)`` scores of one group, visited in cache blocks; kept (``options.stored``) or
-    recomputed on every visit into one block of scratch memory.
+    """The ``(c, n, m)`` scores of one group (a :meth:`~.problem.Problem.group`), visited in cache blocks;
+    kept (``options.stored``) or recomputed on every visit into one block of scratch memory.
 
     :meth:`first_sweep` (the forward's pass 1) computes the double shift; :meth:`visit` yields
     :math:`\\tilde K = e^{S - m_i - c_j}` block by block. A stored tile holds the first sweep's blocks
@@ -258,9 +241,11 @@ class Tile:
     every recomputation gives the same values. ``shifts``: the saved shifts (the backward), instead of
     pass 1; ``ready``: ``memory`` already holds the tile's :math:`\\tilde K` (kept by the forward)."""
 
-    def __init__(self, q: Tensor, k: Tensor, masks: Masks, start: int, options: Options, memory: Tensor,
+    def __init__(self, problem: Problem, options: Options, memory: Tensor,
                  shifts: tuple[Tensor, Tensor] | None = None, ready: bool = False):
-        self.q, self.k, self.masks, self.start, self.scale = q, k, masks, start, options.scale
+        q, k = problem.q, problem.k
+        self.problem, self.q, self.k = problem, q, k
+        self.masks, self.start, self.scale = problem.masks, problem.first, problem.scale
         c, n, m = q.shape[0], q.shape[1], k.shape[1]
         self.shape = (c, n, m)
         self.blocks = options.blocks(c, n, m)
@@ -271,7 +256,7 @@ class Tile:
         self._kTb = self.blocks.slices_of(k.transpose(1, 2))
         self.count = len(self._qb)
         self.Kb = self.blocks.rows_of(self.K) if self.stored else None
-        self.masked = masks.keep is not None or masks.bias is not None
+        self.masked = problem.masked
         self._index = self.blocks.index if self.masked else None
         self._ready = ready and self.stored  # a stored tile holds K̃
         self._scaled = False  # a stored tile holds the first sweep's E
@@ -280,15 +265,15 @@ class Tile:
             self._set_shifts(*shifts)
 
     @staticmethod
-    def memory(q: Tensor, k: Tensor, options: Options) -> Tensor:
+    def memory(problem: Problem, options: Options) -> Tensor:
         """Storage for the tiles of every group of one call (stored: one tile; recomputed: one block),
         allocated and paged in once per worker, not once per group."""
-        c, n, m = min(options.group, q.shape[0]), q.shape[1], k.shape[1]
+        c, n, m = min(options.group, problem.B), problem.n, problem.m
         if options.stored:
-            return q.new_empty(c * n * m)
+            return problem.q.new_empty(c * n * m)
         blocks = options.blocks(c, n, m)
         per_block = (blocks.step * n if blocks.rows is None else min(blocks.rows, n)) * m
-        return q.new_empty(per_block)
+        return problem.q.new_empty(per_block)
 
     def _block(self, i: int) -> Tensor:
         if self.stored:
@@ -436,11 +421,11 @@ def add_rows_times(add: Tensor, K: Tensor, x: Tensor, out: Tensor) -> Tensor:
 # forward
 
 
-def scaling_forward(tile: Tile, v: Tensor, keep: Tensor | None, seed: Tensor | None, out: Tensor,
-                    options: Options) -> GroupState | None:
+def scaling_forward(tile: Tile, seed: Tensor | None, out: Tensor, options: Options) -> GroupState | None:
     """The forward of one group in the scaling domain (writes ``out``), or ``None`` when its scalings
     are not to be trusted (then ``out`` is garbage and the engine's log domain takes the group)."""
-    a, b = marginals(*valid_rows_cols(keep, tile.shape), tile.shape, v)
+    v = tile.problem.v
+    a, b = tile.problem.marginals(v)
     drop = dropout_mask(tile.shape, v, options.dropout_p, seed, tile.start)
     us, vs, counts, stop, col_error = _iterate(tile, a, b, v, drop, out, options)
     us, vs = torch.stack(us, -1), torch.stack(vs, -1)
@@ -458,7 +443,8 @@ def _iterate(tile: Tile, a: Tensor, b: Tensor, v: Tensor, drop: Tensor | None, o
     odd fixed count writes ``out``. Returns ``us = [u1, u3, ..]``, ``vs = [v0, v2, ..]``, the ``(c,)``
     normalisations run, the :class:`~.problem.Tolerance` (``None`` for a fixed count) and, for the
     implicit backward after a fixed count, the column error of the final plan."""
-    implicit, fixed = options.backward == "implicit", options.tol is None
+    problem = tile.problem
+    implicit, fixed = options.backward == "implicit", problem.tol is None
     empty_a, empty_b = (a == 0).to(a.dtype), (b == 0).to(b.dtype)  # rows/columns without mass: u = v = 0
     sums = {}  # the column sums K̃^T u of the last pass (+1 on columns without mass: b / sums = 0 there)
 
@@ -473,10 +459,10 @@ def _iterate(tile: Tile, a: Tensor, b: Tensor, v: Tensor, drop: Tensor | None, o
     def col_update(u: Tensor, vt: Tensor) -> tuple[Tensor, Tensor | None]:
         return b / sums["col"], (None if fixed else column_error(vt * sums["col"], b))
 
-    run = sinkhorn_loop(row_update, col_update, lambda: tile.col_shift.exp(), n_iters=options.n_iters,
-                        tol=options.tol, max_iters=options.max_iters, engine=options.engine)
+    run = sinkhorn_loop(row_update, col_update, lambda: tile.col_shift.exp(), n_iters=problem.n_iters,
+                        tol=problem.tol, max_iters=problem.max_iters, engine=options.engine)
     col_error = column_error(run.gs[-1] * sums["col"], b) if fixed and implicit else None
-    if not (fixed and options.n_iters % 2):  # ends on a column normalisation, or tol: one more pass
+    if not (fixed and problem.n_iters % 2):  # ends on a column normalisation, or tol: one more pass
         tile.output(run.fs[-1], run.gs[-1], v, drop, out)
     return run.fs, run.gs, run.counts, run.stop, col_error
 
@@ -497,17 +483,17 @@ def _trustworthy(us: Tensor, vs: Tensor) -> bool:
 # backward
 
 
-def scaling_backward(tile: Tile, keep: Tensor | None, seed: Tensor | None, us: Tensor, vs: Tensor, counts: Tensor,
-                     dO: Tensor, V: Tensor, out: Tensor, options: Options,
-                     grads: tuple[Tensor, Tensor, Tensor]) -> None:
+def scaling_backward(tile: Tile, seed: Tensor | None, us: Tensor, vs: Tensor, counts: Tensor, dO: Tensor,
+                     out: Tensor, options: Options, grads: tuple[Tensor, Tensor, Tensor]) -> None:
     """Gradients of one group in the scaling domain, written into ``grads = (dq, dk, dv)`` (views);
     the passes of the module docstring."""
     c, n, m = tile.shape
+    V = tile.problem.v
     e = V.shape[-1]
-    a, b = marginals(*valid_rows_cols(keep, tile.shape), tile.shape, V)
+    a, b = tile.problem.marginals(V)
     drop = dropout_mask(tile.shape, V, options.dropout_p, seed, tile.start)
     u, vt = us[..., -1], vs[..., -1]
-    rev = None if options.backward == "implicit" else _Reverse(a, b, us, vs, counts, options.tol is not None)
+    rev = None if options.backward == "implicit" else _Reverse(a, b, us, vs, counts, tile.problem.tol is not None)
     L = 2 if rev is None else rev.L
     left = dO.new_empty(c, n, e + L)  # [u ⊙ dO, X]: X column j is the step t = L - j
     torch.mul(u.unsqueeze(-1), dO, out=left[..., :e])

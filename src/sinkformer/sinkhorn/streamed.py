@@ -48,11 +48,10 @@ import torch
 from torch import Tensor
 
 from .problem import (
-    Masks,
+    Problem,
     _finite_or_zero,
     column_error,
     log_marginal,
-    marginals,
     warn_if_unconverged,
 )
 from .loop import sinkhorn_loop
@@ -75,60 +74,41 @@ _UNDERFLOW = 1e-30
 
 @dataclass
 class Streamed:
-    """A batch of score matrices given by ``q (B, n, d)``, ``k (B, m, d)`` and masks, visited in
-    row blocks of ``chunk`` rows; ``a (B, n)``, ``b (B, m)`` the marginals. ``first``: the flat batch
-    index of ``q[0]`` in ``masks``; ``row_shift (B, n)``, ``col_shift (B, m)``: the double shift
-    subtracted from every score (``None``: the plain scores)."""
+    """The score matrices of a :class:`~.problem.Problem` (``group``: a group of its slices, or all of
+    them) visited in row blocks of ``chunk`` rows; ``a (B, n)``, ``b (B, m)`` the marginals;
+    ``row_shift (B, n)``, ``col_shift (B, m)``: the double shift subtracted from every score (``None``:
+    the plain scores)."""
 
-    q: Tensor
-    k: Tensor
-    scale: float
-    masks: Masks
+    group: Problem
     chunk: int
     a: Tensor | None = None
     b: Tensor | None = None
-    first: int = 0
     row_shift: Tensor | None = None
     col_shift: Tensor | None = None
 
     @classmethod
-    def build(cls, q, k, scale, batch, chunk_size=None, keep=None, bias=None, row_marginals=None, col_marginals=None,
-              masks: Masks | None = None, first: int = 0):
-        B, n, m = q.shape[0], q.shape[1], k.shape[1]
-        masks = Masks(keep, bias, tuple(batch)) if masks is None else masks
-        problem = cls(q, k, scale, masks, row_block(B, n, m, chunk_size), first=first)
-        row_valid, col_valid = problem._valid()
-        problem.a, problem.b = marginals(row_valid, col_valid, (B, n, m), q, row_marginals, col_marginals)
-        return problem
+    def build(cls, group: Problem, chunk_size: int | None = None, row_marginals: Tensor | None = None,
+              col_marginals: Tensor | None = None) -> Streamed:
+        """Row blocks of ``chunk_size`` rows (default :func:`~.sizes.row_block`) and the marginals."""
+        streamed = cls(group, row_block(group.B, group.n, group.m, chunk_size))
+        streamed.a, streamed.b = group.marginals(group.q, row_marginals, col_marginals)
+        return streamed
+
+    @property
+    def q(self) -> Tensor:
+        return self.group.q
 
     @property
     def n(self) -> int:
-        return self.q.shape[1]
+        return self.group.n
 
     @property
     def m(self) -> int:
-        return self.k.shape[1]
+        return self.group.m
 
     def blocks(self):
         for start in range(0, self.n, self.chunk):
             yield start, min(self.n, start + self.chunk)
-
-    def keep_of(self, start: int, end: int) -> Tensor | None:
-        B = self.q.shape[0]
-        keep = self.masks.keep_of(self.first, self.first + B, start, end)
-        return None if keep is None else keep.expand(B, end - start, self.m)
-
-    def _valid(self) -> tuple[Tensor | None, Tensor | None]:
-        if self.masks.keep is None:
-            return None, None
-        B = self.q.shape[0]
-        rows = torch.zeros(B, self.n, dtype=torch.bool, device=self.q.device)
-        cols = torch.zeros(B, self.m, dtype=torch.bool, device=self.q.device)
-        for start, end in self.blocks():
-            keep = self.keep_of(start, end)
-            rows[:, start:end] = keep.any(-1)
-            cols |= keep.any(-2)
-        return rows, cols
 
     def shift(self) -> None:
         """A first sweep: the double shift of :func:`~.problem.double_shift` (row maxima, then column
@@ -149,19 +129,19 @@ class Streamed:
         """``(B, end-start, m)`` tile of ``scale q k^T + bias`` (-inf where masked), minus the double
         shift if any, ``+ row_i + col_j``: ``row`` the block's ``(B, end-start)`` slice, ``col`` a
         ``(B, m)`` vector. Without a shift ``row`` is added inside the matrix product."""
-        q = self.q[:, start:end]
+        group = self.group
+        q, kT = group.q[:, start:end], group.k.transpose(1, 2)
         shifted = self.row_shift is not None
         if row is None or shifted:
-            S = torch.baddbmm(q.new_empty(()), q, self.k.transpose(1, 2), beta=0.0, alpha=self.scale)
+            S = torch.baddbmm(q.new_empty(()), q, kT, beta=0.0, alpha=group.scale)
         else:
-            S = torch.baddbmm(row.unsqueeze(-1), q, self.k.transpose(1, 2), alpha=self.scale)
+            S = torch.baddbmm(row.unsqueeze(-1), q, kT, alpha=group.scale)
         if col is not None and not shifted:
             S.add_(col.unsqueeze(1))
-        B = self.q.shape[0]
-        bias = self.masks.bias_of(self.first, self.first + B, start, end)
+        bias = group.bias_of((start, end))
         if bias is not None:
             S.add_(bias)
-        keep = self.masks.keep_of(self.first, self.first + B, start, end)
+        keep = group.keep_of((start, end))
         if keep is not None:
             S.masked_fill_(~keep, float("-inf"))
         if shifted:  # the operations of the tiled engine's tile: the same shifted scores
@@ -325,7 +305,8 @@ def streamed_potentials(
     ``tol``; those that did not emitted a :class:`~.problem.SinkhornConvergenceWarning`).
     """
     with torch.no_grad():
-        problem = Streamed.build(q, k, scale, (q.shape[0],), chunk_size, keep, bias, row_marginals, col_marginals)
+        problem = Streamed.build(Problem(q, k, None, keep, bias, (q.shape[0],), scale, n_iters, tol, max_iters),
+                                 chunk_size, row_marginals, col_marginals)
         fs, gs, counts, _, stop = _sweeps(problem, n_iters, tol, max_iters, warm_start, symmetric=symmetric)
     converged = None
     if stop is not None:
@@ -340,7 +321,7 @@ def streamed_softmax(
 ) -> Tensor:
     """``rowsoftmax(scale q k^T + bias) @ v`` block by block (no gradient); empty rows give 0."""
     with torch.no_grad():
-        problem = Streamed.build(q, k, scale, (q.shape[0],), chunk_size, keep, bias)
+        problem = Streamed.build(Problem(q, k, v, keep, bias, (q.shape[0],), scale, 1), chunk_size)
         out = v.new_empty(q.shape[0], problem.n, v.shape[-1])
         for start, end in problem.blocks():
             S = problem.scores(start, end)
@@ -350,89 +331,82 @@ def streamed_softmax(
     return out
 
 
-def streamed_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, batch: tuple[int, ...], scale: float, n_iters: int | None,
-    tol: float | None = None, max_iters: int = 1000, keep: Tensor | None = None, bias: Tensor | None = None,
-    chunk_size: int | None = None,
-) -> Tensor:
-    """Sinkhorn attention ``(B, n, d) x (B, m, d) x (B, m, e) -> (B, n, e)``, streamed.
-
-    Inputs as for :func:`~.tiled.tiled_attention` (flat over ``batch``, compute precision, masks
-    broadcastable to ``batch + (n, m)``, ``bias`` without gradient); ``chunk_size``: query rows per
-    block (default :func:`~.sizes.stream_rows`)."""
-    rows = stream_rows(q.shape[1], k.shape[1], chunk_size)
-    return _forward_autograd(q, k, v, keep, bias, list(batch), rows, scale, n_iters, tol,
-                             max_iters)[0]
+def streamed_attention(problem: Problem, *, chunk_size: int | None = None) -> Tensor:
+    """Sinkhorn attention ``(B, n, d) x (B, m, d) x (B, m, e) -> (B, n, e)`` of a validated
+    :class:`~.problem.Problem`, streamed; ``chunk_size``: query rows per block (default
+    :func:`~.sizes.stream_rows`)."""
+    rows = stream_rows(problem.n, problem.m, chunk_size)
+    return _forward_autograd(*problem.fields(), rows)[0]
 
 
-def _options(q: Tensor, rows: int, scale: float, n_iters: int | None, tol: float | None, max_iters: int) -> Options:
+def _options(q: Tensor, rows: int) -> Options:
     """One slice per group on the CPU (the groups share the cores), every slice at once on a GPU."""
     group = 1 if q.device.type == "cpu" else max(1, q.shape[0])
-    return Options(scale, n_iters, tol, max_iters, "unrolled", 0.0, "auto", group, rows=rows, stored=False,
-                   engine=ENGINE)
+    return Options("unrolled", 0.0, "auto", group, rows=rows, stored=False, engine=ENGINE)
 
 
 def _forward_impl(
-    q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, batch: list[int], rows: int,
-    scale: float, n_iters: int | None, tol: float | None, max_iters: int,
+    q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, batch: list[int], scale: float,
+    n_iters: int | None, tol: float | None, max_iters: int, rows: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns ``out (B, n, e)``, the shifts ``(B, n)``, ``(B, m)``, the iterates ``(B, n, Lu)``,
-    ``(B, m, Lv)`` (scalings, or potentials where the log domain ran), the normalisations run ``(B,)``
-    and the domain of each slice ``(B,)`` (True: log)."""
-    options = _options(q, rows, scale, n_iters, tol, max_iters)
-    return run_forward(q, k, v, keep, bias, batch, None, options, _log_forward)[:7]  # tiles: never kept
+    """The problem's fields (:meth:`~.problem.Problem.fields`), then the rows per block. Returns ``out (B,
+    n, e)``, the shifts ``(B, n)``, ``(B, m)``, the iterates ``(B, n, Lu)``, ``(B, m, Lv)`` (scalings, or
+    potentials where the log domain ran), the normalisations run ``(B,)`` and the domain of each slice
+    ``(B,)`` (True: log)."""
+    problem = Problem(q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters)
+    return run_forward(problem, None, _options(q, rows), _log_forward)[:7]  # tiles: never kept
 
 
 _forward_op = torch.library.custom_op("sinkformer::streamed_forward", _forward_impl, mutates_args=())
 
 
 @_forward_op.register_fake
-def _(q, k, v, keep, bias, batch, rows, scale, n_iters, tol, max_iters):
+def _(q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters, rows):
     B, n, m = q.shape[0], q.shape[1], k.shape[1]
-    if tol is None:
-        lf, lg = (n_iters + 1) // 2, n_iters // 2 + 1
-    else:
-        lf = lg = torch.library.get_ctx().new_dynamic_size()
-    return (q.new_empty(B, n, v.shape[-1]), q.new_empty(B, n), q.new_empty(B, m), q.new_empty(B, n, lf),
-            q.new_empty(B, m, lg), q.new_empty(B, dtype=torch.int64), q.new_empty(B, dtype=torch.bool))
+    lengths = Problem(q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters).history_length()
+    if lengths is None:
+        length = torch.library.get_ctx().new_dynamic_size()
+        lengths = (length, length)
+    return (q.new_empty(B, n, v.shape[-1]), q.new_empty(B, n), q.new_empty(B, m), q.new_empty(B, n, lengths[0]),
+            q.new_empty(B, m, lengths[1]), q.new_empty(B, dtype=torch.int64), q.new_empty(B, dtype=torch.bool))
 
 
 @torch.library.custom_op("sinkformer::streamed_backward", mutates_args=())
 def _backward_op(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, keep: Tensor | None, bias: Tensor | None,
-    batch: list[int], rows: int, scale: float, n_iters: int | None, tol: float | None, max_iters: int,
-    row_shift: Tensor, col_shift: Tensor, us: Tensor, vs: Tensor, counts: Tensor, log_domain: Tensor,
+    grad_out: Tensor, out: Tensor, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None,
+    batch: list[int], scale: float, n_iters: int | None, tol: float | None, max_iters: int, row_shift: Tensor,
+    col_shift: Tensor, us: Tensor, vs: Tensor, counts: Tensor, log_domain: Tensor, rows: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    options = _options(q, rows, scale, n_iters, tol, max_iters)
-    return run_backward(grad_out, q, k, v, out, keep, bias, batch, None, row_shift, col_shift, us, vs, counts,
-                        log_domain, q.new_empty(0), options, _log_backward)
+    """Gradients ``(dq, dk, dv)``: the output and its gradient, the problem's fields, the forward's saved
+    state, the rows per block."""
+    problem = Problem(q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters)
+    return run_backward(grad_out, problem, out, None, row_shift, col_shift, us, vs, counts, log_domain,
+                        q.new_empty(0), _options(q, rows), _log_backward)
 
 
 @_backward_op.register_fake
-def _(grad_out, q, k, v, *rest):
+def _(grad_out, out, q, k, v, *rest):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, keep, bias, batch, rows, scale, n_iters, tol, max_iters = inputs
+    q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters, rows = inputs
     out, row_shift, col_shift, us, vs, counts, log_domain = output
     ctx.save_for_backward(q, k, v, out, keep, bias, row_shift, col_shift, us, vs, counts, log_domain)
-    ctx.args = (batch, rows, scale, n_iters, tol, max_iters)
+    ctx.schedule, ctx.rows = (batch, scale, n_iters, tol, max_iters), rows
 
 
 def _first_derivatives(ctx, grad_out):
     q, k, v, out, keep, bias, row_shift, col_shift, us, vs, counts, log_domain = ctx.saved_tensors
-    return torch.ops.sinkformer.streamed_backward(grad_out, q, k, v, out, keep, bias, *ctx.args, row_shift,
-                                                  col_shift, us, vs, counts, log_domain)
+    return torch.ops.sinkformer.streamed_backward(grad_out, out, q, k, v, keep, bias, *ctx.schedule, row_shift,
+                                                  col_shift, us, vs, counts, log_domain, ctx.rows)
 
 
 def _second_derivatives(ctx, grad_out):
     from .dense import attention_grads_with_graph
 
     q, k, v, out, keep, bias, *_ = ctx.saved_tensors
-    batch, rows, scale, n_iters, tol, max_iters = ctx.args
-    return attention_grads_with_graph(grad_out, q, k, v, Masks(keep, bias, tuple(batch)), scale=scale,
-                                      n_iters=n_iters, tol=tol, max_iters=max_iters)
+    return attention_grads_with_graph(grad_out, Problem(q, k, v, keep, bias, *ctx.schedule))
 
 
 _forward_autograd = register_engine_autograd(
@@ -440,10 +414,10 @@ _forward_autograd = register_engine_autograd(
     setup_context=_setup_context, first_derivatives=_first_derivatives, second_derivatives=_second_derivatives)
 
 
-def _group_problem(q, k, masks: Masks, start: int, options: Options, row_shift, col_shift) -> Streamed:
-    """The log-domain problem of the slices from ``start`` on, on their doubly shifted scores (the
-    shifts given, or computed by a first sweep)."""
-    problem = Streamed.build(q, k, options.scale, (), options.rows, masks=masks, first=start)
+def _group_problem(group: Problem, options: Options, row_shift, col_shift) -> Streamed:
+    """The row blocks of one group, on its doubly shifted scores (the shifts given, or computed by a
+    first sweep)."""
+    problem = Streamed.build(group, options.rows)
     if row_shift is None:
         problem.shift()
     else:
@@ -451,23 +425,23 @@ def _group_problem(q, k, masks: Masks, start: int, options: Options, row_shift, 
     return problem
 
 
-def _log_forward(q, k, v, masks: Masks, start: int, end: int, options: Options, seed, out: Tensor,
-                 row_shift: Tensor | None, col_shift: Tensor | None) -> GroupState:
-    """Forward of slices ``[start, end)`` in the log domain, on the doubly shifted scores (potentials
-    of ``x = S - m - c`` started from ``g = c``: the iterates of ``S`` from ``g = 0``, Proposition 1)."""
-    problem = _group_problem(q, k, masks, start, options, row_shift, col_shift)
-    fs, gs, counts, o, stop = _sweeps(problem, options.n_iters, options.tol, options.max_iters, problem.col_shift,
-                                      v=v)
+def _log_forward(group: Problem, options: Options, seed, out: Tensor, row_shift: Tensor | None,
+                 col_shift: Tensor | None) -> GroupState:
+    """Forward of one group in the log domain, on the doubly shifted scores (potentials of ``x = S - m -
+    c`` started from ``g = c``: the iterates of ``S`` from ``g = 0``, Proposition 1)."""
+    problem = _group_problem(group, options, row_shift, col_shift)
+    fs, gs, counts, o, stop = _sweeps(problem, group.n_iters, group.tol, group.max_iters, problem.col_shift,
+                                      v=group.v)
     out.copy_(o)
     return GroupState(problem.row_shift, problem.col_shift, torch.stack(fs, -1), torch.stack(gs, -1), counts, True,
                       stop)
 
 
-def _log_backward(grad_out, q, k, v, out, masks: Masks, start: int, end: int, options: Options, seed,
-                  row_shift, col_shift, fs, gs, counts, grads) -> None:
-    """Gradients of slices ``[start, end)`` computed in the log domain, written into ``grads``."""
-    problem = _group_problem(q, k, masks, start, options, row_shift, col_shift)
-    for grad, value in zip(grads, _backward(problem, v, out, grad_out, fs, gs, counts)):
+def _log_backward(grad_out, group: Problem, out, options: Options, seed, row_shift, col_shift, fs, gs, counts,
+                  grads) -> None:
+    """Gradients of one group computed in the log domain, written into ``grads``."""
+    problem = _group_problem(group, options, row_shift, col_shift)
+    for grad, value in zip(grads, _backward(problem, group.v, out, grad_out, fs, gs, counts)):
         grad.copy_(value)
 
 
@@ -531,7 +505,7 @@ def _backward(problem: Streamed, v, out, dO, fs, gs, counts):
         dF = torch.where(active(t - 1), 0.0, dF_pair)
 
     X, Y, exact_terms = _rank_factors(coefs, fs, gs, f_L, g_L)
-    dq, dk = torch.empty_like(problem.q), torch.zeros_like(problem.k)
+    dq, dk = torch.empty_like(problem.q), torch.zeros_like(problem.group.k)
     for start, end in problem.blocks():
         P = problem.plan(start, end, f_L, g_L)
         T = torch.bmm(dO[:, start:end], v.transpose(1, 2))
@@ -543,8 +517,8 @@ def _backward(problem: Streamed, v, out, dO, fs, gs, counts):
             for t, coef in exact_terms:
                 M = problem.plan(start, end, *_pots_after(t, fs, gs))
                 dS -= M * (coef[:, start:end].unsqueeze(-1) if t % 2 else coef.unsqueeze(1))
-        dq[:, start:end] = torch.bmm(dS, problem.k).mul_(problem.scale)
-        dk += torch.bmm(dS.transpose(1, 2), problem.q[:, start:end]).mul_(problem.scale)
+        dq[:, start:end] = torch.bmm(dS, problem.group.k).mul_(problem.group.scale)
+        dk += torch.bmm(dS.transpose(1, 2), problem.q[:, start:end]).mul_(problem.group.scale)
     return dq, dk, dv
 
 

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from . import sizes
-from .problem import Masks, column_error, double_shift, log_marginal, marginals, valid_rows_cols
+from .problem import Problem, column_error, double_shift, log_marginal
 from .ops import refuse_implicit_second_derivatives, register_engine_autograd
 from .sizes import group_size
 from .loop import reverse_schedule, sinkhorn_loop
@@ -54,86 +54,72 @@ ENGINE = "tiled"
 DOMAIN = "auto"
 
 
-def tiled_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    batch: tuple[int, ...],
-    scale: float,
-    n_iters: int | None,
-    tol: float | None = None,
-    max_iters: int = 1000,
-    keep: Tensor | None = None,
-    bias: Tensor | None = None,
-    backward: str = "unrolled",
-    dropout_p: float = 0.0,
-    domain: str | None = None,
-) -> Tensor:
-    """Sinkhorn attention ``(B, n, d) x (B, m, d) x (B, m, e) -> (B, n, e)``.
-
-    ``q, k, v`` are flat over ``batch`` (``B = prod(batch)``) and in compute precision; ``keep``
-    (bool) and ``bias`` (float, no gradient) broadcast to ``batch + (n, m)``. Arguments were
-    validated by :func:`sinkformer.attention`. ``dropout_p`` drops weights after normalisation
-    (the mask of each group is drawn from a seed taken from the global generator, and drawn
-    again in the backward). ``domain``: :data:`DOMAIN` by default.
+def tiled_attention(problem: Problem, *, backward: str = "unrolled", dropout_p: float = 0.0,
+                    domain: str | None = None) -> Tensor:
+    """Sinkhorn attention ``(B, n, d) x (B, m, d) x (B, m, e) -> (B, n, e)`` of a validated
+    :class:`~.problem.Problem` (flat over its batch, in compute precision, ``bias`` without gradient).
+    ``dropout_p`` drops weights after normalisation (the mask of each group is drawn from a seed taken
+    from the global generator, and drawn again in the backward). ``domain``: :data:`DOMAIN` by default.
     """
     domain = DOMAIN if domain is None else domain
     seed = torch.randint(0, 2**62, (1,)) if dropout_p > 0 else None
-    group = group_size(q.shape[0], q.shape[1], k.shape[1], q.device)
-    return _forward_autograd(q, k, v, keep, bias, list(batch), seed, scale, n_iters, tol, max_iters,
-                             backward, dropout_p, domain, group, sizes.CACHE_BLOCK_ELEMENTS)[0]
+    group = group_size(problem.B, problem.n, problem.m, problem.q.device)
+    return _forward_autograd(*problem.fields(), seed, backward, dropout_p, domain, group,
+                             sizes.CACHE_BLOCK_ELEMENTS)[0]
 
 
-def _options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group, block) -> Options:
-    """The ops' non-tensor arguments (schema order) as :class:`~.scaling.Options` of a stored tile."""
-    return Options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group, block=block, engine=ENGINE)
+def _options(backward, dropout_p, domain, group, block) -> Options:
+    """The ops' own arguments (schema order, after the problem's) as :class:`~.scaling.Options` of a stored tile."""
+    return Options(backward, dropout_p, domain, group, block=block, engine=ENGINE)
 
 
 def _forward_impl(
-    q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, batch: list[int], seed: Tensor | None,
-    scale: float, n_iters: int | None, tol: float | None, max_iters: int, backward: str, dropout_p: float, domain: str,
-    group: int, block: int,
+    q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, batch: list[int], scale: float,
+    n_iters: int | None, tol: float | None, max_iters: int, seed: Tensor | None, backward: str, dropout_p: float,
+    domain: str, group: int, block: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns ``out (B, n, e)``, the shifts ``(B, n)``, ``(B, m)``, the iterates ``(B, n, Lu)``,
-    ``(B, m, Lv)``, the normalisations run ``(B,)``, the domain of each slice ``(B,)`` (True: log) and
-    the tiles kept for the backward (small calls, :meth:`~.scaling.Options.saves_tile`; else empty).
-    ``group``: slices per group (the backward and the dropout masks use the same groups)."""
-    options = _options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group, block)
-    return run_forward(q, k, v, keep, bias, batch, seed, options, _log_forward)
+    """The problem's fields (:meth:`~.problem.Problem.fields`), then the engine's own arguments. Returns
+    ``out (B, n, e)``, the shifts ``(B, n)``, ``(B, m)``, the iterates ``(B, n, Lu)``, ``(B, m, Lv)``, the
+    normalisations run ``(B,)``, the domain of each slice ``(B,)`` (True: log) and the tiles kept for the
+    backward (small calls, :meth:`~.scaling.Options.saves_tile`; else empty). ``group``: slices per group
+    (the backward and the dropout masks use the same groups)."""
+    problem = Problem(q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters)
+    return run_forward(problem, seed, _options(backward, dropout_p, domain, group, block), _log_forward)
 
 
 _forward_op = torch.library.custom_op("sinkformer::tiled_forward", _forward_impl, mutates_args=())
 
 
 @_forward_op.register_fake
-def _(q, k, v, keep, bias, batch, seed, scale, n_iters, tol, max_iters, backward, dropout_p, domain, group, block):
-    B, n, m = q.shape[0], q.shape[1], k.shape[1]
-    options = _options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group, block)
-    lengths = options.history_length()
+def _(q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters, seed, backward, dropout_p, domain, group, block):
+    problem = Problem(q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters)
+    B, n, m = problem.B, problem.n, problem.m
+    options = _options(backward, dropout_p, domain, group, block)
+    lengths = problem.history_length(backward == "implicit")
     if lengths is None:
         length = torch.library.get_ctx().new_dynamic_size()
         lengths = (length, length)
-    tiles = q.new_empty(B, n, m) if options.saves_tile(B, n, m, q.device) else q.new_empty(0)
+    tiles = q.new_empty(B, n, m) if options.saves_tile(problem) else q.new_empty(0)
     return (q.new_empty(B, n, v.shape[-1]), q.new_empty(B, n), q.new_empty(B, m), q.new_empty(B, n, lengths[0]),
             q.new_empty(B, m, lengths[1]), q.new_empty(B, dtype=torch.int64), q.new_empty(B, dtype=torch.bool), tiles)
 
 
 @torch.library.custom_op("sinkformer::tiled_backward", mutates_args=())
 def _backward_op(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, keep: Tensor | None, bias: Tensor | None,
-    batch: list[int], seed: Tensor | None, row_shift: Tensor, col_shift: Tensor, us: Tensor, vs: Tensor,
-    counts: Tensor, log_domain: Tensor, tiles: Tensor, scale: float, n_iters: int | None, tol: float | None,
-    max_iters: int, backward: str, dropout_p: float, domain: str, group: int, block: int,
+    grad_out: Tensor, out: Tensor, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None,
+    batch: list[int], scale: float, n_iters: int | None, tol: float | None, max_iters: int, seed: Tensor | None,
+    row_shift: Tensor, col_shift: Tensor, us: Tensor, vs: Tensor, counts: Tensor, log_domain: Tensor, tiles: Tensor,
+    backward: str, dropout_p: float, domain: str, group: int, block: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients ``(dq, dk, dv)`` of the forward op (its saved state: shifts, iterates, counts, tiles)."""
-    options = _options(scale, n_iters, tol, max_iters, backward, dropout_p, domain, group, block)
-    return run_backward(grad_out, q, k, v, out, keep, bias, batch, seed, row_shift, col_shift, us, vs, counts,
-                        log_domain, tiles, options, _log_backward)
+    """Gradients ``(dq, dk, dv)`` of the forward op: the output and its gradient, the problem's fields, the
+    forward's saved state (shifts, iterates, counts, tiles), the engine's own arguments."""
+    problem = Problem(q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters)
+    return run_backward(grad_out, problem, out, seed, row_shift, col_shift, us, vs, counts, log_domain, tiles,
+                        _options(backward, dropout_p, domain, group, block), _log_backward)
 
 
 @_backward_op.register_fake
-def _(grad_out, q, k, v, out, keep, bias, batch, seed, *rest):
+def _(grad_out, out, q, k, v, *rest):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -141,54 +127,42 @@ def _(grad_out, q, k, v, out, keep, bias, batch, seed, *rest):
 # the log domain on the whole tile of a group
 
 
-def _log_forward(q, k, v, masks: Masks, start: int, end: int, options: Options, seed, out: Tensor,
-                 row_shift: Tensor | None, col_shift: Tensor | None) -> GroupState:
-    """Forward of slices ``[start, end)`` in the log domain (writes ``out``); ``row_shift``/``col_shift``:
-    those of a scaling attempt that was not trusted, else computed here."""
-    keep, bias = masks.keep_of(start, end), masks.bias_of(start, end)
-    shape = (q.shape[0], q.shape[1], k.shape[1])
+def _log_forward(group: Problem, options: Options, seed, out: Tensor, row_shift: Tensor | None,
+                 col_shift: Tensor | None) -> GroupState:
+    """Forward of one group in the log domain (writes ``out``); ``row_shift``/``col_shift``: those of a
+    scaling attempt that was not trusted, else computed here."""
+    shape = (group.B, group.n, group.m)
     if row_shift is None:
-        x, row_shift, col_shift = double_shift(_scores(q, k, options.scale, keep, bias), inplace=True)
+        x, row_shift, col_shift = double_shift(group.scores(), inplace=True)
     else:
-        x = _shifted_scores(q, k, options.scale, keep, bias, row_shift, col_shift)
-    a, b = marginals(*valid_rows_cols(keep, shape), shape, x)
-    drop = dropout_mask(shape, x, options.dropout_p, seed, start)
-    fs, gs, counts, stop = _log_iterate(x, a, b, col_shift, options)
+        x = _shifted_scores(group, row_shift, col_shift)
+    a, b = group.marginals(x)
+    drop = dropout_mask(shape, x, options.dropout_p, seed, group.first)
+    fs, gs, counts, stop = _log_iterate(x, a, b, col_shift, group)
     P = x.add_(fs[-1].unsqueeze(-1)).add_(gs[-1].unsqueeze(-2)).exp_()
-    col_error = column_error(P.sum(-2), b) if options.backward == "implicit" and options.tol is None else None
-    torch.bmm(P if drop is None else P.mul_(drop), v, out=out)
+    col_error = column_error(P.sum(-2), b) if options.backward == "implicit" and group.tol is None else None
+    torch.bmm(P if drop is None else P.mul_(drop), group.v, out=out)
     if options.backward == "implicit":
         fs, gs = fs[-1:], gs[-1:]
     return GroupState(row_shift, col_shift, torch.stack(fs, -1), torch.stack(gs, -1), counts, True, stop, col_error)
 
 
-def _log_backward(grad_out, q, k, v, out, masks: Masks, start: int, end: int, options: Options, seed,
-                  row_shift, col_shift, fs, gs, counts, grads) -> None:
-    """Gradients of slices ``[start, end)`` computed in the log domain, written into ``grads``."""
-    keep = masks.keep_of(start, end)
-    shape = (q.shape[0], q.shape[1], k.shape[1])
-    x = _shifted_scores(q, k, options.scale, keep, masks.bias_of(start, end), row_shift, col_shift)
-    a, b = marginals(*valid_rows_cols(keep, shape), shape, x)
-    drop = dropout_mask(shape, x, options.dropout_p, seed, start)
+def _log_backward(grad_out, group: Problem, out, options: Options, seed, row_shift, col_shift, fs, gs, counts,
+                  grads) -> None:
+    """Gradients of one group computed in the log domain, written into ``grads``."""
+    shape = (group.B, group.n, group.m)
+    x = _shifted_scores(group, row_shift, col_shift)
+    a, b = group.marginals(x)
+    drop = dropout_mask(shape, x, options.dropout_p, seed, group.first)
     dq, dk, dv = grads
-    dS, dv[...] = _log_gradients(x, a, b, fs, gs, counts, grad_out, v, drop, options)
-    torch.bmm(dS, k, out=dq).mul_(options.scale)
-    torch.bmm(dS.transpose(1, 2), q, out=dk).mul_(options.scale)
+    dS, dv[...] = _log_gradients(x, a, b, fs, gs, counts, grad_out, group.v, drop, options)
+    torch.bmm(dS, group.k, out=dq).mul_(group.scale)
+    torch.bmm(dS.transpose(1, 2), group.q, out=dk).mul_(group.scale)
 
 
-def _scores(q: Tensor, k: Tensor, scale: float, keep: Tensor | None, bias: Tensor | None) -> Tensor:
-    """``scale * q k^T + bias`` with masked entries at -inf, shape ``(c, n, m)``."""
-    S = torch.baddbmm(q.new_empty(()), q, k.transpose(1, 2), beta=0.0, alpha=scale)
-    if bias is not None:
-        S.add_(bias)
-    if keep is not None:
-        S.masked_fill_(~keep, float("-inf"))
-    return S
-
-
-def _shifted_scores(q, k, scale, keep, bias, row_shift, col_shift) -> Tensor:
+def _shifted_scores(group: Problem, row_shift: Tensor, col_shift: Tensor) -> Tensor:
     """The forward's shifted tile again, from the saved shifts (same operations, same values)."""
-    return _scores(q, k, scale, keep, bias).sub_(row_shift.unsqueeze(-1)).sub_(col_shift.unsqueeze(-2))
+    return group.scores().sub_(row_shift.unsqueeze(-1)).sub_(col_shift.unsqueeze(-2))
 
 
 def _ratio(num: Tensor, den: Tensor) -> Tensor:
@@ -196,7 +170,7 @@ def _ratio(num: Tensor, den: Tensor) -> Tensor:
     return torch.where(num > 0, num / den, torch.zeros_like(num))
 
 
-def _log_iterate(x: Tensor, a: Tensor, b: Tensor, g0: Tensor, options: Options):
+def _log_iterate(x: Tensor, a: Tensor, b: Tensor, g0: Tensor, problem: Problem):
     """The log-domain loop (:func:`~.loop.sinkhorn_loop`) on the shifted tile ``x``: ``fs = [f1, f3, ..]``,
     ``gs = [g0, g2, ..]``, the counts and the stop rule."""
     log_a, log_b = log_marginal(a, a > 0), log_marginal(b, b > 0)
@@ -206,11 +180,11 @@ def _log_iterate(x: Tensor, a: Tensor, b: Tensor, g0: Tensor, options: Options):
 
     def col_update(f: Tensor, g: Tensor) -> tuple[Tensor, Tensor | None]:
         lse = torch.logsumexp(x + f.unsqueeze(-1), -2)
-        error = None if options.tol is None else column_error(torch.exp(g + lse), b)
+        error = None if problem.tol is None else column_error(torch.exp(g + lse), b)
         return torch.where(b > 0, log_b - lse, torch.zeros_like(b)), error
 
-    run = sinkhorn_loop(row_update, col_update, g0, n_iters=options.n_iters, tol=options.tol,
-                        max_iters=options.max_iters, engine=ENGINE)
+    run = sinkhorn_loop(row_update, col_update, g0, n_iters=problem.n_iters, tol=problem.tol,
+                        max_iters=problem.max_iters, engine=ENGINE)
     return run.fs, run.gs, run.counts, run.stop
 
 
@@ -249,21 +223,26 @@ def _log_gradients(x, a, b, fs, gs, counts, dO, V, drop, options):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, keep, bias, batch, seed, *options = inputs
+    q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters, seed, *options = inputs
     out, row_shift, col_shift, us, vs, counts, log_domain, tiles = output
     ctx.save_for_backward(q, k, v, out, keep, bias, seed, row_shift, col_shift, us, vs, counts, log_domain, tiles)
-    ctx.batch, ctx.options = batch, options
+    ctx.schedule, ctx.options = (batch, scale, n_iters, tol, max_iters), options
+
+
+def _problem(ctx, q, k, v, keep, bias) -> Problem:
+    """The forward's problem again, from the saved tensors and the schedule."""
+    return Problem(q, k, v, keep, bias, *ctx.schedule)
 
 
 def _first_derivatives(ctx, grad_out):
     q, k, v, out, keep, bias, seed, row_shift, col_shift, us, vs, counts, log_domain, tiles = ctx.saved_tensors
-    return torch.ops.sinkformer.tiled_backward(grad_out, q, k, v, out, keep, bias, ctx.batch, seed, row_shift,
-                                               col_shift, us, vs, counts, log_domain, tiles, *ctx.options)
+    return torch.ops.sinkformer.tiled_backward(grad_out, out, *_problem(ctx, q, k, v, keep, bias).fields(), seed,
+                                               row_shift, col_shift, us, vs, counts, log_domain, tiles, *ctx.options)
 
 
 def _second_derivatives(ctx, grad_out):
     q, k, v, out, keep, bias, seed, *_ = ctx.saved_tensors
-    return _dense_grads(grad_out, q, k, v, keep, bias, ctx.batch, seed, _options(*ctx.options))
+    return _dense_grads(grad_out, _problem(ctx, q, k, v, keep, bias), seed, _options(*ctx.options))
 
 
 _forward_autograd = register_engine_autograd(
@@ -271,17 +250,16 @@ _forward_autograd = register_engine_autograd(
     setup_context=_setup_context, first_derivatives=_first_derivatives, second_derivatives=_second_derivatives)
 
 
-def _dense_grads(grad_out, q, k, v, keep, bias, batch, seed, options: Options):
+def _dense_grads(grad_out, problem: Problem, seed, options: Options):
     """First derivatives with a graph (for second derivatives): the dense engine's weights with
     the same dropout masks, differentiated by autograd."""
     from .dense import attention_grads_with_graph
 
     refuse_implicit_second_derivatives(options.backward, ENGINE)
-    B, n, m = q.shape[0], q.shape[1], k.shape[1]
+    B, n, m = problem.B, problem.n, problem.m
     drop = None
     if options.dropout_p:
         group = options.group
-        drop = torch.cat([dropout_mask((min(B, s + group) - s, n, m), q, options.dropout_p, seed, s)
+        drop = torch.cat([dropout_mask((min(B, s + group) - s, n, m), problem.q, options.dropout_p, seed, s)
                           for s in range(0, B, group)])
-    return attention_grads_with_graph(grad_out, q, k, v, Masks(keep, bias, tuple(batch)), scale=options.scale,
-                                      n_iters=options.n_iters, tol=options.tol, max_iters=options.max_iters, drop=drop)
+    return attention_grads_with_graph(grad_out, problem, drop=drop)
