@@ -3,8 +3,9 @@
 ``sinkformer.sinkhorn`` is the function :func:`sinkformer.sinkhorn.dense.sinkhorn` (the log-domain
 reference), which also carries this package's names and submodules as attributes.
 
-* :mod:`.problem` — what every engine obeys: valid rows/columns, marginals, the meaning of
-  ``n_iters`` and ``tol``, the stop rule, the double shift, :class:`SinkhornResult`.
+* :mod:`.problem` — what every engine obeys: :class:`~.problem.Problem` (the attention problem
+  every engine receives), valid rows/columns, marginals, the meaning of ``n_iters`` and ``tol``, the
+  stop rule, the double shift, :class:`SinkhornResult`.
 * :mod:`.loop` — the Sinkhorn loop and its reverse schedule, written once against the operators an
   engine supplies (dense, tiled in the log domain, flash with ``tol``).
 * :mod:`.sizes` — the tile and block sizes (one set of constants); :mod:`.implicit` — the linear
