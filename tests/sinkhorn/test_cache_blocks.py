@@ -46,10 +46,10 @@ def test_the_stored_tile_after_the_first_sweep_is_the_recomputed_one_bit_for_bit
         keep[1, 3] = False  # a row without one
     options = Options("unrolled", 0.0, "scaling", c, block=budget)
     problem = Problem(q, k, None, keep, None, (c,), 0.5, 5)
-    stored = Tile(problem, options, Tile.memory(problem, options))
+    stored = Tile(problem, options, Tile.memory(problem, options, {}))
     a = torch.ones(c, n)
     stored.first_sweep(a, torch.zeros(c, n))
     tiles = torch.cat([K.reshape(-1) for _, K in stored.visit()])
     shifts = (stored.row_shift, stored.col_shift)
-    fresh = Tile(problem, options, Tile.memory(problem, options), shifts=shifts)
+    fresh = Tile(problem, options, Tile.memory(problem, options, {}), shifts=shifts)
     assert torch.equal(tiles, torch.cat([K.reshape(-1).clone() for _, K in fresh.visit()]))

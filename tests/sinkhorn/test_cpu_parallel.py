@@ -110,3 +110,59 @@ def test_a_worker_that_cannot_be_made_single_threaded_leaves_the_groups_to_the_c
     out = map_groups(list(range(6)), lambda start, scratch: (start, threading.current_thread().name), CPU,
                      scores=1 << 40)
     assert out == [(s, main) for s in range(6)]
+
+
+@pytest.fixture
+def no_kept_scratch():
+    cpu_parallel.release_scratch()
+    yield
+    cpu_parallel.release_scratch()
+
+
+@pytest.mark.parametrize("scores", [1, cpu_parallel.PARALLEL_ABOVE])  # on the caller, on the workers
+def test_scratch_outlives_the_call_and_serves_the_next_one(two_threads, no_kept_scratch, scores):
+    def work(start, scratch):
+        buffer = scratch.setdefault("memory", torch.empty(1000))
+        return buffer.data_ptr()
+
+    first = set(map_groups([0, 1, 2, 3], work, CPU, scores=scores))
+    again = set(map_groups([0, 1, 2, 3], work, CPU, scores=scores))
+    # the same buffers again (on the workers, a worker that took no group of the first call has a new one)
+    assert again == first if scores == 1 else again & first
+    cpu_parallel.release_scratch()
+    assert not cpu_parallel._kept
+
+
+def test_scratch_is_kept_within_the_byte_budget_and_never_shared(no_kept_scratch, monkeypatch):
+    monkeypatch.setattr(cpu_parallel, "SCRATCH_KEPT_BYTES", 6000)
+    big = lambda start, scratch: scratch.setdefault("memory", torch.empty(2000)).data_ptr()  # noqa: E731 (8000 bytes)
+    map_groups([0], big, CPU, scores=1)
+    assert not cpu_parallel._kept  # over the budget: freed with the call
+    small = lambda start, scratch: scratch.setdefault("memory", torch.empty(1000)).data_ptr()  # noqa: E731
+    map_groups([0], small, CPU, scores=1)
+    assert len(cpu_parallel._kept) == 1
+    held = cpu_parallel._take_scratch(CPU)  # a call in progress holds it ...
+    assert map_groups([0], small, CPU, scores=1) != held["memory"].data_ptr()  # ... so another call gets its own
+
+
+def test_attention_with_kept_tiles_equals_fresh_ones_and_a_gpu_keeps_nothing(no_kept_scratch, monkeypatch):
+    import sinkformer
+    from sinkformer.sinkhorn import sizes
+
+    monkeypatch.setattr(sizes, "SAVED_TILE_SCORES", 0)  # the backward recomputes its tile in scratch too
+
+    g = torch.Generator().manual_seed(0)
+    big, small = ((torch.randn(1, 2, n, 8, generator=g, requires_grad=True) for _ in range(3)) for n in (300, 40))
+    big, small = list(big), list(small)
+
+    def run(q, k, v):
+        out = sinkformer.attention(q, k, v, n_iters=5, backend="tiled")
+        return (out, *torch.autograd.grad(out.square().sum(), (q, k, v)))
+
+    fresh = run(*big)
+    assert cpu_parallel._kept  # kept for the next call
+    run(*small)  # the kept tile serves a smaller call, with other values in it
+    for a, b in zip(fresh, run(*big)):
+        assert torch.equal(a, b)
+    cpu_parallel._keep_scratch({"memory": torch.empty(10, device="meta")}, torch.device("meta"))
+    assert all(t.device.type == "cpu" for s in cpu_parallel._kept for t in s.values())

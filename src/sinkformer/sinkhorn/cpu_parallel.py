@@ -17,7 +17,10 @@ calling thread with PyTorch's intra-op threads: slower, never wrong.
 
 Groups must be independent (each writes its own rows of preallocated outputs); results come back
 in order, and an exception raised by any group is raised again in the caller. Each worker has its
-own ``scratch`` dict (for example a tile buffer allocated once per worker).
+own ``scratch`` dict (for example a tile buffer allocated once per worker). On the CPU the scratch
+dicts outlive the call, up to :data:`SCRATCH_KEPT_BYTES` in all, and serve the next call
+(:func:`release_scratch` frees them): a tile above the C library's mmap threshold (32 MiB in glibc) is
+otherwise new pages on every call, each one faulted in and zeroed by the kernel.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-__all__ = ["map_groups", "PARALLEL_ABOVE", "single_threaded_here"]
+__all__ = ["map_groups", "PARALLEL_ABOVE", "SCRATCH_KEPT_BYTES", "release_scratch", "single_threaded_here"]
 
 T = TypeVar("T")
 
@@ -43,6 +46,45 @@ T = TypeVar("T")
 #: workers, which costs most in calls of tens of milliseconds. The conformance suite sets 0 to test
 #: the threads.
 PARALLEL_ABOVE = 1 << 24
+
+#: Bytes of CPU scratch memory (the workers' tile buffers) kept between calls for the next one. A fresh
+#: 64 MiB tile (one 4096 x 4096 float32 slice) costs about 35 ms of page faults on this project's 2-core
+#: machine, a quarter of a one-thread 5-iteration forward+backward (docs/speed.md); a call's scratch is
+#: kept only if the kept total stays within this budget.
+SCRATCH_KEPT_BYTES = 256 << 20
+
+_kept: list[dict] = []  # scratch dicts of finished calls, for the next ones
+_kept_lock = threading.Lock()
+
+
+def _scratch_bytes(scratch: dict) -> int:
+    return sum(t.untyped_storage().nbytes() for t in scratch.values() if isinstance(t, torch.Tensor))
+
+
+def _take_scratch(device: torch.device) -> dict:
+    """A scratch dict for one worker: a kept one on the CPU, else a new one."""
+    if device.type == "cpu":
+        with _kept_lock:
+            if _kept:
+                return _kept.pop()
+    return {}
+
+
+def _keep_scratch(scratch: dict, device: torch.device) -> None:
+    """Keep a worker's scratch for a later call, within :data:`SCRATCH_KEPT_BYTES` (CPU only: on GPUs
+    PyTorch's caching allocator already reuses memory)."""
+    if device.type != "cpu" or not scratch:
+        return
+    size = _scratch_bytes(scratch)
+    with _kept_lock:
+        if sum(_scratch_bytes(s) for s in _kept) + size <= SCRATCH_KEPT_BYTES:
+            _kept.append(scratch)
+
+
+def release_scratch() -> None:
+    """Free the scratch memory kept between calls (it is allocated again by the next large call)."""
+    with _kept_lock:
+        _kept.clear()
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,8 +138,10 @@ def map_groups(starts: list[int], work: Callable[[int, dict], T], device: torch.
     """
     workers = min(len(starts), torch.get_num_threads()) if device.type == "cpu" else 1
     if workers <= 1 or scores < PARALLEL_ABOVE or _runtime() is None:
-        scratch: dict = {}
-        return [work(start, scratch) for start in starts]
+        scratch = _take_scratch(device)
+        results = [work(start, scratch) for start in starts]
+        _keep_scratch(scratch, device)
+        return results
     results: list = [None] * len(starts)
     errors: list[BaseException] = []
     fallback = threading.Event()  # a worker could not be made single-threaded: the caller runs the rest
@@ -108,6 +152,7 @@ def map_groups(starts: list[int], work: Callable[[int, dict], T], device: torch.
         while not errors:
             i = next(taken)
             if i >= len(starts):
+                _keep_scratch(scratch, device)
                 return
             results[i] = work(starts[i], scratch)
 
@@ -117,7 +162,7 @@ def map_groups(starts: list[int], work: Callable[[int, dict], T], device: torch.
             return
         try:
             with torch.set_grad_enabled(grad_mode):
-                take({})
+                take(_take_scratch(device))
         except BaseException as error:  # noqa: BLE001 - raised again in the caller
             errors.append(error)
 
@@ -127,7 +172,7 @@ def map_groups(starts: list[int], work: Callable[[int, dict], T], device: torch.
     for thread in threads:
         thread.join()
     if fallback.is_set() and not errors:
-        take({})
+        take(_take_scratch(device))
     if errors:
         raise errors[0]
     return results

@@ -154,9 +154,7 @@ def run_forward(problem: Problem, seed: Tensor | None, options: Options, log_for
         sl = slice(start, min(B, start + options.group))
         group = problem.group(sl.start, sl.stop)
         if scaling:
-            memory = tiles[sl].view(-1) if tiles.numel() else scratch.get("memory")
-            if memory is None:
-                memory = scratch["memory"] = Tile.memory(problem, options)
+            memory = tiles[sl].view(-1) if tiles.numel() else Tile.memory(problem, options, scratch)
             tile = Tile(group, options, memory)
             state = scaling_forward(tile, seed, out[sl], options)
             if state is not None:
@@ -195,9 +193,7 @@ def run_backward(grad_out: Tensor, problem: Problem, out: Tensor, seed: Tensor |
                          counts[sl], grads)
             return
         kept = tiles.numel() > 0
-        memory = tiles[sl].view(-1) if kept else scratch.get("memory")
-        if memory is None:
-            memory = scratch["memory"] = Tile.memory(problem, options)
+        memory = tiles[sl].view(-1) if kept else Tile.memory(problem, options, scratch)
         tile = Tile(group, options, memory, shifts=(row_shift[sl], col_shift[sl]), ready=kept)
         scaling_backward(tile, seed, us[sl], vs[sl], counts[sl], grad_out[sl], out[sl], options, grads)
 
@@ -265,15 +261,21 @@ class Tile:
             self._set_shifts(*shifts)
 
     @staticmethod
-    def memory(problem: Problem, options: Options) -> Tensor:
-        """Storage for the tiles of every group of one call (stored: one tile; recomputed: one block),
-        allocated and paged in once per worker, not once per group."""
+    def memory(problem: Problem, options: Options, scratch: dict) -> Tensor:
+        """Storage for the tiles of every group of one call (stored: one tile; recomputed: one block):
+        the worker's ``scratch`` buffer (:func:`~.cpu_parallel.map_groups`: kept between calls on the
+        CPU), allocated and paged in again only when it is too small or of another dtype or device."""
         c, n, m = min(options.group, problem.B), problem.n, problem.m
         if options.stored:
-            return problem.q.new_empty(c * n * m)
-        blocks = options.blocks(c, n, m)
-        per_block = (blocks.step * n if blocks.rows is None else min(blocks.rows, n)) * m
-        return problem.q.new_empty(per_block)
+            size = c * n * m
+        else:
+            blocks = options.blocks(c, n, m)
+            size = (blocks.step * n if blocks.rows is None else min(blocks.rows, n)) * m
+        held = scratch.get("memory")
+        q = problem.q
+        if held is None or held.numel() < size or held.dtype != q.dtype or held.device != q.device:
+            held = scratch["memory"] = q.new_empty(size)
+        return held[:size]
 
     def _block(self, i: int) -> Tensor:
         if self.stored:
