@@ -53,35 +53,45 @@ print(json.dumps(out))
 """
 
 
+def shapes(ns: list[int], heads: int | None = None) -> dict[int, tuple[int, int, int]]:
+    """``(batch, heads, repeats)`` per n: :data:`SHAPES`, or with ``heads`` heads (the repeats scaled up
+    as the slices go down, so that a round times about as much work)."""
+    if heads is None:
+        return {n: SHAPES[n] for n in ns}
+    return {n: (SHAPES[n][0], heads, max(1, SHAPES[n][2] * SHAPES[n][1] // heads)) for n in ns}
+
+
 def measure(tree: Path, ns: list[int], n_iters: int, causal: bool, threads: int | None,
-            what: str = "time") -> dict[int, float]:
+            what: str = "time", heads: int | None = None) -> dict[int, float]:
     """Per n, in a fresh process on ``tree``: milliseconds of one forward+backward, median of the
     repeats (``what="time"``), or the aten calls of one forward+backward (``what="ops"``)."""
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
-    shapes = json.dumps({str(n): SHAPES[n] for n in ns})
-    done = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(ns), str(n_iters), "1" if causal else "0", shapes,
-                           what], env=env, capture_output=True, text=True, check=True)
+    shapes_json = json.dumps({str(n): shape for n, shape in shapes(ns, heads).items()})
+    done = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(ns), str(n_iters), "1" if causal else "0",
+                           shapes_json, what], env=env, capture_output=True, text=True, check=True)
     return {int(n): value for n, value in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
 
 def compare(before: Path, after: Path, ns: list[int], n_iters: int, causal: bool, rounds: int,
-            threads: int | None = None, progress=print) -> list[dict]:
+            threads: int | None = None, progress=print, heads: int | None = None) -> list[dict]:
     """Per n: both trees' medians over rounds (ms), the per-round ratios after/before, and the aten
-    calls of one forward+backward in each tree (counted once: they do not vary)."""
+    calls of one forward+backward in each tree (counted once: they do not vary). ``heads``: instead of
+    :data:`SHAPES`' heads."""
     times: dict[str, list[dict[int, float]]] = {"before": [], "after": []}
     for r in range(rounds):
         order = [("before", before), ("after", after)] if r % 2 == 0 else [("after", after), ("before", before)]
         for name, tree in order:
-            times[name].append(measure(tree, ns, n_iters, causal, threads))
+            times[name].append(measure(tree, ns, n_iters, causal, threads, heads=heads))
         progress(f"round {r + 1}/{rounds} done")
-    ops = {name: measure(tree, ns, n_iters, causal, threads, what="ops") for name, tree in (("before", before),
-                                                                                         ("after", after))}
+    ops = {name: measure(tree, ns, n_iters, causal, threads, what="ops", heads=heads)
+           for name, tree in (("before", before), ("after", after))}
+    sizes = shapes(ns, heads)
     rows = []
     for n in ns:
         ratios = [a[n] / b[n] for a, b in zip(times["after"], times["before"])]
-        rows.append({"n": n, "batch_heads": SHAPES[n][:2], "before_ms": statistics.median(t[n] for t in times["before"]),
+        rows.append({"n": n, "batch_heads": sizes[n][:2], "before_ms": statistics.median(t[n] for t in times["before"]),
                      "after_ms": statistics.median(t[n] for t in times["after"]), "ratio": statistics.median(ratios),
                      "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": rounds,
                      "before_ops": ops["before"][n], "after_ops": ops["after"][n]})
@@ -122,14 +132,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--causal", action="store_true", help="is_causal=True")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS of the workers (default: torch's)")
+    parser.add_argument("--heads", type=int, help="heads of every n (default: the table's, e.g. 8)")
     parser.add_argument("--out", type=Path, help="folder for ab.json and ab.md")
     args = parser.parse_args(argv)
+    if args.heads is not None and args.heads < 1:
+        parser.error(f"--heads must be >= 1, got {args.heads}")
     for name in ("before", "after"):
         tree = getattr(args, name)
         if not (tree / "src" / "sinkformer" / "__init__.py").is_file():
             parser.error(f"--{name} must be a source tree with src/sinkformer, got {str(tree)!r}")
     rows = compare(args.before.resolve(), args.after.resolve(), args.n, args.iters, args.causal, args.rounds,
-                   args.threads, progress=lambda s: print(s, file=sys.stderr))
+                   args.threads, progress=lambda s: print(s, file=sys.stderr), heads=args.heads)
     trees = (source(args.before), source(args.after))
     text = table(rows, args.iters, args.causal, trees)
     print(text)

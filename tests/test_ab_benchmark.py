@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_rounds_alternate_the_trees_and_ratios_are_per_round(monkeypatch):
     calls = []
 
-    def fake(tree, ns, n_iters, causal, threads, what="time"):
+    def fake(tree, ns, n_iters, causal, threads, what="time", heads=None):
         if what == "ops":
             return {n: n + (1 if tree.name == "after" else 0) for n in ns}
         calls.append(tree.name)
@@ -30,6 +30,16 @@ def test_rounds_alternate_the_trees_and_ratios_are_per_round(monkeypatch):
     assert [(r["before_ops"], r["after_ops"]) for r in rows] == [(16, 17), (64, 65)]
     text = ab.table(rows, 5, False)
     assert "| 16 | 4 × 8 |" in text and "medians over 4 interleaved rounds" in text and "| 16 → 17 |" in text
+
+
+def test_heads_replace_the_tables_and_scale_the_repeats(monkeypatch):
+    assert ab.shapes([4096, 64]) == {4096: ab.SHAPES[4096], 64: ab.SHAPES[64]}
+    assert ab.shapes([4096, 64], heads=2) == {4096: (1, 2, 4), 64: (4, 2, 120)}
+    monkeypatch.setattr(ab, "measure", lambda tree, ns, *a, what="time", heads=None: {n: 1.0 for n in ns})
+    rows = ab.compare(Path("/x/before"), Path("/x/after"), [4096], 5, False, rounds=2, progress=lambda s: None, heads=2)
+    assert "| 4096 | 1 × 2 |" in ab.table(rows, 5, False)
+    with pytest.raises(SystemExit):
+        ab.main(["--before", str(ROOT), "--heads", "0"])
 
 
 def test_one_measurement_runs_the_tree_it_is_given():
