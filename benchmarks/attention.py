@@ -140,6 +140,7 @@ def measure(method: str, b: int, h: int, n: int, d: int, n_iters: int, repeats: 
     q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
     fn = make_fn(method, n_iters)
     if what == "single":
+        _release_kept_memory()
         base, _ = _rss_mib()
         _reset_peak()
         start = now()
@@ -167,9 +168,19 @@ def measure(method: str, b: int, h: int, n: int, d: int, n_iters: int, repeats: 
             "forward_backward_ms": 1e3 * median_seconds(forward_backward, repeats, now)}
 
 
+def _release_kept_memory() -> None:
+    """Free what sinkformer keeps between calls (the CPU tile buffers of
+    :func:`sinkformer.sinkhorn.cpu_parallel.release_scratch`): a call's peak counts the memory it uses."""
+    from sinkformer.sinkhorn import cpu_parallel
+
+    cpu_parallel.release_scratch()
+
+
 def peak_rise_mib(step) -> float:
     """Rise of the resident-set high-water mark during ``step()``, in MiB (the high-water mark reset
-    first; meaningful with ``MALLOC_MMAP_THRESHOLD_`` set so that freed blocks leave at once)."""
+    first; meaningful with ``MALLOC_MMAP_THRESHOLD_`` set so that freed blocks leave at once). Memory
+    the library keeps between calls is freed first, so that the call's own use counts."""
+    _release_kept_memory()
     base, _ = _rss_mib()
     _reset_peak()
     step()
