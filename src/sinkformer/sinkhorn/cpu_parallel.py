@@ -47,10 +47,10 @@ T = TypeVar("T")
 #: the threads.
 PARALLEL_ABOVE = 1 << 24
 
-#: Bytes of CPU scratch memory (the workers' tile buffers) kept between calls for the next one. A fresh
-#: 64 MiB tile (one 4096 x 4096 float32 slice) costs about 35 ms of page faults on this project's 2-core
-#: machine, a quarter of a one-thread 5-iteration forward+backward (docs/speed.md); a call's scratch is
-#: kept only if the kept total stays within this budget.
+#: Bytes of CPU scratch memory (the workers' tile buffers) kept between calls for the next one: a fresh
+#: 64 MiB tile (one 4096 x 4096 float32 slice) is page faults on every call, which made a 5-iteration
+#: forward+backward of 1 x 2 such slices about 9 % slower (docs/speed.md, ab_issue26_scratch). A call's
+#: scratch is kept only if the kept total stays within this budget.
 SCRATCH_KEPT_BYTES = 256 << 20
 
 _kept: list[dict] = []  # scratch dicts of finished calls, for the next ones

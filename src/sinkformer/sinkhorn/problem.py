@@ -371,8 +371,7 @@ class Problem:
     def group(self, start: int, end: int) -> Problem:
         """The problem of slices ``[start, end)`` (the same masks, read from flat index ``first + start``)."""
         v = None if self.v is None else self.v[start:end]
-        view = replace(self, q=self.q[start:end], k=self.k[start:end], v=v, first=self.first + start)
-        return view
+        return replace(self, q=self.q[start:end], k=self.k[start:end], v=v, first=self.first + start)
 
     def keep_of(self, rows: tuple[int, int | None] = (0, None)) -> Tensor | None:
         """``keep`` of these slices and query rows ``rows``, broadcastable to ``(B, rows, m)``."""
