@@ -90,3 +90,13 @@ def test_rows_whose_sums_underflow_come_from_the_log_domain():
     want = sinkformer.attention(q.double(), k.double(), v.double(), is_causal=True, n_iters=3, scale=1.0)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_what_the_row_blocks_cannot_serve_is_refused_by_name():
+    q, k, v, keep = inputs(B=2, n=8)
+    with pytest.raises(ValueError, match="n_iters 2 or 3, got n_iters=4"):
+        blocks(q, k, v, None, 1.0, 4)
+    with pytest.raises(ValueError, match="no bias"):
+        causal_block_attention(Problem(q, k, v, None, torch.zeros(2, 8, 8, dtype=q.dtype), (2,), 1.0, 3))
+    with pytest.raises(ValueError, match=r"key padding mask only \(keep of shape \(\.\.\., 1, n\)\), got keep of shape"):
+        causal_block_attention(Problem(q, k, v, torch.ones(2, 8, 8, dtype=torch.bool), None, (2,), 1.0, 3))
