@@ -130,13 +130,21 @@ class Streamed:
         shift if any, ``+ row_i + col_j``: ``row`` the block's ``(B, end-start)`` slice, ``col`` a
         ``(B, m)`` vector. Without a shift ``row`` is added inside the matrix product."""
         group = self.group
+        if self.row_shift is not None or (row is None and col is None):
+            S = group.scores((start, end))  # the operations of the tiled engine's tile: the same shifted scores
+            if self.row_shift is not None:
+                S.sub_(self.row_shift[:, start:end].unsqueeze(-1)).sub_(self.col_shift.unsqueeze(1))
+            if row is not None:
+                S.add_(row.unsqueeze(-1))
+            if col is not None:
+                S.add_(col.unsqueeze(1))
+            return S
         q, kT = group.q[:, start:end], group.k.transpose(1, 2)
-        shifted = self.row_shift is not None
-        if row is None or shifted:
+        if row is None:
             S = torch.baddbmm(q.new_empty(()), q, kT, beta=0.0, alpha=group.scale)
         else:
             S = torch.baddbmm(row.unsqueeze(-1), q, kT, alpha=group.scale)
-        if col is not None and not shifted:
+        if col is not None:
             S.add_(col.unsqueeze(1))
         bias = group.bias_of((start, end))
         if bias is not None:
@@ -144,12 +152,6 @@ class Streamed:
         keep = group.keep_of((start, end))
         if keep is not None:
             S.masked_fill_(~keep, float("-inf"))
-        if shifted:  # the operations of the tiled engine's tile: the same shifted scores
-            S.sub_(self.row_shift[:, start:end].unsqueeze(-1)).sub_(self.col_shift.unsqueeze(1))
-            if row is not None:
-                S.add_(row.unsqueeze(-1))
-            if col is not None:
-                S.add_(col.unsqueeze(1))
         return S
 
     def plan(self, start: int, end: int, f: Tensor, g: Tensor) -> Tensor:
