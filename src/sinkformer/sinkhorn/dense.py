@@ -19,6 +19,11 @@ This is POT's scaling convention (``ot.sinkhorn(a, b, M=-S, reg=1)`` gives the s
 whole ``n × m`` matrix exists and autograd records every iteration, so memory is
 :math:`O(nm\cdot n\_iters)` when differentiated; every other engine is held to this one by the
 conformance suite. Marginals, masks, iteration count and stop rule: :mod:`.problem`.
+
+``domain="scaling"`` computes the same fixed count of normalisations with one exponential and
+matrix-vector products (:meth:`_Problem.scaling_plan`), for callers that balance many small matrices
+(the block sorting of Sparse Sinkhorn Attention); matrices whose scalings it cannot trust
+(:func:`~.problem.trusted_scalings`) are recomputed in the log domain.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._capture import exact_path, patched
 from .._validation import (
     _skip_data_checks, broadcastable, check_finite, check_tensor, compute_dtype, data_checks_run, require,
 )
@@ -37,7 +43,10 @@ from .problem import (
     CONVERGED_TOL,
     Problem,
     SinkhornResult,
+    all_of,
+    any_along,
     check_iterations,
+    trusted_scalings,
     column_error,
     double_shift,
     log_marginal,
@@ -45,7 +54,10 @@ from .problem import (
     warn_if_unconverged,
 )
 
-__all__ = ["sinkhorn", "log_sinkhorn_loop", "attention_grads_with_graph"]
+__all__ = ["DOMAINS", "sinkhorn", "log_sinkhorn_loop", "attention_grads_with_graph"]
+
+#: What :func:`sinkhorn`'s ``domain`` accepts.
+DOMAINS = ("log", "scaling")
 
 
 def log_sinkhorn_loop(
@@ -102,6 +114,7 @@ def sinkhorn(
     col_marginals: Tensor | None = None,
     warm_start: Tensor | None = None,
     return_result: bool = False,
+    domain: str = "log",
 ) -> Tensor | SinkhornResult:
     """Sinkhorn-normalise ``scores`` over its last two dimensions, in the log domain.
 
@@ -125,6 +138,11 @@ def sinkhorn(
         warm_start: ``(..., m)`` finite column log-potential ``g`` of an earlier solve to start
             from (the first update recomputes ``f``).
         return_result: return a :class:`SinkhornResult` instead of the matrix.
+        domain: ``"log"`` (the reference) or ``"scaling"``: the same ``n_iters`` normalisations
+            with one exponential and matrix-vector products, several times faster on small
+            matrices; a matrix whose scalings are not trusted (score ranges of about 60 and more)
+            is computed in the log domain. A fixed ``n_iters`` only, without ``warm_start`` or
+            ``return_result``.
 
     Returns:
         The ``(..., n, m)`` matrix :math:`P` in the input dtype, or a :class:`SinkhornResult`.
@@ -138,8 +156,19 @@ def sinkhorn(
     check_tensor(scores, "scores", min_dim=2, floating=True)
     check_iterations(n_iters, tol, max_iters)
     check_finite(scores, "scores", allow_neg_inf=True)
+    if domain not in DOMAINS:
+        raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
+    if domain == "scaling" and (tol is not None or warm_start is not None or return_result):
+        raise ValueError("domain='scaling' runs a fixed n_iters without warm_start or return_result; got "
+                         f"tol={tol!r}, warm_start={'given' if warm_start is not None else None}, "
+                         f"return_result={return_result!r} (use domain='log')")
 
     problem = _Problem.build(scores, mask, row_marginals, col_marginals)
+    if domain == "scaling" and problem.x.numel():
+        plan, trusted = problem.scaling_plan(n_iters)
+        plan = patched(plan, ~trusted[..., None, None], _log_domain_plan, scores, problem.x > float("-inf"),
+                       problem.a, problem.b, n_iters=n_iters)
+        return plan.to(scores.dtype)
     if warm_start is not None:
         check_tensor(warm_start, "warm_start", floating=True)
         if not broadcastable(warm_start.shape, problem.log_b.shape):
@@ -182,6 +211,13 @@ def sinkhorn(
     return SinkhornResult(plan.to(scores.dtype), f, g, row_error, col_error, done, converged, counts)
 
 
+@exact_path
+def _log_domain_plan(scores: Tensor, keep: Tensor, a: Tensor, b: Tensor, *, n_iters: int) -> Tensor:
+    """:func:`sinkhorn` of ``scores`` in the log domain, with the mask and marginals its problem found
+    (an exact path of :func:`patched`): the same plan as the call without them."""
+    return sinkhorn(scores, n_iters, mask=keep, row_marginals=a, col_marginals=b)
+
+
 def _max_or_zero(x: Tensor) -> Tensor:
     return x.amax(-1) if x.shape[-1] else x.sum(-1)
 
@@ -193,14 +229,30 @@ class _Problem:
     x: Tensor  # (..., n, m) shifted scores S - m_i - c_j, -inf where masked
     row_shift: Tensor  # (..., n) m_i
     col_shift: Tensor  # (..., m) c_j
-    x_rows: Tensor  # x with invalid rows set to 0 (finite row log-sum-exps)
-    x_cols: Tensor  # x with invalid columns set to 0
     a: Tensor  # (..., n) row marginals, 0 on invalid rows
     b: Tensor  # (..., m)
     log_a: Tensor  # finite: 0 on invalid rows
     log_b: Tensor
     row_valid: Tensor | None  # (..., n) bool, None = all valid
     col_valid: Tensor | None
+    rows_zeroed: Tensor | None = None  # x with invalid rows set to 0: made on first use (the log domain's)
+    cols_zeroed: Tensor | None = None
+
+    @property
+    def x_rows(self) -> Tensor:
+        """``x`` with invalid rows set to 0 (finite row log-sum-exps)."""
+        if self.rows_zeroed is None:
+            self.rows_zeroed = self.x if self.row_valid is None else \
+                torch.where(self.row_valid.unsqueeze(-1), self.x, 0.0)
+        return self.rows_zeroed
+
+    @property
+    def x_cols(self) -> Tensor:
+        """``x`` with invalid columns set to 0."""
+        if self.cols_zeroed is None:
+            self.cols_zeroed = self.x if self.col_valid is None else \
+                torch.where(self.col_valid.unsqueeze(-2), self.x, 0.0)
+        return self.cols_zeroed
 
     def matrix(self, f: Tensor, g: Tensor, last_update_was_rows: bool) -> Tensor:
         """:math:`e^{S + f \\oplus g}`, written as a SoftMax along the last normalised axis.
@@ -211,6 +263,15 @@ class _Problem:
         if last_update_was_rows:
             return self.a.unsqueeze(-1) * torch.softmax(self.x_rows + g.unsqueeze(-2), dim=-1)
         return self.b.unsqueeze(-2) * torch.softmax(self.x_cols + f.unsqueeze(-1), dim=-2)
+
+    def scaling_plan(self, n_iters: int) -> tuple[Tensor, Tensor]:
+        r"""The plan after ``n_iters`` normalisations in the scaling domain (:class:`_ScalingPlan`), and the
+        ``(...)`` bool of the matrices it serves (the others' plans are finite, to be replaced by the log
+        domain's): those whose scalings are trusted and where no sum with mass fell below ``tiny ** (1/4)``."""
+        v0 = self.col_shift.exp().unsqueeze(-2)  # g = 0 on the scores
+        plan, u_max, v_max, low, *_ = _ScalingPlan.apply(self.x, v0, self.a.unsqueeze(-2), self.b.unsqueeze(-2),
+                                                        n_iters)
+        return plan, trusted_scalings(u_max, v_max) & (low >= _floor(plan.dtype))
 
     def row_lse(self, g: Tensor) -> Tensor:
         return torch.logsumexp(self.x_rows + g.unsqueeze(-2), dim=-1)
@@ -238,9 +299,9 @@ class _Problem:
         if b is not None:
             keep = keep & (b > 0).unsqueeze(-2)
         # under graph capture the masked form always runs (it is exact for unmasked scores too)
-        masked = _skip_data_checks() or not bool(keep.all())
-        row_valid = keep.any(-1) if masked else None
-        col_valid = keep.any(-2) if masked else None
+        masked = _skip_data_checks() or not all_of(keep)
+        row_valid = any_along(keep, -1) if masked else None
+        col_valid = any_along(keep, -2) if masked else None
         if data_checks_run(x, on_gpus=True):
             if a is not None and b is not None:
                 _check_totals(a.expand(shape[:-1]), b.expand(shape[:-2] + shape[-1:]))
@@ -248,15 +309,100 @@ class _Problem:
                 _check_feasible(row_marginals=(a, row_valid), col_marginals=(b, col_valid))
         a, b = marginals(row_valid, col_valid, shape, x, a, b)
         if masked:
-            x, row_shift, col_shift = double_shift(x.masked_fill(~keep, float("-inf")))
-            x_rows = x.masked_fill(~row_valid.unsqueeze(-1), 0.0)
-            x_cols = x.masked_fill(~col_valid.unsqueeze(-2), 0.0)
+            x, row_shift, col_shift = double_shift(torch.where(keep, x, float("-inf")))
             log_a, log_b = log_marginal(a, row_valid), log_marginal(b, col_valid)
         else:
             x, row_shift, col_shift = double_shift(x)
-            x_rows = x_cols = x
             log_a, log_b = log_marginal(a), log_marginal(b)
-        return cls(x, row_shift, col_shift, x_rows, x_cols, a, b, log_a, log_b, row_valid, col_valid)
+        return cls(x, row_shift, col_shift, a, b, log_a, log_b, row_valid, col_valid)
+
+
+def _floor(dtype: torch.dtype) -> float:
+    """The smallest sum the scaling domain divides by: ``tiny ** (1/4)``, so that every value and
+    derivative of a matrix it does not serve stays finite (its zero gradient stays zero)."""
+    return torch.finfo(dtype).tiny ** 0.25
+
+
+def _scaling_iterates(K: Tensor, v0: Tensor, a: Tensor, b: Tensor, n_iters: int):
+    r""":func:`~.loop.sinkhorn_loop` on the scalings of :math:`K` ``(..., n, m)`` from ``v0``: :math:`u \leftarrow
+    a \oslash K v` and :math:`v \leftarrow b \oslash K^\top u`, as row vectors ``(..., 1, n)`` and ``(..., 1, m)``
+    (a row vector times a matrix is the fast product on CPUs), every sum clamped at :func:`_floor`.
+
+    Returns ``us = [u_1, u_3, ..]``, ``vs = [v_0, v_2, ..]``, the sums of every update in order (before the
+    clamp) and the ``(...)`` smallest sum with mass."""
+    floor, sums = _floor(K.dtype), []
+
+    def divide(marginal: Tensor, total: Tensor) -> Tensor:
+        sums.append(total)
+        return marginal / total.clamp_min(floor)  # no mass: 0
+
+    run = sinkhorn_loop(lambda v, last: divide(a, v @ K.mT), lambda u, v: (divide(b, u @ K), None), v0,
+                        n_iters=n_iters)
+    mass = torch.cat([a > 0 if t % 2 else b > 0 for t in range(1, n_iters + 1)], -1)
+    return run.fs, run.gs, sums, torch.where(mass, torch.cat(sums, -1), 1.0).amin((-2, -1))
+
+
+class _ScalingPlan(torch.autograd.Function):
+    r""":math:`P = \mathrm{diag}(u)\,K\,\mathrm{diag}(v)`, :math:`K = e^{x}`, after ``n_iters`` normalisations
+    (:func:`_scaling_iterates`); also returns each matrix's largest scalings and smallest sum, and for its
+    backward :math:`K` and the iterates, stacked (no gradient: vectors, but for :math:`K`).
+
+    Backward: the reverse mode of the vector recursion, each update one rank-one term of :math:`dK`, collected
+    into one product: :math:`dx = K \odot (\mathrm{diag}(u)\,dP\,\mathrm{diag}(v) + X^\top Y)`, where a row
+    update :math:`u_t = a \oslash s_t` contributes :math:`(ds_t, v_{t-1})` with :math:`ds_t = -du_t \odot u_t
+    \oslash s_t` and passes :math:`ds_t K` on to :math:`v_{t-1}`, and a column update the transposed pair.
+    Differentiated twice (``create_graph=True``), the backward differentiates the recorded loop instead."""
+
+    @staticmethod
+    def forward(x: Tensor, v0: Tensor, a: Tensor, b: Tensor, n_iters: int):
+        K = x.exp()  # masked entries: exp(-inf) = 0
+        us, vs, sums, low = _scaling_iterates(K, v0, a, b, n_iters)
+        us, vs = torch.cat(us, -2), torch.cat(vs, -2)
+        plan = us[..., -1:, :].mT * K * vs[..., -1:, :]
+        return plan, us.amax((-2, -1)), vs.amax((-2, -1)), low, K, us, vs, torch.cat(sums, -1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, v0, a, b, ctx.n_iters = inputs
+        ctx.save_for_backward(x, v0, a, b, *output[4:])
+        ctx.mark_non_differentiable(*output[1:])
+
+    @staticmethod
+    def backward(ctx, dP: Tensor, *_):
+        x, v0, a, b, K, us, vs, sums = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the recorded loop, differentiable again
+            K = x.exp()
+            us, vs, _, _ = _scaling_iterates(K, v0, a, b, ctx.n_iters)
+            needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[2:4])
+            leaves = [t for t, need in zip((x, a, b), needs) if need]
+            plan = us[-1].mT * K * vs[-1]
+            grads = iter(torch.autograd.grad(plan, leaves, dP, create_graph=True, allow_unused=True))
+            dx, da, db = (next(grads) if need else None for need in needs)
+            return dx, None, da, db, None
+        sums = torch.split(sums, [us.shape[-1] if t % 2 else vs.shape[-1] for t in range(1, ctx.n_iters + 1)], -1)
+        us, vs = us.split(1, -2), vs.split(1, -2)
+        u, v, floor = us[-1], vs[-1], _floor(K.dtype)
+        G = dP * K
+        du, dv = v @ G.mT, u @ G  # the plan's own dependence on its last scalings
+        da = torch.zeros_like(a) if ctx.needs_input_grad[2] else None
+        db = torch.zeros_like(b) if ctx.needs_input_grad[3] else None
+        X, Y = [], []
+        for t in range(ctx.n_iters, 0, -1):  # update t: odd a row update (u_{(t+1)/2}), even a column update
+            total = sums[t - 1].clamp_min(floor)
+            if t % 2:  # u_t = a / (K v_{t-1})
+                if da is not None:
+                    da += du / total
+                ds = -du * us[(t - 1) // 2] / total
+                X.append(ds), Y.append(vs[(t - 1) // 2])
+                du, dv = None, ds @ K if dv is None else dv + ds @ K
+            else:  # v_t = b / (K^T u_{t-1})
+                if db is not None:
+                    db += dv / total
+                dr = -dv * vs[t // 2] / total
+                X.append(us[t // 2 - 1]), Y.append(dr)
+                du, dv = dr @ K.mT if du is None else du + dr @ K.mT, None
+        dK = u.mT * dP * v + torch.cat(X, -2).mT @ torch.cat(Y, -2)
+        return K * dK, None, da, db, None
 
 
 def _check_totals(a: Tensor, b: Tensor) -> None:

@@ -37,6 +37,10 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "LOG_SCALING_LIMIT",
+    "trusted_scalings",
+    "any_along",
+    "all_of",
     "SinkhornConvergenceWarning",
     "SinkhornResult",
     "Tolerance",
@@ -181,6 +185,39 @@ def double_shift(x: Tensor, inplace: bool = False) -> tuple[Tensor, Tensor, Tens
     col_shift = _finite_or_zero(x.detach().amax(-2)) if x.shape[-2] else x.new_zeros(x.shape[:-2] + x.shape[-1:])
     x = x.sub_(col_shift.unsqueeze(-2)) if inplace else x - col_shift.unsqueeze(-2)
     return x, row_shift, col_shift
+
+
+#: Largest :math:`\log\max u + \log\max v` the scaling domain is trusted with: an entry of
+#: :math:`\tilde K = e^{x}` lost to float32 underflow (:math:`e^{x} <` ``tiny`` :math:`\approx e^{-87}`)
+#: would weigh less than :math:`e^{60-87}` in the plan, 11 orders of :math:`e` below float32's rounding.
+LOG_SCALING_LIMIT = 60.0
+#: The same margin in float64 (``tiny`` :math:`\approx e^{-708}`, rounding :math:`e^{-36}`).
+LOG_SCALING_LIMIT_FLOAT64 = 660.0
+
+
+def trusted_scalings(u_max: Tensor, v_max: Tensor) -> Tensor:
+    r"""Whether scalings whose largest entries are ``u_max`` and ``v_max`` (non-negative, any shape: one
+    per matrix or group) are trusted: finite, and :math:`\log u_{\max} + \log v_{\max}` below
+    :data:`LOG_SCALING_LIMIT` (:data:`LOG_SCALING_LIMIT_FLOAT64` for float64 scalings). The one
+    criterion of every scaling-domain path."""
+    limit = LOG_SCALING_LIMIT_FLOAT64 if u_max.dtype == torch.float64 else LOG_SCALING_LIMIT
+    return torch.isfinite(u_max) & torch.isfinite(v_max) & (u_max.log() + v_max.log() < limit)
+
+
+def any_along(mask: Tensor, dim: int) -> Tensor:
+    """``mask.any(dim)`` for a bool tensor, as the maximum of its bytes on CPUs: a third of the time of
+    torch's bool reduction there (0.66 against 2.07 ms at (32, 4, 96, 96), one thread, informal)."""
+    if mask.device.type != "cpu" or mask.shape[dim] == 0:
+        return mask.any(dim)
+    return mask.view(torch.uint8).amax(dim).view(torch.bool)
+
+
+def all_of(mask: Tensor) -> bool:
+    """``bool(mask.all())`` for a bool tensor, as the minimum of its bytes on CPUs (40 times faster there
+    at (32, 4, 96, 96), informal)."""
+    if mask.device.type != "cpu" or mask.numel() == 0:
+        return bool(mask.all())
+    return bool(mask.view(torch.uint8).amin())
 
 
 def _finite_or_zero(x: Tensor) -> Tensor:

@@ -42,7 +42,6 @@ step; the last one runs the recursion's last two steps and forms ``dS`` block by
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -53,6 +52,7 @@ from . import sizes
 from .cpu_parallel import map_groups
 from .problem import (
     Problem,
+    trusted_scalings,
     Tolerance,
     _finite_or_zero,
     column_error,
@@ -66,10 +66,6 @@ from .sizes import CacheBlocks, cache_blocks
 
 __all__ = ["Options", "Tile", "GroupState", "run_forward", "run_backward", "scaling_forward", "scaling_backward",
            "dropout_mask", "implicit_duals_of"]
-
-#: Largest log(max u) + log(max v) the scaling domain is trusted with (lost entries < e^{60-87}).
-LOG_SCALING_LIMIT = 60.0
-
 
 @dataclass(frozen=True)
 class Options:
@@ -470,15 +466,10 @@ def _iterate(tile: Tile, a: Tensor, b: Tensor, v: Tensor, drop: Tensor | None, o
 
 
 def _trustworthy(us: Tensor, vs: Tensor) -> bool:
-    """Scalings finite and moderate: entries lost to underflow in K̃ weigh < e^{60-87}."""
+    """Scalings finite and moderate (:func:`~.problem.trusted_scalings`) over the whole group."""
     if us.numel() == 0 or vs.numel() == 0:
         return True
-    u_max, v_max = float(us.amax()), float(vs.amax())
-    if not (math.isfinite(u_max) and math.isfinite(v_max)):
-        return False
-    if u_max <= 0 or v_max <= 0:
-        return True
-    return math.log(u_max) + math.log(v_max) < LOG_SCALING_LIMIT
+    return bool(trusted_scalings(us.amax(), vs.amax()))
 
 
 # ------------------------------------------------------------------------------------------------
