@@ -153,7 +153,8 @@ def test_no_host_synchronisation_on_cuda(n_iters):
 
 @pytest.mark.parametrize("n_iters", [pytest.param(2, marks=pytest.mark.slow), 3, 5])
 def test_causal_sinkhorn_compiles_fullgraph(n_iters):
-    """2-3 iterations (row blocks), 5 (log-sum-exp matrix products): no data-dependent branch left."""
+    """2-3 iterations (row blocks), 5 (matrix products of scalings, log-sum-exps where they underflow): no
+    data-dependent branch left."""
     assert_causal_compiled_equals_eager(n_iters, "aot_eager", out_atol=1e-6)
 
 

@@ -12,6 +12,7 @@ import itertools
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import sinkformer
 from sinkformer.sinkhorn import prefix
@@ -139,6 +140,21 @@ def test_extreme_score_ranges_take_the_exact_path_and_stay_finite():
     got.sum().backward()
 
 
+@pytest.mark.parametrize("n_iters", [4, 5])
+def test_columns_first_log_domain_gradient_is_finite_where_later_rows_exceed_the_first(n_iters):
+    """Columns first shifts each column by its first entry, so later rows reach e^{+90} and more in float32:
+    their cumulative sums are recomputed exactly, and the gradient through the unused fast sums is finite
+    (it was NaN: 0 times the derivative of an infinite exponential)."""
+    scores = (30 * torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(12))).requires_grad_()
+    problem = prefix._Prefix.build(scores, None, "uniform", "columns")
+    assert problem.x.detach().amax() > 90
+    out = prefix._log_domain(problem, n_iters, "columns")
+    (grad,) = torch.autograd.grad((out * torch.randn(out.shape)).sum(), scores)
+    assert torch.isfinite(out).all() and torch.isfinite(grad).all()
+    torch.testing.assert_close(out.double(), brute_force(scores.detach().double(), n_iters, marginals="uniform",
+                                                         start="columns"), rtol=0, atol=1e-5)
+
+
 def test_causal_marginals_do_not_degenerate():
     """Uniform column marginals drive the causal problem to the identity; the marginals of uniform causal
     attention keep the entropy of SoftMax (here within 10 %) as n_iters grows."""
@@ -188,18 +204,63 @@ def expected_products(n_iters: int, start: str) -> int:
     return sum(1 for s in steps if not (s == n_iters - 1 and last_is_row))
 
 
+class _Products(TorchDispatchMode):
+    """Counts the batched matrix products an operation runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default)
+        return func(*args, **(kwargs or {}))
+
+
 def test_costs_of_the_module_docstring(monkeypatch):
-    """Rows first with n_iters <= 3 never forms a log-sum-exp matrix product (O(n^2), like SoftMax);
-    each further normalisation but a final row update is one product."""
+    """Rows first with n_iters <= 3 never forms a matrix product (O(n^2), like SoftMax); each further
+    normalisation but a final row update is one product, in the scaling domain and in the log domain
+    (log-sum-exp products) alike. (Cumulative sums as torch.cumsum here: on CPUs they are products of
+    16-row blocks.)"""
     calls = []
     original = prefix.log_matmul
     monkeypatch.setattr(prefix, "log_matmul", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setattr(prefix, "cumsum_rows", lambda x, reverse=False: torch.cumsum(x, -2))
     scores = torch.randn(2, 16, 16, dtype=torch.float64)
     for n_iters, start in itertools.product(range(1, 8), ("rows", "columns")):
         calls.clear()
-        prefix_sinkhorn(scores, n_iters, start=start)
+        with _Products() as products:
+            prefix_sinkhorn(scores, n_iters, start=start)
+        assert products.count == expected_products(n_iters, start) and not calls, (n_iters, start)
+        prefix._log_domain(prefix._Prefix.build(scores, None, "causal", start), n_iters, start)
         assert len(calls) == expected_products(n_iters, start), (n_iters, start)
     assert [expected_products(k, "rows") for k in range(1, 8)] == [0, 0, 0, 2, 2, 4, 4]
+
+
+@pytest.mark.parametrize("n_iters", [4, 5, 10])
+@pytest.mark.parametrize("start", ["rows", "columns"])
+@pytest.mark.parametrize("mask", ["none", "keys", "any"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_scaling_domain_equals_the_log_domain_and_hands_it_the_rows_it_cannot_serve(n_iters, start, mask, dtype):
+    """Four or more iterations run in the scaling domain (one matrix product per normalisation); the
+    second matrix's scores spread beyond the dtype's exponent range, so some of its rows (and only
+    rows: each verdict reads rows <= t) take the log domain; the gradient stays finite."""
+    g = torch.Generator().manual_seed(12)
+    n, spread = 16, (300 if dtype == torch.float32 else 3000)
+    scores = torch.stack([2 * torch.randn(n, n, generator=g), spread * torch.randn(n, n, generator=g)]).to(dtype)
+    m = {"none": None, "keys": key_mask(2, n, 2), "any": torch.rand(2, n, n, generator=g) > 0.25}[mask]
+    problem = prefix._Prefix.build(scores, m, "uniform", start)
+    weights, untrusted = prefix._scaling_domain(problem, n_iters, start)
+    assert not untrusted[0].any() and untrusted[1].any()
+    log = prefix._log_domain(problem, n_iters, start)
+    tol = dict(rtol=1e-12, atol=1e-14) if dtype == torch.float64 else dict(rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(weights[0], log[0], **tol)
+    trusted = ~untrusted[1]
+    torch.testing.assert_close(weights[1][trusted], log[1][trusted], **tol)
+    leaf = scores.clone().requires_grad_()
+    got = prefix_sinkhorn(leaf, n_iters, mask=m, marginals="uniform", start=start)
+    assert torch.equal(got, torch.where(untrusted.unsqueeze(-1), log, weights))
+    (grad,) = torch.autograd.grad((got * torch.randn(got.shape, generator=g, dtype=dtype)).sum(), leaf)
+    assert torch.isfinite(grad).all()
 
 
 @pytest.mark.parametrize("n_iters", [2, 3])

@@ -321,7 +321,7 @@ def causal_cost(call: Call) -> str:
     if call.n_iters <= 3:
         return "O(n^2) time like SoftMax (2-3 iterations with at most key padding: row blocks, never an n x n matrix)"
     return (f"n_iters={call.n_iters} >= 4 costs O(n^3) time: each normalisation beyond the third is an n x n x n "
-            "log-sum-exp matrix product per slice, with O(n^2 * n_iters) memory (n_iters <= 3 is O(n^2))")
+            "matrix product per slice, with O(n^2 * n_iters) memory (n_iters <= 3 is O(n^2))")
 
 
 #: capability field -> column title of the engine table

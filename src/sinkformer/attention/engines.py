@@ -180,7 +180,7 @@ def _warn_if_cubic(n_iters: int, n: int, slices: int) -> None:
     _cubic_warned = True
     warnings.warn(
         f"causal Sinkhorn with n_iters={n_iters} at n={n} ({slices} slice(s)) takes the O(n^3) path: each "
-        f"normalisation beyond the third is an n x n x n log-sum-exp matrix product ({work:.2g} multiply-adds here, "
+        f"normalisation beyond the third is an n x n x n matrix product ({work:.2g} multiply-adds here, "
         f"and O(n^2 * n_iters) memory per slice), while n_iters <= 3 costs O(n^2) like SoftMax. Use n_iters=3 for "
         "long sequences. (This warning is shown once per process.)", UserWarning, stacklevel=5)
 

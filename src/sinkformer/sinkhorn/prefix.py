@@ -23,11 +23,14 @@ diagonal only (row :math:`t` of prefix :math:`t`): a SoftMax with the key bias
 :math:`n\_iters \le 3` when rows come first, like SoftMax attention; for 2 and 3 iterations
 these run without logarithms (a row SoftMax, its cumulative column sums and a few elementwise
 passes: :func:`_rows_first_in_scaling_domain`), rows whose sums underflow in the log domain. Every further
-normalisation is a log-sum-exp *matrix product* over all prefixes at once,
-:math:`F[t,i] = -\log\sum_j e^{G[t,j] + S_{ij}}`: :math:`O(n^3)` multiply-adds at matrix-multiply
-speed with :math:`O(n^2)` memory (a max-shifted ``matmul``; entries that would lose precision
-to underflow are recomputed one by one with exact log-sum-exps). The brute force — one Sinkhorn per
-prefix — costs :math:`O(n^3)` *exponentials* per normalisation and :math:`O(n^3)` memory.
+normalisation is a *matrix product* over all prefixes at once, in the scaling domain
+(:func:`_scaling_domain`: :math:`U = 1 \oslash (V K^\top)`, :math:`K = e^{S}`, :math:`U = e^{F}`,
+:math:`V = e^{G}`): :math:`O(n^3)` multiply-adds at matrix-multiply speed with :math:`O(n^2)` memory.
+Rows whose scalings are not trusted take the log domain: log-sum-exp matrix products
+:math:`F[t,i] = -\log\sum_j e^{G[t,j] + S_{ij}}` (:func:`log_matmul`, a max-shifted ``matmul``; entries
+that would lose precision to underflow are recomputed one by one with exact log-sum-exps). The brute
+force — one Sinkhorn per prefix — costs :math:`O(n^3)` *exponentials* per normalisation and
+:math:`O(n^3)` memory.
 
 Column marginals (``marginals=``):
 
@@ -54,7 +57,7 @@ from torch import Tensor
 
 from .._capture import capturing, exact_path, patched
 from .._validation import _skip_data_checks, broadcastable, check_positive_int, check_tensor, compute_dtype
-from .problem import log_marginal
+from .problem import log_marginal, trusted_scalings
 
 __all__ = ["MARGINALS", "prefix_sinkhorn", "prefix_column_marginals", "log_matmul", "log_cumsum_exp", "cumsum_rows", "scaled_rows",
            "inverse_count_sums"]
@@ -107,9 +110,11 @@ def prefix_sinkhorn(
     problem = _Prefix.build(scores, mask, marginals, start)
     if start == "rows" and n_iters in (2, 3):
         weights, inexact = _rows_first_in_scaling_domain(problem, n_iters)
-        return patched(weights, inexact.unsqueeze(-1), _log_domain_of, *problem.tensors(), n_iters=n_iters,
-                       start=start)
-    return _log_domain(problem, n_iters, start)
+    elif n_iters > 1 and problem.x.numel():
+        weights, inexact = _scaling_domain(problem, n_iters, start)
+    else:
+        return _log_domain(problem, n_iters, start)
+    return patched(weights, inexact.unsqueeze(-1), _log_domain_of, *problem.tensors(), n_iters=n_iters, start=start)
 
 
 @exact_path
@@ -133,6 +138,66 @@ def _log_domain(problem: "_Prefix", n_iters: int, start: str) -> Tensor:
     own = f.diagonal(dim1=-2, dim2=-1) if f is not None and f.dim() == problem.x.dim() else f  # row t's, prefix t
     logits = problem.x if g is None else problem.x + g
     return torch.exp(logits if own is None else logits + own.unsqueeze(-1))  # masked entries: exp(-inf) = 0
+
+
+def _scaling_domain(problem: "_Prefix", n_iters: int, start: str) -> tuple[Tensor, Tensor]:
+    r"""The weights of :func:`prefix_sinkhorn` in the scaling domain (any ``n_iters``, either start), and the
+    ``(..., n)`` bool of the rows to take from the log domain instead.
+
+    With :math:`K = e^{x}` (``x`` clamped at half the dtype's exponent range, so every sum is finite), the
+    potentials of prefix :math:`t` become scalings :math:`U[t, i] = e^{F[t, i]}`, :math:`V[t, j] = e^{G[t, j]}`:
+    a row update is :math:`U = 1 \oslash (V K^\top)` on the prefix's rows, a column update
+    :math:`V = b \oslash (U K)` on its valid columns: one matrix product each, where the log domain takes a
+    log-sum-exp product (:func:`log_matmul`); the first update from zero potentials is a row sum or a
+    cumulative column sum. Row :math:`t` of prefix :math:`t` reads rows :math:`\le t` only
+    (:math:`U[t, i > t] = 0` and :math:`K` finite: exact zeros). Row :math:`t` is exact unless prefix
+    :math:`t`'s scalings are not trusted (:func:`~.problem.trusted_scalings`), one of its sums with mass fell
+    below ``tiny ** (1/4)`` (dividing by at least that keeps every value and derivative finite) or one of its
+    rows was clamped; each verdict reads rows :math:`\le t` only."""
+    x = problem.x
+    info = torch.finfo(x.dtype)
+    ceiling, floor = math.log(info.max) / 2, info.tiny ** 0.25
+    K = torch.exp(x.clamp(max=ceiling))  # masked entries: 0
+    bad = None  # (..., n): prefix t has a sum with mass below the floor
+    u_max = v_max = None  # (..., n): prefix t's largest scalings
+
+    def divide(marginal: Tensor, sums: Tensor, mass: Tensor) -> Tensor:
+        nonlocal bad
+        low = torch.where(mass, sums.detach(), 1.0).amin(-1) < floor
+        bad = low if bad is None else bad | low
+        return marginal / sums.clamp_min(floor)  # no mass: 0
+
+    def largest(running: Tensor | None, scalings: Tensor) -> Tensor:
+        new = scalings.detach().amax(-1)
+        return new if running is None else torch.maximum(running, new)
+
+    rows, b = problem.prefix_rows.to(x.dtype), torch.where(problem.col_valid, problem.log_b.exp(), 0.0)
+    last_is_row = ((n_iters - 1) % 2 == 0) == (start == "rows")
+    U = V = shared = None  # None: zero potentials; shared: U's rows when the same in every prefix
+    for step in range(n_iters - 1 if last_is_row else n_iters):
+        if (step % 2 == 0) == (start == "rows"):
+            if V is None:  # from zero potentials: row i's sum, the same in every prefix
+                row_sums = K.sum(-1)
+                U = divide(rows, row_sums.unsqueeze(-2).expand(rows.shape), problem.prefix_rows)
+                shared = 1 / row_sums.clamp_min(floor)
+            else:
+                U, shared = divide(rows, V @ K.mT, problem.prefix_rows), None  # [t, i]
+            u_max = largest(u_max, U)
+        else:  # [t, j]: rows <= t only
+            sums = cumsum_rows(K) if U is None else cumsum_rows(K * shared.unsqueeze(-1)) if shared is not None \
+                else U @ K
+            V = divide(b, sums, problem.col_valid)
+            v_max = largest(v_max, V)
+    if last_is_row:  # row t of prefix t: K[t, j] V[t, j], normalised
+        A = K if V is None else K * V
+        weights = divide(A, A.sum(-1, keepdim=True), problem.row_valid.unsqueeze(-1))
+    else:  # U[t, t] K[t, j] V[t, j]
+        weights = K * V if U is None else U.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * K * V
+    one = torch.ones_like(bad, dtype=x.dtype)
+    untrusted = bad | ~trusted_scalings(one if u_max is None else u_max, one if v_max is None else v_max)
+    if start == "columns":  # rows may exceed the ceiling (rows first: x <= 0)
+        untrusted |= (x.detach() > ceiling).any(-1).to(torch.int32).cumsum(-1) > 0
+    return weights, untrusted
 
 
 def _rows_first_in_scaling_domain(problem: "_Prefix", n_iters: int) -> tuple[Tensor, Tensor]:
@@ -355,10 +420,16 @@ def log_cumsum_exp(y: Tensor, *, needed: Tensor | None = None) -> Tensor:
     A ``cumsum`` of exponentials, unshifted: entry :math:`(t, j)` depends on rows :math:`\le t`
     only, to the last bit (a shift by a column maximum would bring in later rows' rounding).
     The callers' entries are scores shifted to at most 0 per row, or to 0 at each column's first
-    entry. Where a ``needed`` entry over- or underflows, ``torch.logcumsumexp`` recomputes it
+    entry (later rows may exceed it). Where a ``needed`` entry over- or underflows, or sums an
+    exponent above half the dtype's range (clamped there, so that no exponential is infinite and
+    the gradient through the unused sums stays finite), ``torch.logcumsumexp`` recomputes it
     (exact for any range, slower on CPUs).
     """
-    sums = cumsum_rows(torch.exp(y))
+    ceiling = math.log(torch.finfo(y.dtype).max) / 2
+    sums = cumsum_rows(torch.exp(y.clamp(max=ceiling)))
+    over = y.detach() > ceiling
+    if _skip_data_checks(y) or bool(over.any()):  # entries (t, j) that summed a clamped term: recomputed
+        sums = torch.where(cumsum_rows(over.to(y.dtype)) > 0, float("inf"), sums)
     return _checked_log(sums, y.shape[-2], needed, _exact_log_cumsum_exp, y)
 
 
