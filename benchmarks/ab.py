@@ -1,4 +1,5 @@
-"""A change measured before and after: the attention grid of two source trees, in interleaved rounds.
+"""A change measured before and after: the attention grid (or the block sorting) of two source trees, in
+interleaved rounds.
 
 ``python -m benchmarks ab --before /tmp/before --after .`` times ``sinkformer.attention`` (forward and
 backward, the default engine, b x h slices of n tokens, d = 64, float32) with the package of each tree
@@ -8,6 +9,11 @@ and the median over rounds of the per-round ratio after/before with its range: a
 slowdown; and the aten calls of one forward+backward in each tree (profiler events, counted on one
 thread so that the profiler sees every call), a count that machine load does not blur. ``--before`` is a folder (a clone at the commit before the change: ``git worktree add
 /tmp/before HEAD``). With ``--out`` it also writes ``ab.json`` and ``ab.md``.
+
+``--workload sort`` times Sparse Sinkhorn Attention's block sorting instead:
+:func:`sinkformer.attention.sparse.sort_matrix` (``sort_iters = --iters``, temperature 0.75, ``--causal``:
+the causal, prefix-balanced sorting) forward and backward on ``(b, h, N_B, N_B)`` logits of spread 3,
+``n`` being :math:`N_B` (:data:`SORT_SHAPES`: the quick experiments' sizes, 8 to 96 blocks, and longer).
 """
 
 from __future__ import annotations
@@ -24,20 +30,29 @@ from pathlib import Path
 #: n -> (batch, heads, repeats per round)
 SHAPES = {16: (4, 8, 50), 64: (4, 8, 30), 128: (4, 8, 20), 256: (4, 8, 10), 512: (4, 8, 5), 1024: (4, 8, 3),
           2048: (1, 8, 2), 4096: (1, 8, 1), 16384: (1, 2, 1)}
+#: --workload sort: N_B -> (batch, heads, repeats per round)
+SORT_SHAPES = {8: (32, 4, 50), 16: (32, 4, 30), 32: (32, 4, 20), 96: (32, 4, 5), 256: (1, 4, 5)}
+WORKLOADS = {"attention": SHAPES, "sort": SORT_SHAPES}
 
 _WORKER = r"""
 import json, sys, time, torch
 from torch.profiler import ProfilerActivity, profile
 import sinkformer
 ns, n_iters, causal = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
-shapes, count_ops = json.loads(sys.argv[4]), sys.argv[5] == "ops"
+shapes, count_ops, workload = json.loads(sys.argv[4]), sys.argv[5] == "ops", sys.argv[6]
 torch.manual_seed(0)
 out = {}
 for n in ns:
     b, h, repeats = shapes[str(n)]
-    q, k, v = (torch.randn(b, h, n, 64, requires_grad=True) for _ in range(3))
-    def step():
-        sinkformer.attention(q, k, v, n_iters=n_iters, is_causal=causal).sum().backward()
+    if workload == "sort":
+        from sinkformer.attention.sparse import sort_matrix
+        x, w = (3 * torch.randn(b, h, n, n)).requires_grad_(), torch.randn(b, h, n, n)
+        def step():
+            (sort_matrix(x, sort_iters=n_iters, temperature=0.75, causal=causal) * w).sum().backward()
+    else:
+        q, k, v = (torch.randn(b, h, n, 64, requires_grad=True) for _ in range(3))
+        def step():
+            sinkformer.attention(q, k, v, n_iters=n_iters, is_causal=causal).sum().backward()
     step()
     if count_ops:  # the aten calls of one step (profiler events, nested ones included): no noise
         torch.set_num_threads(1)  # every call on this thread, where the profiler sees it
@@ -53,41 +68,43 @@ print(json.dumps(out))
 """
 
 
-def shapes(ns: list[int], heads: int | None = None) -> dict[int, tuple[int, int, int]]:
-    """``(batch, heads, repeats)`` per n: :data:`SHAPES`, or with ``heads`` heads (the repeats scaled up
-    as the slices go down, so that a round times about as much work)."""
+def shapes(ns: list[int], heads: int | None = None, workload: str = "attention") -> dict[int, tuple[int, int, int]]:
+    """``(batch, heads, repeats)`` per n: the ``workload``'s table (:data:`WORKLOADS`), or with ``heads`` heads
+    (the repeats scaled up as the slices go down, so that a round times about as much work)."""
+    table = WORKLOADS[workload]
     if heads is None:
-        return {n: SHAPES[n] for n in ns}
-    return {n: (SHAPES[n][0], heads, max(1, SHAPES[n][2] * SHAPES[n][1] // heads)) for n in ns}
+        return {n: table[n] for n in ns}
+    return {n: (table[n][0], heads, max(1, table[n][2] * table[n][1] // heads)) for n in ns}
 
 
 def measure(tree: Path, ns: list[int], n_iters: int, causal: bool, threads: int | None,
-            what: str = "time", heads: int | None = None) -> dict[int, float]:
+            what: str = "time", heads: int | None = None, workload: str = "attention") -> dict[int, float]:
     """Per n, in a fresh process on ``tree``: milliseconds of one forward+backward, median of the
     repeats (``what="time"``), or the aten calls of one forward+backward (``what="ops"``)."""
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
-    shapes_json = json.dumps({str(n): shape for n, shape in shapes(ns, heads).items()})
+    shapes_json = json.dumps({str(n): shape for n, shape in shapes(ns, heads, workload).items()})
     done = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(ns), str(n_iters), "1" if causal else "0",
-                           shapes_json, what], env=env, capture_output=True, text=True, check=True)
+                           shapes_json, what, workload], env=env, capture_output=True, text=True, check=True)
     return {int(n): value for n, value in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
 
 def compare(before: Path, after: Path, ns: list[int], n_iters: int, causal: bool, rounds: int,
-            threads: int | None = None, progress=print, heads: int | None = None) -> list[dict]:
+            threads: int | None = None, progress=print, heads: int | None = None,
+            workload: str = "attention") -> list[dict]:
     """Per n: both trees' medians over rounds (ms), the per-round ratios after/before, and the aten
     calls of one forward+backward in each tree (counted once: they do not vary). ``heads``: instead of
-    :data:`SHAPES`' heads."""
+    the table's heads."""
     times: dict[str, list[dict[int, float]]] = {"before": [], "after": []}
     for r in range(rounds):
         order = [("before", before), ("after", after)] if r % 2 == 0 else [("after", after), ("before", before)]
         for name, tree in order:
-            times[name].append(measure(tree, ns, n_iters, causal, threads, heads=heads))
+            times[name].append(measure(tree, ns, n_iters, causal, threads, heads=heads, workload=workload))
         progress(f"round {r + 1}/{rounds} done")
-    ops = {name: measure(tree, ns, n_iters, causal, threads, what="ops", heads=heads)
+    ops = {name: measure(tree, ns, n_iters, causal, threads, what="ops", heads=heads, workload=workload)
            for name, tree in (("before", before), ("after", after))}
-    sizes = shapes(ns, heads)
+    sizes = shapes(ns, heads, workload)
     rows = []
     for n in ns:
         ratios = [a[n] / b[n] for a, b in zip(times["after"], times["before"])]
@@ -109,8 +126,11 @@ def source(tree: Path) -> str:
     return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
-def table(rows: list[dict], n_iters: int, causal: bool, trees: tuple[str, str] | None = None) -> str:
-    what = f"{'causal ' if causal else ''}Sinkhorn, n_iters={n_iters}, forward+backward, float32, d=64"
+def table(rows: list[dict], n_iters: int, causal: bool, trees: tuple[str, str] | None = None,
+          workload: str = "attention") -> str:
+    what = (f"{'causal ' if causal else ''}Sinkhorn, n_iters={n_iters}, forward+backward, float32, d=64"
+            if workload == "attention" else f"{'causal ' if causal else ''}block sorting (sort_matrix), "
+            f"sort_iters={n_iters}, forward+backward, float32 logits, n = N_B")
     lines = [f"{what}; medians over {rows[0]['rounds']} interleaved rounds"
              + (f"; before = {trees[0]}, after = {trees[1]}" if trees else ""), "",
              "| n | b × h | before (ms) | after (ms) | after / before (range over rounds) | aten calls before → after |",
@@ -127,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks ab", description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", required=True, type=Path, help="the source tree before the change")
     parser.add_argument("--after", default=Path("."), type=Path, help="the source tree after it (default: .)")
-    parser.add_argument("--n", nargs="+", type=int, default=[64, 256, 1024, 4096], choices=sorted(SHAPES))
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="attention",
+                        help="attention (default) or sort: Sparse Sinkhorn Attention's block sorting")
+    parser.add_argument("--n", nargs="+", type=int, help="sizes (default: 64 256 1024 4096; sort: every N_B "
+                        f"of {sorted(SORT_SHAPES)})")
     parser.add_argument("--iters", type=int, default=5, help="Sinkhorn iterations (default 5)")
     parser.add_argument("--causal", action="store_true", help="is_causal=True")
     parser.add_argument("--rounds", type=int, default=5)
@@ -137,18 +160,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.heads is not None and args.heads < 1:
         parser.error(f"--heads must be >= 1, got {args.heads}")
+    sizes = WORKLOADS[args.workload]
+    args.n = args.n or ([64, 256, 1024, 4096] if args.workload == "attention" else sorted(sizes))
+    if any(n not in sizes for n in args.n):
+        parser.error(f"--n must be among {sorted(sizes)} for --workload {args.workload}, got {args.n}")
     for name in ("before", "after"):
         tree = getattr(args, name)
         if not (tree / "src" / "sinkformer" / "__init__.py").is_file():
             parser.error(f"--{name} must be a source tree with src/sinkformer, got {str(tree)!r}")
     rows = compare(args.before.resolve(), args.after.resolve(), args.n, args.iters, args.causal, args.rounds,
-                   args.threads, progress=lambda s: print(s, file=sys.stderr), heads=args.heads)
+                   args.threads, progress=lambda s: print(s, file=sys.stderr), heads=args.heads,
+                   workload=args.workload)
     trees = (source(args.before), source(args.after))
-    text = table(rows, args.iters, args.causal, trees)
+    text = table(rows, args.iters, args.causal, trees, args.workload)
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        made = {"before": trees[0], "after": trees[1], "machine": platform.processor() or platform.machine(),
+        made = {"before": trees[0], "after": trees[1], "workload": args.workload,
+                "machine": platform.processor() or platform.machine(),
                 "cpus": os.cpu_count(), "rows": rows}
         (args.out / "ab.json").write_text(json.dumps(made, indent=1) + "\n")
         (args.out / "ab.md").write_text(text + "\n")

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_rounds_alternate_the_trees_and_ratios_are_per_round(monkeypatch):
     calls = []
 
-    def fake(tree, ns, n_iters, causal, threads, what="time", heads=None):
+    def fake(tree, ns, n_iters, causal, threads, what="time", heads=None, workload="attention"):
         if what == "ops":
             return {n: n + (1 if tree.name == "after" else 0) for n in ns}
         calls.append(tree.name)
@@ -35,7 +35,8 @@ def test_rounds_alternate_the_trees_and_ratios_are_per_round(monkeypatch):
 def test_heads_replace_the_tables_and_scale_the_repeats(monkeypatch):
     assert ab.shapes([4096, 64]) == {4096: ab.SHAPES[4096], 64: ab.SHAPES[64]}
     assert ab.shapes([4096, 64], heads=2) == {4096: (1, 2, 4), 64: (4, 2, 120)}
-    monkeypatch.setattr(ab, "measure", lambda tree, ns, *a, what="time", heads=None: {n: 1.0 for n in ns})
+    monkeypatch.setattr(ab, "measure", lambda tree, ns, *a, what="time", heads=None, workload="attention":
+                        {n: 1.0 for n in ns})
     rows = ab.compare(Path("/x/before"), Path("/x/after"), [4096], 5, False, rounds=2, progress=lambda s: None, heads=2)
     assert "| 4096 | 1 × 2 |" in ab.table(rows, 5, False)
     with pytest.raises(SystemExit):
@@ -47,6 +48,21 @@ def test_one_measurement_runs_the_tree_it_is_given():
     assert set(got) == {16} and 0 < got[16] < 10_000
     ops = ab.measure(ROOT, [16], 3, False, threads=1, what="ops")
     assert set(ops) == {16} and isinstance(ops[16], int) and ops[16] > 10  # a forward+backward is many aten calls
+
+
+def test_the_sort_workload_times_the_block_sorting_of_its_tree():
+    """``--workload sort``: sort_matrix forward+backward at N_B blocks (its own table of sizes)."""
+    assert ab.shapes([8, 96], workload="sort") == {8: ab.SORT_SHAPES[8], 96: ab.SORT_SHAPES[96]}
+    for causal in (False, True):
+        got = ab.measure(ROOT, [8], 5, causal, threads=1, workload="sort")
+        assert set(got) == {8} and 0 < got[8] < 10_000
+    ops = ab.measure(ROOT, [8], 5, True, threads=1, what="ops", workload="sort")
+    assert ops[8] > 10
+    assert "block sorting (sort_matrix), sort_iters=5" in ab.table(
+        [{"n": 8, "batch_heads": (32, 4), "before_ms": 1.0, "after_ms": 0.5, "ratio": 0.5, "ratio_min": 0.4,
+          "ratio_max": 0.6, "rounds": 3}], 5, False, workload="sort")
+    with pytest.raises(SystemExit):
+        ab.main(["--before", str(ROOT), "--workload", "sort", "--n", "64"])
 
 
 def test_a_folder_without_the_package_is_refused(tmp_path):
