@@ -39,6 +39,8 @@ from torch import Tensor
 __all__ = [
     "LOG_SCALING_LIMIT",
     "trusted_scalings",
+    "scalings_trusted",
+    "scaling_limit",
     "any_along",
     "all_of",
     "SinkhornConvergenceWarning",
@@ -195,13 +197,25 @@ LOG_SCALING_LIMIT = 60.0
 LOG_SCALING_LIMIT_FLOAT64 = 660.0
 
 
+def scaling_limit(dtype: torch.dtype) -> float:
+    """:data:`LOG_SCALING_LIMIT`, or :data:`LOG_SCALING_LIMIT_FLOAT64` for float64 scalings."""
+    return LOG_SCALING_LIMIT_FLOAT64 if dtype == torch.float64 else LOG_SCALING_LIMIT
+
+
 def trusted_scalings(u_max: Tensor, v_max: Tensor) -> Tensor:
     r"""Whether scalings whose largest entries are ``u_max`` and ``v_max`` (non-negative, any shape: one
     per matrix or group) are trusted: finite, and :math:`\log u_{\max} + \log v_{\max}` below
-    :data:`LOG_SCALING_LIMIT` (:data:`LOG_SCALING_LIMIT_FLOAT64` for float64 scalings). The one
-    criterion of every scaling-domain path."""
-    limit = LOG_SCALING_LIMIT_FLOAT64 if u_max.dtype == torch.float64 else LOG_SCALING_LIMIT
-    return torch.isfinite(u_max) & torch.isfinite(v_max) & (u_max.log() + v_max.log() < limit)
+    :func:`scaling_limit`. The one criterion of every scaling-domain path (:func:`scalings_trusted` for
+    two numbers)."""
+    return torch.isfinite(u_max) & torch.isfinite(v_max) & (u_max.log() + v_max.log() < scaling_limit(u_max.dtype))
+
+
+def scalings_trusted(u_max: float, v_max: float, dtype: torch.dtype) -> bool:
+    """:func:`trusted_scalings` of two numbers, without tensor operations (a group's verdict in the tiled
+    engine, where each operation is a cost at short sequences)."""
+    if not (math.isfinite(u_max) and math.isfinite(v_max)):
+        return False
+    return u_max <= 0 or v_max <= 0 or math.log(u_max) + math.log(v_max) < scaling_limit(dtype)
 
 
 def any_along(mask: Tensor, dim: int) -> Tensor:

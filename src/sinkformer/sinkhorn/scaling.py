@@ -52,7 +52,7 @@ from . import sizes
 from .cpu_parallel import map_groups
 from .problem import (
     Problem,
-    trusted_scalings,
+    scalings_trusted,
     Tolerance,
     _finite_or_zero,
     column_error,
@@ -466,10 +466,10 @@ def _iterate(tile: Tile, a: Tensor, b: Tensor, v: Tensor, drop: Tensor | None, o
 
 
 def _trustworthy(us: Tensor, vs: Tensor) -> bool:
-    """Scalings finite and moderate (:func:`~.problem.trusted_scalings`) over the whole group."""
+    """Scalings finite and moderate (:func:`~.problem.scalings_trusted`) over the whole group."""
     if us.numel() == 0 or vs.numel() == 0:
         return True
-    return bool(trusted_scalings(us.amax(), vs.amax()))
+    return scalings_trusted(float(us.amax()), float(vs.amax()), us.dtype)
 
 
 # ------------------------------------------------------------------------------------------------
