@@ -15,7 +15,7 @@ from sinkformer.models.sinkhorn_transformer import (
     SinkhornTransformerLM,
     decoding_cache,
 )
-from sinkformer.nn import BaselineSelfAttention, DenseSinkhornSelfAttention
+from sinkformer.nn import BaselineSelfAttention, DenseSinkhornSelfAttention, SparseSinkhornCache
 
 
 def lm(kind="sinkhorn", n_iters=3, max_len=64, vocab=13, seed=0, **kw):
@@ -69,10 +69,13 @@ def test_causal_sinkformer_layer_and_lm_do_not_leak(n_iters):
     assert future_gradient(logits_of, model.body.embedding(tokens).detach(), t=3) == 0.0
 
 
-@pytest.mark.parametrize("kind, n_iters", [("softmax", 1), ("sinkhorn", 1), ("sinkhorn", 3), ("sinkhorn", 5)])
+@pytest.mark.parametrize("kind, n_iters", [("softmax", 1), ("sinkhorn", 1), ("sinkhorn", 3), ("sinkhorn", 5),
+                                           ("sparse", 1), ("mixture", 1)])
 def test_cached_generation_equals_the_full_forward(kind, n_iters):
-    """Greedy, 50 new tokens, float64: each token and its logits are those of the full forward."""
-    model = lm(kind, n_iters=n_iters)
+    """Greedy, 50 new tokens, float64: each token and its logits are those of the full forward (causal Sparse
+    Sinkhorn, blocks of 4: the prompt ends inside a block, and 50 tokens begin 13 more; in eval mode, without
+    the Gumbel noise that training draws for each forward)."""
+    model = lm(kind, n_iters=n_iters).eval()
     assert len(model.body.decoding_caches()) == 2
     prompt = torch.randint(0, 13, (3, 5))
     tokens, logits = model.generate(prompt, 50, temperature=0, return_logits=True)
@@ -97,10 +100,12 @@ def test_cached_sampling_and_the_sliding_window_match_the_uncached_path():
     assert empty.shape == (2, 0, 13)
 
 
-def test_sparse_attention_has_no_incremental_state():
-    assert decoding_cache(AttentionConfig("local", block_size=4).build(8, 2, max_len=16, causal=True)) is None
-    assert lm("sparse").body.decoding_caches() is None  # generate() re-runs the model at each step
+def test_local_and_fixed_patterns_have_no_incremental_state():
+    for kind in ("local", "fixed"):
+        assert decoding_cache(AttentionConfig(kind, block_size=4).build(8, 2, max_len=16, causal=True)) is None
+    assert lm("local").body.decoding_caches() is None  # generate() re-runs the model at each step
     assert decoding_cache(AttentionConfig("softmax").build(8, 2, max_len=16, causal=True)).n_iters == 1
+    assert all(isinstance(c, SparseSinkhornCache) for c in lm("sparse").body.decoding_caches())
 
 
 def test_sinkhorn_seq2seq_decoder_takes_causal_sinkformer_attention():
@@ -138,7 +143,8 @@ def test_seq2seq_transformer_decoder_option_is_causal_sinkhorn():
 
 
 @pytest.mark.parametrize("spec", ["softmax", {"kind": "sinkhorn", "n_iters": 1}, {"kind": "sinkhorn", "n_iters": 3},
-                                  {"kind": "sinkhorn", "n_iters": 5}])
+                                  {"kind": "sinkhorn", "n_iters": 5}, {"kind": "sparse", "block_size": 3},
+                                  {"kind": "mixture", "block_size": 2, "sort_iters": 2}])
 def test_seq2seq_greedy_decoding_is_incremental_and_equals_re_running_the_decoder(spec, monkeypatch):
     torch.manual_seed(0)
     model = SinkhornSeq2Seq(12, dim=16, depth=2, heads=2, max_len=30, attention="softmax", decoder_attention=spec,

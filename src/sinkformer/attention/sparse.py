@@ -65,6 +65,7 @@ __all__ = [
     "n_blocks",
     "sort_matrix",
     "sparse_sinkhorn_attention",
+    "sparse_sinkhorn_step",
     "to_blocks",
     "token_validity",
 ]
@@ -308,6 +309,37 @@ def sparse_sinkhorn_attention(
         out = out + attention(q, k, v, normalization="softmax", is_causal=causal, key_padding_mask=key_padding_mask,
                               scale=scale, dropout_p=dropout_p)
     return (out, S) if return_sort else out
+
+
+def sparse_sinkhorn_step(q: Tensor, k: Tensor, v: Tensor, mix: Tensor, *, block_size: int, sort_iters: int,
+                         mixture: bool = False, scale: float | None = None) -> Tensor:
+    r"""The last token's row of causal :func:`sparse_sinkhorn_attention`, from the tokens so far: decoding.
+
+    Token :math:`t` (block :math:`p`, slot :math:`s`) attends, in one SoftMax, to slots :math:`0..s` of its
+    sorted block :math:`\sum_{i \le p} S_{ip} K_i` and of its own block :math:`K_p` (the later slots are its
+    future), plus SoftMax attention to every token with ``mixture``: :math:`O(t\,d)` per token.
+
+    Args:
+        q: ``(..., 1, d)`` the last token's query; k, v: ``(..., t + 1, d)``, ``(..., t + 1, d_v)`` the keys
+            and values of every token so far, the last token's included.
+        mix: ``(..., p + 1)`` column :math:`p` of the causal sorting matrix (:func:`sort_matrix` with
+            ``causal=True`` on the logits of blocks :math:`0..p`): fixed once block :math:`p` began.
+        block_size, sort_iters, mixture, scale: the layer's (:class:`SparseOptions`).
+
+    Returns:
+        ``(..., 1, d_v)``: that row of the full forward without padding or dropout, to rounding.
+    """
+    p, s = divmod(k.shape[-2] - 1, block_size)
+    kb, vb = to_blocks(k, block_size), to_blocks(v, block_size)  # (..., p + 1, b, d): block p zero-padded
+    weights = mix.to(kb.dtype).unsqueeze(-2)  # (..., 1, p + 1)
+    keys = torch.cat([(weights @ kb.flatten(-2)).unflatten(-1, kb.shape[-2:])[..., 0, : s + 1, :],
+                      kb[..., p, : s + 1, :]], -2)
+    values = torch.cat([(weights @ vb.flatten(-2)).unflatten(-1, vb.shape[-2:])[..., 0, : s + 1, :],
+                        vb[..., p, : s + 1, :]], -2)
+    out = _softmax(q, keys, values, None, scale=scale, dropout_p=0.0, fused=sort_iters > 0)
+    if mixture:
+        out = out + attention(q, k, v, normalization="softmax", scale=scale)
+    return out
 
 
 class _SortedAndOwn(torch.autograd.Function):

@@ -6,10 +6,11 @@ Both work with any model exposing ``encode(src, src_padding_mask) -> memory`` an
 Beam search re-runs the decoder on the whole prefix at each step (no key/value cache): simple,
 and quadratic in the output length. Greedy decoding does the same, unless the model also offers
 ``decoding_caches() -> states | None`` and ``decode_step(tgt_new, memory, memory_padding_mask,
-states) -> logits`` (:class:`~sinkformer.models.SinkhornSeq2Seq` with ``vanilla`` or
-``sinkformer`` decoder attention): then each new token goes through the decoder alone against
-per-layer :class:`~sinkformer.attention.CausalSinkhornCache` states — the same logits as
-re-running the decoder, :math:`O(t)` per token and layer for ``n_iters <= 3``.
+states) -> logits`` (:class:`~sinkformer.models.SinkhornSeq2Seq` with ``vanilla``, ``sinkformer`` or
+causal Sparse Sinkhorn decoder attention): then each new token goes through the decoder alone against
+per-layer states (:class:`~sinkformer.attention.CausalSinkhornCache`,
+:class:`~sinkformer.nn.SparseSinkhornCache`) — the same logits as re-running the decoder, to
+rounding, :math:`O(t)` per token and layer for ``n_iters <= 3``.
 
 Beam search keeps the ``beam_size`` best prefixes by summed log-probability; a prefix ending in
 ``<eos>`` is finished with score :math:`\log p(y) / |y|^{\alpha}` (``length_penalty`` =

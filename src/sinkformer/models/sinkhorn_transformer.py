@@ -41,7 +41,7 @@ from .._validation import check_positive_int, check_tensor
 from ..attention import CausalSinkhornCache
 from ..nn.heads import fused_self_attention
 from ..nn.layers import sinusoidal_positions
-from ..nn.sparse import BaselineSelfAttention, DenseSinkhornSelfAttention
+from ..nn.sparse import BaselineSelfAttention, DenseSinkhornSelfAttention, SparseSinkhornAttention, SparseSinkhornCache
 from .attention_spec import ATTENTION_KINDS, AttentionConfig, model_attention
 
 __all__ = [
@@ -56,23 +56,28 @@ __all__ = [
     "share_weights",
 ]
 
-def decoding_cache(self_attn: nn.Module) -> CausalSinkhornCache | None:
+def decoding_cache(self_attn: nn.Module) -> CausalSinkhornCache | SparseSinkhornCache | None:
     """The incremental decoding state of a causal self-attention module, or ``None`` if it has none.
 
     :class:`DenseSinkhornSelfAttention`: causal Sinkhorn with its ``n_iters``; ``softmax``
     (:class:`~sinkformer.nn.BaselineSelfAttention` with the full pattern): ``n_iters=1``, causal
-    SoftMax with a KV cache. Sparse patterns (local, fixed, Sparse Sinkhorn) have none.
+    SoftMax with a KV cache; causal Sparse Sinkhorn: a :class:`~sinkformer.nn.SparseSinkhornCache`.
+    The local and fixed patterns have none.
     """
     if isinstance(self_attn, DenseSinkhornSelfAttention):
         return CausalSinkhornCache(self_attn.n_iters)
     if isinstance(self_attn, BaselineSelfAttention) and self_attn.pattern == "full":
         return CausalSinkhornCache(1)
+    if isinstance(self_attn, SparseSinkhornAttention) and self_attn.causal:
+        return SparseSinkhornCache()
     return None
 
 
-def _attention_step(self_attn: BaselineSelfAttention, x: Tensor, cache: CausalSinkhornCache) -> Tensor:
+def _attention_step(self_attn: nn.Module, x: Tensor, cache: CausalSinkhornCache | SparseSinkhornCache) -> Tensor:
     """The outputs ``(B, m, D)`` of ``self_attn`` for ``m`` new tokens ``x (B, m, D)`` that follow the
     tokens already in ``cache`` (causal, no padding): equal to the last ``m`` rows of the full forward."""
+    if isinstance(cache, SparseSinkhornCache):
+        return self_attn.step(x, cache)
     return fused_self_attention(x, self_attn.qkv_proj, self_attn.out_proj, self_attn.num_heads, cache.step)
 
 
@@ -155,9 +160,9 @@ class _Stack(nn.Module):
             x = layer(x, padding_mask, memory, memory_padding_mask)
         return self.norm(x)
 
-    def decoding_caches(self) -> list[CausalSinkhornCache] | None:
-        """One empty :class:`~sinkformer.attention.CausalSinkhornCache` per layer, or ``None`` when a
-        layer's self-attention has no incremental form (sparse patterns)."""
+    def decoding_caches(self) -> list[CausalSinkhornCache | SparseSinkhornCache] | None:
+        """One empty decoding state per layer (:func:`decoding_cache`), or ``None`` when a layer's
+        self-attention has no incremental form (the local and fixed patterns)."""
         caches = [decoding_cache(layer.self_attn) for layer in self.layers]
         return None if any(cache is None for cache in caches) else caches
 
@@ -233,10 +238,10 @@ class SinkhornTransformerLM(nn.Module):
         ``top_k`` most likely tokens if given; ``temperature=0`` is greedy decoding.
 
         With ``use_cache`` (default) and a self-attention that has an incremental form
-        (``softmax``, ``sinkhorn``), the prompt is run once and each new token goes through
-        the layers alone, against per-layer :class:`~sinkformer.attention.CausalSinkhornCache`
-        states: :math:`O(t)` per token and layer (:math:`O(t^2 n\_iters)` for ``sinkhorn``
-        with ``n_iters >= 4``), the same logits as the full forward. Otherwise — or once the
+        (``softmax``, ``sinkhorn``, causal ``sparse``), the prompt is run once and each new token goes
+        through the layers alone, against per-layer states (:func:`decoding_cache`): :math:`O(t)` per
+        token and layer (:math:`O(t^2 n\_iters)` for ``sinkhorn`` with ``n_iters >= 4``), the same
+        logits as the full forward. Otherwise — or once the
         sequence is longer than ``max_len`` — each step re-runs the model on the last
         ``max_len`` tokens (a sliding window).
 
@@ -286,7 +291,8 @@ class SinkhornSeq2Seq(nn.Module):
     another one, SortCut being encoder-only). Shared embeddings, tied output projection.
     ``encode``/``decode``, ``bos_id``, ``eos_id`` and ``max_len`` make it usable with
     :func:`sinkformer.models.decoding.greedy_decode`, which decodes incrementally through
-    ``decoding_caches``/``decode_step`` when the decoder attention is ``softmax`` or ``sinkhorn``.
+    ``decoding_caches``/``decode_step`` when the decoder attention is ``softmax``, ``sinkhorn`` or
+    causal Sparse Sinkhorn (``sparse``, with or without ``mixture``).
     """
 
     input_kind = "translation"
@@ -316,9 +322,9 @@ class SinkhornSeq2Seq(nn.Module):
                 tgt_padding_mask: Tensor | None = None) -> Tensor:
         return self.decode(tgt, self.encode(src, src_padding_mask), src_padding_mask, tgt_padding_mask)
 
-    def decoding_caches(self) -> list[CausalSinkhornCache] | None:
+    def decoding_caches(self) -> list[CausalSinkhornCache | SparseSinkhornCache] | None:
         """Empty per-layer decoder states for :meth:`decode_step`, or ``None`` when the decoder's
-        self-attention has no incremental form (sparse kinds)."""
+        self-attention has no incremental form (the local and fixed patterns)."""
         return self.decoder.decoding_caches()
 
     def decode_step(self, tgt: Tensor, memory: Tensor, memory_padding_mask: Tensor | None,

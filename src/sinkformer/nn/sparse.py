@@ -12,11 +12,14 @@ from torch import Tensor, nn
 
 from .._validation import check_choice, check_positive_int, check_tensor
 from ..attention.functional import attention
-from ..attention.sparse import SORT_NETS, SparseOptions, block_pool, n_blocks, sparse_sinkhorn_attention
+from ..attention.sparse import (
+    SORT_NETS, SparseOptions, block_pool, n_blocks, sort_matrix, sparse_sinkhorn_attention, sparse_sinkhorn_step,
+)
 from ..attention.sparse_baselines import PATTERNS, local_attention, sparse_transformer_attention
 from .heads import fused_self_attention, merge_heads, split_heads
 
-__all__ = ["SortNet", "SparseSinkhornAttention", "BaselineSelfAttention", "DenseSinkhornSelfAttention"]
+__all__ = ["SortNet", "SparseSinkhornAttention", "SparseSinkhornCache", "BaselineSelfAttention",
+           "DenseSinkhornSelfAttention"]
 
 
 class SortNet(nn.Module):
@@ -155,6 +158,64 @@ class SparseSinkhornAttention(nn.Module):
         )
         out = self.out_proj(merge_heads(out))
         return (out, S) if return_sort else out
+
+    def step(self, x: Tensor, cache: "SparseSinkhornCache") -> Tensor:
+        r"""Decoding: the outputs ``(B, m, embed_dim)`` of ``m`` new tokens ``x (B, m, embed_dim)`` placed after
+        the tokens already in ``cache`` — the last ``m`` rows of :meth:`forward` on the whole sequence (causal
+        layers in eval mode, no padding), to rounding.
+
+        Per token :math:`O(t\,d)` (:func:`~sinkformer.attention.sparse.sparse_sinkhorn_step`); a token that
+        begins a block also pools it and balances the blocks begun (:func:`~sinkformer.attention.sparse.sort_matrix`,
+        causal): column :math:`p` of the sorting matrix depends on blocks :math:`0..p` only, so it is computed
+        once per block.
+        """
+        if not self.causal:
+            raise ValueError("step decodes causal layers; this SparseSinkhornAttention has causal=False")
+        if self.training:
+            raise RuntimeError("step runs in eval mode (training draws Gumbel noise for each forward): call .eval()")
+        check_tensor(x, "x", ndim=3, floating=True)
+        if x.shape[-1] != self.embed_dim or len(cache) + x.shape[1] > self.max_len:
+            raise ValueError(f"x must have shape (batch, m, embed_dim={self.embed_dim}) with {len(cache)} + m <= "
+                             f"max_len={self.max_len}, got {tuple(x.shape)}")
+        q, k = split_heads(self.q_proj(x), self.num_heads), split_heads(self.k_proj(x), self.num_heads)
+        v = k if self.v_proj is None else split_heads(self.v_proj(x), self.num_heads)
+        outs = []
+        for i in range(x.shape[1]):
+            p, s = divmod(cache.append(x[:, i], k[:, :, i : i + 1], v[:, :, i : i + 1]), self.block_size)
+            if s == 0:  # block p begins: its representative is the sum of every token so far (eq. 5)
+                cache.pooled.append(cache.total)
+                logits = self.sort_net(torch.stack(cache.pooled, 1))[..., : p + 1]
+                cache.mix = sort_matrix(logits, sort_iters=self.sort_iters, temperature=self.temperature,
+                                        causal=True)[..., :, p]
+            outs.append(sparse_sinkhorn_step(q[:, :, i : i + 1], cache.keys, cache.values, cache.mix,
+                                             block_size=self.block_size, sort_iters=self.sort_iters,
+                                             mixture=self.mixture))
+        return self.out_proj(merge_heads(torch.cat(outs, -2)))
+
+
+class SparseSinkhornCache:
+    """The decoding state of one causal :class:`SparseSinkhornAttention` layer (all heads), for
+    :meth:`SparseSinkhornAttention.step`: every token's keys and values ``(B, H, t, e)``, the running sum of
+    the layer's inputs ``(B, D)`` (the causal pooling), the representatives of the blocks begun and the
+    current block's column of the sorting matrix ``(B, H, p + 1)``."""
+
+    def __init__(self) -> None:
+        self.keys: Tensor | None = None
+        self.values: Tensor | None = None
+        self.total: Tensor | None = None
+        self.pooled: list[Tensor] = []
+        self.mix: Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def append(self, x: Tensor, k: Tensor, v: Tensor) -> int:
+        """Add one token (input ``(B, D)``, key and value ``(B, H, 1, e)``); returns its position."""
+        position = len(self)
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], -2)
+        self.values = v if self.values is None else torch.cat([self.values, v], -2)
+        self.total = x if self.total is None else self.total + x
+        return position
 
 
 # the options read as attributes of the module (``module.block_size``, ...), from ``module.options``
