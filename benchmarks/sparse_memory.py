@@ -117,11 +117,12 @@ def _available_gib() -> float:
 
 
 def _predict(points: list[dict]) -> float:
-    """Next (doubled) length's peak in MiB, from the growth between the last two points."""
+    """Next (doubled) length's peak in MiB, from the growth between the last two points (peaks below 1 MiB,
+    the resident set's resolution here, count as 1 MiB: a peak of 0 would predict an infinite growth)."""
     if len(points) < 2:
         return points[-1]["peak_mib"] * 4 if points else 0.0
-    a, b = points[-2]["peak_mib"], points[-1]["peak_mib"]
-    return b * max(b / max(a, 1e-9), 2.0)
+    a, b = (max(p["peak_mib"], 1.0) for p in points[-2:])
+    return b * max(b / a, 2.0)
 
 
 def slope(points: list[dict], key: str) -> float:

@@ -48,3 +48,13 @@ def test_targets_compare_the_right_layers():
     assert verdicts["causal ≤ 1.3× plain memory (peak rise), n = 4096"] == (1.4, False)
     missing = bench.targets([row("plain", 1024, 10)])
     assert all(t["met"] is None and t["ratio"] is None for t in missing)
+
+
+def test_memory_prediction_survives_a_zero_peak():
+    """A first length whose peak rise reads 0 MiB (pages reused) once predicted 1.6e7 GiB and skipped the
+    longer lengths; peaks under 1 MiB count as 1 MiB."""
+    from benchmarks.sparse_memory import _predict
+
+    assert _predict([{"peak_mib": 0.0}, {"peak_mib": 4.0}]) == 16.0
+    assert _predict([{"peak_mib": 10.0}, {"peak_mib": 40.0}]) == 160.0
+    assert _predict([{"peak_mib": 10.0}, {"peak_mib": 12.0}]) == 24.0
