@@ -330,13 +330,14 @@ def sparse_sinkhorn_step(q: Tensor, k: Tensor, v: Tensor, mix: Tensor, *, block_
         ``(..., 1, d_v)``: that row of the full forward without padding or dropout, to rounding.
     """
     p, s = divmod(k.shape[-2] - 1, block_size)
-    kb, vb = to_blocks(k, block_size), to_blocks(v, block_size)  # (..., p + 1, b, d): block p zero-padded
-    weights = mix.to(kb.dtype).unsqueeze(-2)  # (..., 1, p + 1)
-    keys = torch.cat([(weights @ kb.flatten(-2)).unflatten(-1, kb.shape[-2:])[..., 0, : s + 1, :],
-                      kb[..., p, : s + 1, :]], -2)
-    values = torch.cat([(weights @ vb.flatten(-2)).unflatten(-1, vb.shape[-2:])[..., 0, : s + 1, :],
-                        vb[..., p, : s + 1, :]], -2)
-    out = _softmax(q, keys, values, None, scale=scale, dropout_p=0.0, fused=sort_iters > 0)
+
+    def sorted_and_own(x: Tensor) -> Tensor:  # slots 0..s of [sorted block p, block p]: (..., 2 (s + 1), d)
+        blocks = to_blocks(x, block_size)  # (..., p + 1, b, d): block p zero-padded
+        weights = mix.to(blocks.dtype).unsqueeze(-2)  # (..., 1, p + 1)
+        mixed = (weights @ blocks.flatten(-2)).unflatten(-1, blocks.shape[-2:])[..., 0, : s + 1, :]
+        return torch.cat([mixed, blocks[..., p, : s + 1, :]], -2)
+
+    out = _softmax(q, sorted_and_own(k), sorted_and_own(v), None, scale=scale, dropout_p=0.0, fused=sort_iters > 0)
     if mixture:
         out = out + attention(q, k, v, normalization="softmax", scale=scale)
     return out
