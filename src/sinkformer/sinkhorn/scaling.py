@@ -383,8 +383,11 @@ class Tile:
         u = a.new_empty(c, n, 1)
         ub, ab, eb = blocks.rows_of(u), blocks.rows_of(a.unsqueeze(-1)), blocks.rows_of(empty.unsqueeze(-1))
         vb = blocks.slices_of(vt.unsqueeze(-1))
-        col = None if col_init is None else col_init.unsqueeze(1).clone()
+        # blocks of whole slices: each column sum is written once, from col_init (no copy, no accumulation)
+        whole = blocks.rows is None
+        col = None if col_init is None else col_init.new_empty(c, 1, m) if whole else col_init.unsqueeze(1).clone()
         colb = None if col is None else blocks.slices_of(col)
+        initb = blocks.slices_of(col_init.unsqueeze(1)) if whole and col is not None else None
         if output is not None:
             V, drop, out = output
             vVb, outb = blocks.slices_of(vt.unsqueeze(-1) * V), blocks.rows_of(out)
@@ -392,7 +395,9 @@ class Tile:
         for i, Kb in self.visit():
             add_rows_times(eb[i], Kb, vb[i], out=ub[i])
             torch.div(ab[i], ub[i], out=ub[i])
-            if colb is not None:
+            if initb is not None:
+                torch.baddbmm(initb[i], ub[i].transpose(1, 2), Kb, out=colb[i])
+            elif colb is not None:
                 colb[i].baddbmm_(ub[i].transpose(1, 2), Kb)
             if output is not None:
                 torch.bmm(Kb if dropb is None else Kb.mul_(dropb[i]), vVb[i], out=outb[i]).mul_(ub[i])
@@ -489,17 +494,21 @@ def scaling_backward(tile: Tile, seed: Tensor | None, us: Tensor, vs: Tensor, co
     rev = None if options.backward == "implicit" else _Reverse(a, b, us, vs, counts, tile.problem.tol is not None)
     L = 2 if rev is None else rev.L
     left = dO.new_empty(c, n, e + L)  # [u ⊙ dO, X]: X column j is the step t = L - j
+    right = dO.new_empty(c, m, e + L)  # [ṽ ⊙ V, Y]: Y column j is the step t = L - j
+    X, Y = left[..., e:], right[..., e:]
+    # the two dot products below take their elementwise products in left's and right's first e columns
+    # (written again before they are read): no (c, n, e) or (c, m, e) temporary
+    du = torch.mul(dO, out, out=left[..., :e]).sum(-1)  # sum_j K_ij v_j dP_ij, times u_i
+    du.div_(u + (a == 0).to(a.dtype))  # (0 where u = 0)
     torch.mul(u.unsqueeze(-1), dO, out=left[..., :e])
-    X, Y = left[..., e:], dO.new_empty(c, m, L)
-    du = torch.linalg.vecdot(dO, out).div_(u + (a == 0).to(a.dtype))  # sum_j K_ij v_j dP_ij (0 where u = 0)
     first = rev.row_coef(L, du) if rev is not None and L % 2 else None  # the last step is a row step
-    D, first_col = _first_pass(tile, left[..., :e], drop, first if L > 1 else None)
-    dvt = torch.linalg.vecdot(V, D)  # sum_i u_i K_ij dP_ij
-    grads[2].copy_(D.mul_(vt.unsqueeze(-1)))
+    D, first_col = _first_pass(tile, left[..., :e], drop, first if L > 1 else None, into=grads[2])
+    dvt = torch.mul(V, D, out=right[..., :e]).sum(-1)  # sum_i u_i K_ij dP_ij
+    D.mul_(vt.unsqueeze(-1))  # dV = ṽ ⊙ D, in place (D is dv)
     if rev is None:  # dS = P * (dP - alpha ⊕ beta)
         alpha, beta = implicit_duals_of(tile.K, u, vt, du * u, dvt * vt)
         X[..., 0], X[..., 1], Y[..., 0], Y[..., 1] = -u * alpha, -u, vt, vt * beta
-        _gradient_pass(tile, left, vt, V, Y, drop, grads)
+        _gradient_pass(tile, left, right, vt, V, drop, grads)
         return
     rev.row_ys(Y)
     t = L
@@ -514,25 +523,35 @@ def scaling_backward(tile: Tile, seed: Tensor | None, us: Tensor, vs: Tensor, co
         dvt = dvt + next_col
         t -= 2
     last = (rev, du, rev.col_step(2, dvt, X, Y)[0]) if t == 2 else None  # steps 2 and 1 in the last pass
-    _gradient_pass(tile, left, vt, V, Y, drop, grads, last)
+    _gradient_pass(tile, left, right, vt, V, drop, grads, last)
 
 
-def _first_pass(tile: Tile, uO: Tensor, drop: Tensor | None, first: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """Pass 1: :math:`D = (\\tilde K\\odot\\mathrm{drop})^\\top(u\\odot dO)` ``(c, m, e)`` and, given the
-    last row step's coefficient ``first (c, n)``, its column product :math:`\\tilde K^\\top first` ``(c, m)``."""
+def _first_pass(tile: Tile, uO: Tensor, drop: Tensor | None, first: Tensor | None,
+                into: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Pass 1: :math:`D = (\\tilde K\\odot\\mathrm{drop})^\\top(u\\odot dO)` ``(c, m, e)``, written into ``into``
+    (returned), and, given the last row step's coefficient ``first (c, n)``, its column product
+    :math:`\\tilde K^\\top first` ``(c, m)``."""
     blocks = tile.blocks
     c, n, m = tile.shape
-    D = uO.new_zeros(c, m, uO.shape[-1])
+    beta, new = _accumulation(blocks, uO)
+    D = into.zero_() if beta else into
     uOb, Db = blocks.rows_of(uO), blocks.slices_of(D)
     dropb = blocks.rows_of(drop) if drop is not None else None
-    col = uO.new_zeros(c, 1, m) if first is not None else None
+    col = new(c, 1, m) if first is not None else None
     if col is not None:
         firstb, colb = blocks.rows_of(first.unsqueeze(-1)), blocks.slices_of(col)
     for i, Kb in tile.visit():
-        Db[i].baddbmm_((Kb if dropb is None else Kb * dropb[i]).transpose(1, 2), uOb[i])
+        Db[i].baddbmm_((Kb if dropb is None else Kb * dropb[i]).transpose(1, 2), uOb[i], beta=beta)
         if col is not None:
-            colb[i].baddbmm_(firstb[i].transpose(1, 2), Kb)
+            colb[i].baddbmm_(firstb[i].transpose(1, 2), Kb, beta=beta)
     return D, (None if col is None else col.squeeze(1))
+
+
+def _accumulation(blocks: CacheBlocks, like: Tensor) -> tuple[float, Callable[..., Tensor]]:
+    """How a pass collects a per-slice sum over its blocks: ``(beta, new)`` for ``baddbmm_``. Blocks of
+    whole slices visit each slice once: ``beta = 0`` writes the uninitialised buffer (``new = new_empty``);
+    row blocks accumulate into zeros (``beta = 1``, ``new = new_zeros``)."""
+    return (0.0, like.new_empty) if blocks.rows is None else (1.0, like.new_zeros)
 
 
 def _row_step_pass(tile: Tile, rev: _Reverse, t: int, du: Tensor, ds: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
@@ -542,36 +561,41 @@ def _row_step_pass(tile: Tile, rev: _Reverse, t: int, du: Tensor, ds: Tensor, X:
     blocks = tile.blocks
     c, n, m = tile.shape
     total, dr = torch.empty_like(du).unsqueeze(-1), torch.empty_like(du).unsqueeze(-1)
-    col = du.new_zeros(c, 1, m)
+    beta, new = _accumulation(blocks, du)
+    col = new(c, 1, m)
     dub, dsb, factorb = (blocks.rows_of(du.unsqueeze(-1)), blocks.slices_of(ds.unsqueeze(-1)),
                          blocks.rows_of(rev.row_factor(t).unsqueeze(-1)))
     totalb, drb, colb = blocks.rows_of(total), blocks.rows_of(dr), blocks.slices_of(col)
     for i, Kb in tile.visit():
         add_rows_times(dub[i], Kb, dsb[i], out=totalb[i])
         torch.mul(totalb[i], factorb[i], out=drb[i])
-        colb[i].baddbmm_(drb[i].transpose(1, 2), Kb)
+        colb[i].baddbmm_(drb[i].transpose(1, 2), Kb, beta=beta)
     return rev.row_step(t, dr.squeeze(-1), total.squeeze(-1), X), col.squeeze(1)
 
 
-def _gradient_pass(tile: Tile, left: Tensor, vt: Tensor, V: Tensor, Y: Tensor, drop: Tensor | None, grads,
+def _gradient_pass(tile: Tile, left: Tensor, right: Tensor, vt: Tensor, V: Tensor, drop: Tensor | None, grads,
                    last_steps=None) -> None:
     """The last pass: :math:`dS = \\tilde K\\odot(\\mathrm{diag}(u)\\,dP\\,\\mathrm{diag}(\\tilde v)
     + XY^\\top)` block by block, contracted into ``dq`` (rows of the block) and ``dk`` (summed).
 
-    ``left = [u ⊙ dO, X] (c, n, e + L)``. ``last_steps = (reverse, du, ds2)``: the column step 2 ran
+    ``left = [u ⊙ dO, X] (c, n, e + L)``; ``right = [·, Y] (c, m, e + L)``, whose first ``e`` columns
+    this pass fills with :math:`\\tilde v\\odot V`. ``last_steps = (reverse, du, ds2)``: the column step 2 ran
     (``ds2``); :math:`du + \\tilde K ds_2` and the row step 1 (the last column of ``X``, the
     block's rows of ``left``) run here, block by block, before the block's ``dS``."""
     dq, dk, _ = grads
     blocks, scale = tile.blocks, tile.scale
-    e, L = V.shape[-1], Y.shape[-1]
-    dk.zero_()
-    vV = vt.unsqueeze(-1) * V
+    e, L = V.shape[-1], right.shape[-1] - V.shape[-1]
+    beta, _ = _accumulation(blocks, dk)
+    if beta:
+        dk.zero_()
+    vV = torch.mul(vt.unsqueeze(-1), V, out=right[..., :e])
     dqb, dkb, qb, kb = blocks.rows_of(dq), blocks.slices_of(dk), blocks.rows_of(tile.q), blocks.slices_of(tile.k)
     leftb = blocks.rows_of(left)
     if drop is None:
-        rightb = blocks.slices_of(torch.cat([vV, Y], -1).transpose(1, 2))  # (c, e + L, m)
+        rightb = blocks.slices_of(right.transpose(1, 2))  # (c, e + L, m)
     else:
-        dropb, vVb, Yb = blocks.rows_of(drop), blocks.slices_of(vV.transpose(1, 2)), blocks.slices_of(Y.transpose(1, 2))
+        dropb, vVb = blocks.rows_of(drop), blocks.slices_of(vV.transpose(1, 2))
+        Yb = blocks.slices_of(right[..., e:].transpose(1, 2))
     if last_steps is not None:
         rev, du, ds = last_steps
         total = torch.empty_like(du).unsqueeze(-1)
@@ -589,7 +613,7 @@ def _gradient_pass(tile: Tile, left: Tensor, vt: Tensor, V: Tensor, Y: Tensor, d
             dP.baddbmm_(leftb[i][..., e:], Yb[i])
         dS = dP.mul_(Kb)
         dqb[i].baddbmm_(dS, kb[i], beta=0.0, alpha=scale)
-        dkb[i].baddbmm_(dS.transpose(1, 2), qb[i], alpha=scale)
+        dkb[i].baddbmm_(dS.transpose(1, 2), qb[i], beta=beta, alpha=scale)
 
 
 class _Reverse:
@@ -625,8 +649,8 @@ class _Reverse:
 
     def row_ys(self, Y: Tensor) -> None:
         """The ``Y`` columns of every row step: :math:`v_{t-1}`, known before the reverse pass."""
-        for t in range(1, self.L + 1, 2):
-            Y[..., self.L - t] = self.vs[..., (t - 1) // 2]
+        steps = (self.L + 1) // 2  # row steps t = 1, 3, ..: columns L - t, from the last t's up
+        Y[..., (self.L - 1) % 2::2] = self.vs[..., :steps].flip(-1)
 
     def row_step(self, t: int, dr: Tensor, du: Tensor, X: Tensor) -> Tensor:
         """Record the row step's coefficient ``dr`` in ``X``; returns ``du`` after it (0 where it ran)."""
