@@ -34,7 +34,8 @@ from typing import Callable, TypeVar
 
 import torch
 
-__all__ = ["map_groups", "PARALLEL_ABOVE", "SCRATCH_KEPT_BYTES", "release_scratch", "single_threaded_here"]
+__all__ = ["map_groups", "PARALLEL_ABOVE", "SCRATCH_KEPT_BYTES", "scratch_buffer", "release_scratch",
+           "single_threaded_here"]
 
 T = TypeVar("T")
 
@@ -79,6 +80,17 @@ def _keep_scratch(scratch: dict, device: torch.device) -> None:
     with _kept_lock:
         if sum(_scratch_bytes(s) for s in _kept) + size <= SCRATCH_KEPT_BYTES:
             _kept.append(scratch)
+
+
+def scratch_buffer(scratch: dict, name: str, size: int, like: torch.Tensor) -> torch.Tensor:
+    """``size`` elements of uninitialised memory (1-D, the dtype and device of ``like``) from a worker's
+    ``scratch`` dict, under ``name``: the buffer held there when it is large enough and of the same dtype
+    and device, else a new one, held for the next call (on the CPU the dicts outlive calls: memory used
+    again is not faulted in and zeroed by the kernel again)."""
+    held = scratch.get(name)
+    if held is None or held.numel() < size or held.dtype != like.dtype or held.device != like.device:
+        held = scratch[name] = like.new_empty(size)
+    return held[:size]
 
 
 def release_scratch() -> None:

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from . import sizes
-from .cpu_parallel import map_groups
+from .cpu_parallel import map_groups, scratch_buffer
 from .problem import (
     Problem,
     scalings_trusted,
@@ -191,7 +191,7 @@ def run_backward(grad_out: Tensor, problem: Problem, out: Tensor, seed: Tensor |
         kept = tiles.numel() > 0
         memory = tiles[sl].view(-1) if kept else Tile.memory(problem, options, scratch)
         tile = Tile(group, options, memory, shifts=(row_shift[sl], col_shift[sl]), ready=kept)
-        scaling_backward(tile, seed, us[sl], vs[sl], counts[sl], grad_out[sl], out[sl], options, grads)
+        scaling_backward(tile, seed, us[sl], vs[sl], counts[sl], grad_out[sl], out[sl], options, grads, scratch)
 
     map_groups(list(range(0, B, options.group)), run, q.device, B * n * m)
     return dq, dk, dv
@@ -267,11 +267,7 @@ class Tile:
         else:
             blocks = options.blocks(c, n, m)
             size = (blocks.step * n if blocks.rows is None else min(blocks.rows, n)) * m
-        held = scratch.get("memory")
-        q = problem.q
-        if held is None or held.numel() < size or held.dtype != q.dtype or held.device != q.device:
-            held = scratch["memory"] = q.new_empty(size)
-        return held[:size]
+        return scratch_buffer(scratch, "memory", size, problem.q)
 
     def _block(self, i: int) -> Tensor:
         if self.stored:
@@ -482,9 +478,10 @@ def _trustworthy(us: Tensor, vs: Tensor) -> bool:
 
 
 def scaling_backward(tile: Tile, seed: Tensor | None, us: Tensor, vs: Tensor, counts: Tensor, dO: Tensor,
-                     out: Tensor, options: Options, grads: tuple[Tensor, Tensor, Tensor]) -> None:
+                     out: Tensor, options: Options, grads: tuple[Tensor, Tensor, Tensor], scratch: dict) -> None:
     """Gradients of one group in the scaling domain, written into ``grads = (dq, dk, dv)`` (views);
-    the passes of the module docstring."""
+    the passes of the module docstring. Its two ``(c, ·, e + L)`` work buffers come from the worker's
+    ``scratch`` (:func:`~.cpu_parallel.scratch_buffer`)."""
     c, n, m = tile.shape
     V = tile.problem.v
     e = V.shape[-1]
@@ -493,8 +490,9 @@ def scaling_backward(tile: Tile, seed: Tensor | None, us: Tensor, vs: Tensor, co
     u, vt = us[..., -1], vs[..., -1]
     rev = None if options.backward == "implicit" else _Reverse(a, b, us, vs, counts, tile.problem.tol is not None)
     L = 2 if rev is None else rev.L
-    left = dO.new_empty(c, n, e + L)  # [u ⊙ dO, X]: X column j is the step t = L - j
-    right = dO.new_empty(c, m, e + L)  # [ṽ ⊙ V, Y]: Y column j is the step t = L - j
+    # [u ⊙ dO, X] and [ṽ ⊙ V, Y] (column j of X and Y: the step t = L - j), in the worker's scratch
+    left = scratch_buffer(scratch, "left", c * n * (e + L), dO).view(c, n, e + L)
+    right = scratch_buffer(scratch, "right", c * m * (e + L), dO).view(c, m, e + L)
     X, Y = left[..., e:], right[..., e:]
     # the two dot products below take their elementwise products in left's and right's first e columns
     # (written again before they are read): no (c, n, e) or (c, m, e) temporary
