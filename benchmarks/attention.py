@@ -541,6 +541,29 @@ def _find(rows, method, n, n_iters=1):
     return None
 
 
+def _same_run(*rows: dict | None) -> bool:
+    """Whether every row exists and all were timed in one run (same date and machine): a time ratio of
+    rows merged from different runs (``--merge``) would compare machines, loads or code; none is formed."""
+    return all(rows) and len({(r.get("date"), r.get("cpu")) for r in rows}) == 1
+
+
+def _same_machine(*rows: dict | None) -> bool:
+    """Whether every row exists and all were measured on one machine (for memory ratios, which a run's
+    timing noise does not move)."""
+    return all(rows) and len({r.get("cpu") for r in rows}) == 1
+
+
+def machines(rows: list[dict]) -> str:
+    """``"AMD EPYC"``, or ``"Intel Xeon (2026-11-22 ...); AMD EPYC (2026-11-27 ...)"`` for rows merged from
+    several machines; rows without a machine of their own were measured on this one."""
+    dates: dict[str, set] = {}
+    for row in rows:
+        dates.setdefault(row.get("cpu", cpu_model()), set()).add(row.get("date"))
+    if len(dates) == 1:
+        return next(iter(dates))
+    return "; ".join(f"{cpu} ({' and '.join(sorted(d for d in found if d))})" for cpu, found in dates.items())
+
+
 def summary(rows: list[dict]) -> dict:
     """The issues' targets at b=4, h=8, d=64, n_iters=5, forward+backward: n = 1024 (issues 3 and 15)
     and n = 4096 (issue 15: ours / SDPA, chunked / ours). A time ratio is the median of the per-round
@@ -548,24 +571,27 @@ def summary(rows: list[dict]) -> dict:
     sdpa, paper = _find(rows, "sdpa", 1024), _find(rows, "paper-reference", 1024, 5)
     ours5, ours21 = _find(rows, "ours", 1024, 5), _find(rows, "ours", 1024, 21)
     out = {}
-    if sdpa and ours5:
+    if _same_run(sdpa, ours5):
         out["time_ours_over_sdpa"] = _time_ratio(ours5, sdpa)
+    if _same_machine(sdpa, ours5):
         out["memory_ours_over_sdpa"] = ours5["peak_mib"] / sdpa["peak_mib"]
     sdpa_4k, ours_4k, chunked_4k = (_find(rows, "sdpa", 4096), _find(rows, "ours", 4096, 5),
                                     _find(rows, "ours-chunked", 4096, 5))
-    if sdpa_4k and ours_4k:
+    if _same_run(sdpa_4k, ours_4k):
         out["time_ours_over_sdpa_4096"] = _time_ratio(ours_4k, sdpa_4k)
     for n, key in ((1024, "time_ours_softmax_over_sdpa"), (4096, "time_ours_softmax_over_sdpa_4096")):
         softmax, base = _find(rows, "ours-softmax", n), _find(rows, "sdpa", n)
-        if softmax and base:
+        if _same_run(softmax, base):
             out[key] = _time_ratio(softmax, base)
-    if ours_4k and chunked_4k:
+    if _same_run(ours_4k, chunked_4k):
         out["time_chunked_over_ours_4096"] = _time_ratio(chunked_4k, ours_4k)
-    if paper and ours5:
+    if _same_run(paper, ours5):
         out["speedup_over_paper"] = paper["forward_backward_ms"] / ours5["forward_backward_ms"]
-        out["memory_paper_over_sdpa"] = paper["peak_mib"] / sdpa["peak_mib"] if sdpa else None
-        out["time_paper_over_sdpa"] = paper["forward_backward_ms"] / sdpa["forward_backward_ms"] if sdpa else None
-    if ours5 and ours21:
+    if _same_machine(paper, sdpa):
+        out["memory_paper_over_sdpa"] = paper["peak_mib"] / sdpa["peak_mib"]
+    if _same_run(paper, sdpa):
+        out["time_paper_over_sdpa"] = paper["forward_backward_ms"] / sdpa["forward_backward_ms"]
+    if _same_machine(ours5, ours21):
         out["memory_21_over_5"] = ours21["peak_mib"] / ours5["peak_mib"]
     return out
 
@@ -587,8 +613,9 @@ def cpu_model() -> str:
 
 def markdown(rows: list[dict], targets: dict, stamp: str) -> str:
     lines = [
-        f"Measured {stamp} on {platform.machine()} ({cpu_model()}) with {os.cpu_count()} CPU cores, "
-        f"torch {_torch_version()}, b={B}, h={H}, d={D}, float32; medians{_timing_note(rows)}.",
+        f"Measured {stamp} on {platform.machine()} ({machines(rows)}) with {os.cpu_count()} CPU cores, "
+        f"torch {_torch_version()}, b={B}, h={H}, d={D}, float32; medians{_timing_note(rows)}. Targets are read "
+        "only from rows of one run (time) or one machine (memory).",
         "",
         "| method | n | n_iters | forward (ms) | forward+backward (ms) | peak memory (MiB) |",
         "|---|---:|---:|---:|---:|---:|",
@@ -794,11 +821,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None or args.clock != "wall":
         configs = [dict(c, threads=args.threads, clock=args.clock) for c in configs]
     stamp = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
-    rows = [dict(row, date=stamp) for row in run(configs, args.rounds)]
+    rows = [dict(row, date=stamp, cpu=cpu_model()) for row in run(configs, args.rounds)]
     out = Path(args.out)
     if args.merge and (out / "attention.json").exists():
         measured = {_key(row) for row in rows}
-        kept = [row for row in json.loads((out / "attention.json").read_text())["rows"] if _key(row) not in measured]
+        earlier = json.loads((out / "attention.json").read_text())
+        # a kept row keeps its own machine (rows of files written before rows carried it: the file's)
+        kept = [dict({"cpu": earlier.get("cpu", "unknown CPU")}, **row) for row in earlier["rows"]
+                if _key(row) not in measured]
         rows = sorted(kept + rows, key=lambda r: (r["b"] != B, r["n"], METHODS.index(r["method"]), r["n_iters"]))
         stamp = " and ".join(sorted({row.get("date", stamp) for row in rows}))
     targets = summary(rows)

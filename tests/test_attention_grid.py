@@ -87,3 +87,39 @@ def test_memory_counts_the_tile_buffers_the_library_keeps_between_calls(tmp_path
                MALLOC_TRIM_THRESHOLD_="65536")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert float(done.stdout.strip().splitlines()[-1]) >= 15.0
+
+
+def _row(method, n, n_iters, ms, mib, date, cpu):
+    return dict(method=method, b=4, h=8, n=n, d=64, n_iters=n_iters, repeats=1, forward_ms=ms / 3,
+                forward_backward_ms=ms, peak_mib=mib, date=date, cpu=cpu)
+
+
+def test_merged_rows_keep_their_machine_and_targets_pair_rows_of_one_run(tmp_path, monkeypatch):
+    """``--merge`` keeps earlier rows with the machine they were measured on (a file written before rows
+    carried one: the file's), the header names every machine, and a time ratio is formed only from rows
+    of one run (memory ratios: one machine), never across a merge."""
+    earlier = [_row("sdpa", 1024, 1, 100.0, 40.0, "old", None), _row("ours", 1024, 5, 150.0, 60.0, "old", None),
+               _row("ours", 1024, 21, 200.0, 63.0, "older", None), _row("ours", 4096, 5, 4000.0, 300.0, "old", None),
+               _row("ours-chunked", 4096, 5, 8000.0, 200.0, "old", None)]
+    for row in earlier:
+        del row["cpu"]
+    (tmp_path / "attention.json").write_text(json.dumps({"date": "old", "cpu": "Old Xeon", "rows": earlier}))
+    fresh = [_row("sdpa", 4096, 1, 2000.0, 160.0, "new", None), _row("ours", 4096, 5, 3000.0, 300.0, "new", None)]
+    for row in fresh:
+        del row["date"], row["cpu"]
+    monkeypatch.setattr(bench, "run", lambda configs, rounds: [dict(r) for r in fresh])
+    monkeypatch.setattr(bench, "cpu_model", lambda: "New EPYC")
+    monkeypatch.setattr(bench, "plot", lambda rows, path: None)
+    assert bench.main(["--n", "4096", "--iters", "5", "--methods", "sdpa", "ours", "--merge",
+                       "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "attention.json").read_text())
+    machine = {(r["method"], r["n"], r["n_iters"]): r["cpu"] for r in saved["rows"]}
+    assert machine[("ours", 4096, 5)] == machine[("sdpa", 4096, 1)] == "New EPYC"
+    assert machine[("ours", 1024, 5)] == machine[("ours-chunked", 4096, 5)] == "Old Xeon"
+    targets = saved["targets"]
+    assert targets["time_ours_over_sdpa_4096"] == 1.5  # both rows of the new run
+    assert targets["time_ours_over_sdpa"] == 1.5  # both rows of one earlier run
+    assert "time_chunked_over_ours_4096" not in targets  # an old chunked row against a new ours row
+    assert targets["memory_21_over_5"] == 63.0 / 60.0  # two earlier runs on one machine
+    header = (tmp_path / "attention.md").read_text().splitlines()[0]
+    assert "Old Xeon (old and older); New EPYC (20" in header
