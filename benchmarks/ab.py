@@ -7,8 +7,11 @@ backward, the default engine, b x h slices of n tokens, d = 64, float32) with th
 round so that both see the same machine load. It prints, per n, each tree's median time over rounds
 and the median over rounds of the per-round ratio after/before with its range: a ratio above 1 is a
 slowdown; and the aten calls of one forward+backward in each tree (profiler events, counted on one
-thread so that the profiler sees every call), a count that machine load does not blur. ``--before`` is a folder (a clone at the commit before the change: ``git worktree add
-/tmp/before HEAD``). With ``--out`` it also writes ``ab.json`` and ``ab.md``.
+thread so that the profiler sees every call), a count that machine load does not blur; and whether the
+two trees compute the same results: the output and the gradients of one seeded forward+backward, equal
+entry by entry or not (then the largest difference). ``--before`` is a folder (a clone at the commit
+before the change: ``git worktree add /tmp/before HEAD``). With ``--out`` it also writes ``ab.json`` and
+``ab.md``.
 
 ``--workload sort`` times Sparse Sinkhorn Attention's block sorting instead:
 :func:`sinkformer.attention.sparse.sort_matrix` (``sort_iters = --iters``, temperature 0.75, ``--causal``:
@@ -25,6 +28,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 #: n -> (batch, heads, repeats per round)
@@ -35,11 +39,12 @@ SORT_SHAPES = {8: (32, 4, 50), 16: (32, 4, 30), 32: (32, 4, 20), 96: (32, 4, 5),
 WORKLOADS = {"attention": SHAPES, "sort": SORT_SHAPES}
 
 _WORKER = r"""
-import json, sys, time, torch
+import json, os, sys, time, torch
 from torch.profiler import ProfilerActivity, profile
 import sinkformer
 ns, n_iters, causal = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
-shapes, count_ops, workload = json.loads(sys.argv[4]), sys.argv[5] == "ops", sys.argv[6]
+shapes, what, workload = json.loads(sys.argv[4]), sys.argv[5], sys.argv[6]
+count_ops = what == "ops"
 torch.manual_seed(0)
 out = {}
 for n in ns:
@@ -47,12 +52,26 @@ for n in ns:
     if workload == "sort":
         from sinkformer.attention.sparse import sort_matrix
         x, w = (3 * torch.randn(b, h, n, n)).requires_grad_(), torch.randn(b, h, n, n)
+        inputs = (x,)
+        def forward():
+            return sort_matrix(x, sort_iters=n_iters, temperature=0.75, causal=causal)
         def step():
-            (sort_matrix(x, sort_iters=n_iters, temperature=0.75, causal=causal) * w).sum().backward()
+            (forward() * w).sum().backward()
     else:
         q, k, v = (torch.randn(b, h, n, 64, requires_grad=True) for _ in range(3))
+        inputs = (q, k, v)
+        def forward():
+            return sinkformer.attention(q, k, v, n_iters=n_iters, is_causal=causal)
         def step():
-            sinkformer.attention(q, k, v, n_iters=n_iters, is_causal=causal).sum().backward()
+            forward().sum().backward()
+    if what == "results":  # the output and the gradients of a seeded cotangent, saved for the parent
+        torch.manual_seed(1)
+        result = forward()
+        grads = torch.autograd.grad((result * torch.randn_like(result)).sum(), inputs)
+        path = os.path.join(sys.argv[7], f"{n}.pt")
+        torch.save([result.detach()] + list(grads), path)
+        out[n] = path
+        continue
     step()
     if count_ops:  # the aten calls of one step (profiler events, nested ones included): no noise
         torch.set_num_threads(1)  # every call on this thread, where the profiler sees it
@@ -78,24 +97,46 @@ def shapes(ns: list[int], heads: int | None = None, workload: str = "attention")
 
 
 def measure(tree: Path, ns: list[int], n_iters: int, causal: bool, threads: int | None,
-            what: str = "time", heads: int | None = None, workload: str = "attention") -> dict[int, float]:
+            what: str = "time", heads: int | None = None, workload: str = "attention",
+            folder: Path | None = None) -> dict[int, float]:
     """Per n, in a fresh process on ``tree``: milliseconds of one forward+backward, median of the
-    repeats (``what="time"``), or the aten calls of one forward+backward (``what="ops"``)."""
+    repeats (``what="time"``), the aten calls of one forward+backward (``what="ops"``), or the path of
+    a file in ``folder`` holding the output and gradients of one seeded forward+backward
+    (``what="results"``)."""
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     shapes_json = json.dumps({str(n): shape for n, shape in shapes(ns, heads, workload).items()})
     done = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(ns), str(n_iters), "1" if causal else "0",
-                           shapes_json, what, workload], env=env, capture_output=True, text=True, check=True)
+                           shapes_json, what, workload, str(folder or "")], env=env, capture_output=True, text=True,
+                          check=True)
     return {int(n): value for n, value in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+
+
+def difference(before: str | Path, after: str | Path) -> float:
+    """The largest absolute difference between two saved results (:func:`measure`'s ``"results"``): 0.0
+    when every entry is equal (NaNs in the same places); ``inf`` when shapes or NaN places differ."""
+    import torch
+
+    a, b = torch.load(before), torch.load(after)
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        return float("inf")
+    worst = 0.0
+    for x, y in zip(a, b):
+        if not torch.equal(x.isnan(), y.isnan()):
+            return float("inf")
+        same = (x == y) | x.isnan()
+        gap = torch.where(same, 0.0, (x.double() - y.double()).abs())
+        worst = max(worst, float(gap.max()) if gap.numel() else 0.0)
+    return worst
 
 
 def compare(before: Path, after: Path, ns: list[int], n_iters: int, causal: bool, rounds: int,
             threads: int | None = None, progress=print, heads: int | None = None,
             workload: str = "attention") -> list[dict]:
-    """Per n: both trees' medians over rounds (ms), the per-round ratios after/before, and the aten
-    calls of one forward+backward in each tree (counted once: they do not vary). ``heads``: instead of
-    the table's heads."""
+    """Per n: both trees' medians over rounds (ms), the per-round ratios after/before, the aten calls of
+    one forward+backward in each tree (counted once: they do not vary) and the largest difference between
+    their results (``max_difference``: 0.0 when identical). ``heads``: instead of the table's heads."""
     times: dict[str, list[dict[int, float]]] = {"before": [], "after": []}
     for r in range(rounds):
         order = [("before", before), ("after", after)] if r % 2 == 0 else [("after", after), ("before", before)]
@@ -104,6 +145,13 @@ def compare(before: Path, after: Path, ns: list[int], n_iters: int, causal: bool
         progress(f"round {r + 1}/{rounds} done")
     ops = {name: measure(tree, ns, n_iters, causal, threads, what="ops", heads=heads, workload=workload)
            for name, tree in (("before", before), ("after", after))}
+    with tempfile.TemporaryDirectory() as folder:
+        saved = {}
+        for name, tree in (("before", before), ("after", after)):
+            (Path(folder) / name).mkdir()
+            saved[name] = measure(tree, ns, n_iters, causal, threads, what="results", heads=heads,
+                                  workload=workload, folder=Path(folder) / name)
+        differences = {n: difference(saved["before"][n], saved["after"][n]) for n in ns}
     sizes = shapes(ns, heads, workload)
     rows = []
     for n in ns:
@@ -111,7 +159,8 @@ def compare(before: Path, after: Path, ns: list[int], n_iters: int, causal: bool
         rows.append({"n": n, "batch_heads": sizes[n][:2], "before_ms": statistics.median(t[n] for t in times["before"]),
                      "after_ms": statistics.median(t[n] for t in times["after"]), "ratio": statistics.median(ratios),
                      "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": rounds,
-                     "before_ops": ops["before"][n], "after_ops": ops["after"][n]})
+                     "before_ops": ops["before"][n], "after_ops": ops["after"][n],
+                     "max_difference": differences[n]})
     return rows
 
 
@@ -133,14 +182,24 @@ def table(rows: list[dict], n_iters: int, causal: bool, trees: tuple[str, str] |
             f"sort_iters={n_iters}, forward+backward, float32 logits, n = N_B")
     lines = [f"{what}; medians over {rows[0]['rounds']} interleaved rounds"
              + (f"; before = {trees[0]}, after = {trees[1]}" if trees else ""), "",
-             "| n | b × h | before (ms) | after (ms) | after / before (range over rounds) | aten calls before → after |",
-             "|---:|---:|---:|---:|---:|---:|"]
+             "| n | b × h | before (ms) | after (ms) | after / before (range over rounds) "
+             "| aten calls before → after | results |",
+             "|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         b, h = r["batch_heads"]
         ops = f"{r['before_ops']} → {r['after_ops']}" if "before_ops" in r else "—"
         lines.append(f"| {r['n']} | {b} × {h} | {r['before_ms']:.2f} | {r['after_ms']:.2f} | "
-                     f"{r['ratio']:.3f} ({r['ratio_min']:.3f}–{r['ratio_max']:.3f}) | {ops} |")
+                     f"{r['ratio']:.3f} ({r['ratio_min']:.3f}–{r['ratio_max']:.3f}) | {ops} | "
+                     f"{_results(r.get('max_difference'))} |")
     return "\n".join(lines)
+
+
+def _results(difference: float | None) -> str:
+    """The results column: ``identical`` (every entry equal), or the largest absolute difference (``—``: not
+    compared)."""
+    if difference is None:
+        return "—"
+    return "identical" if difference == 0 else f"differ (max \\|Δ\\| {difference:.2g})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,18 +5,28 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import ab
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _saved(folder: Path, n: int, *tensors: torch.Tensor) -> str:
+    path = str(folder / f"{n}.pt")
+    torch.save(list(tensors), path)
+    return path
+
+
 def test_rounds_alternate_the_trees_and_ratios_are_per_round(monkeypatch):
     calls = []
 
-    def fake(tree, ns, n_iters, causal, threads, what="time", heads=None, workload="attention"):
+    def fake(tree, ns, n_iters, causal, threads, what="time", heads=None, workload="attention", folder=None):
         if what == "ops":
             return {n: n + (1 if tree.name == "after" else 0) for n in ns}
+        if what == "results":  # the trees agree at n = 16 and differ by 1e-3 at n = 64
+            return {n: _saved(folder, n, torch.ones(3) + (1e-3 if tree.name == "after" and n == 64 else 0.0))
+                    for n in ns}
         calls.append(tree.name)
         slow = 2.0 if tree.name == "after" else 1.0
         return {n: slow * n * (1 + len(calls) / 100) for n in ns}  # the machine slows down round by round
@@ -28,15 +38,18 @@ def test_rounds_alternate_the_trees_and_ratios_are_per_round(monkeypatch):
     # per-round ratios: the drift shared by both trees of a round nearly cancels
     assert all(1.95 < r["ratio_min"] <= r["ratio"] <= r["ratio_max"] < 2.05 for r in rows)
     assert [(r["before_ops"], r["after_ops"]) for r in rows] == [(16, 17), (64, 65)]
+    assert rows[0]["max_difference"] == 0.0 and rows[1]["max_difference"] == pytest.approx(1e-3, rel=1e-3)
     text = ab.table(rows, 5, False)
-    assert "| 16 | 4 × 8 |" in text and "medians over 4 interleaved rounds" in text and "| 16 → 17 |" in text
+    assert "| 16 | 4 × 8 |" in text and "medians over 4 interleaved rounds" in text
+    assert "| 16 → 17 | identical |" in text
+    assert "| 64 → 65 | differ (max \\|Δ\\| 0.001) |" in text
 
 
 def test_heads_replace_the_tables_and_scale_the_repeats(monkeypatch):
     assert ab.shapes([4096, 64]) == {4096: ab.SHAPES[4096], 64: ab.SHAPES[64]}
     assert ab.shapes([4096, 64], heads=2) == {4096: (1, 2, 4), 64: (4, 2, 120)}
-    monkeypatch.setattr(ab, "measure", lambda tree, ns, *a, what="time", heads=None, workload="attention":
-                        {n: 1.0 for n in ns})
+    monkeypatch.setattr(ab, "measure", lambda tree, ns, *a, what="time", heads=None, workload="attention", folder=None:
+                        {n: _saved(folder, n, torch.zeros(1)) if what == "results" else 1.0 for n in ns})
     rows = ab.compare(Path("/x/before"), Path("/x/after"), [4096], 5, False, rounds=2, progress=lambda s: None, heads=2)
     assert "| 4096 | 1 × 2 |" in ab.table(rows, 5, False)
     with pytest.raises(SystemExit):
@@ -74,3 +87,22 @@ def test_the_source_of_a_tree_is_its_commit(tmp_path):
     assert ab.source(tmp_path) == "unknown"
     if (ROOT / ".git").exists():  # a checkout (not an unpacked archive): its commit, 12 hex digits
         assert len(ab.source(ROOT).split("+")[0]) == 12
+
+
+def test_results_of_two_trees_are_compared_entry_by_entry(tmp_path):
+    """The results column: the output and gradients of one seeded forward+backward, saved by each tree's
+    worker; a tree against itself is identical (the worker is deterministic), and differences are the
+    largest absolute one, NaNs in the same places counting as equal and in other places as inf."""
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+    one = ab.measure(ROOT, [16], 3, False, threads=1, what="results", folder=tmp_path / "one")
+    two = ab.measure(ROOT, [16], 3, False, threads=1, what="results", folder=tmp_path / "two")
+    saved = torch.load(one[16])
+    assert [t.shape for t in saved] == [(4, 8, 16, 64)] * 4  # the output, then the gradients of q, k and v
+    assert ab.difference(one[16], two[16]) == 0.0
+    nan = float("nan")
+    base = _saved(tmp_path, 1, torch.tensor([1.0, nan, 3.0]), torch.zeros(2))
+    assert ab.difference(base, _saved(tmp_path, 2, torch.tensor([1.0, nan, 3.0]), torch.zeros(2))) == 0.0
+    assert ab.difference(base, _saved(tmp_path, 3, torch.tensor([1.0, nan, 3.5]), torch.zeros(2))) == 0.5
+    assert ab.difference(base, _saved(tmp_path, 4, torch.tensor([nan, 1.0, 3.0]), torch.zeros(2))) == float("inf")
+    assert ab.difference(base, _saved(tmp_path, 5, torch.tensor([1.0, nan]), torch.zeros(2))) == float("inf")
