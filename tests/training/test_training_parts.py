@@ -93,6 +93,27 @@ def test_train_config_mistakes_name_the_option():
                       torch.optim.SGD)
 
 
+@pytest.mark.parametrize("name,cls", [("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW)])
+def test_adam_takes_the_fused_kernel_with_the_same_steps(name, cls):
+    torch.manual_seed(0)
+    weights = [torch.randn(40, 8), torch.randn(8)]
+    config = TrainConfig(optimizer=name, lr=1e-2, weight_decay=0.01)
+    fused = [torch.nn.Parameter(w.clone()) for w in weights]
+    plain = [torch.nn.Parameter(w.clone()) for w in weights]
+    optimizer = build_optimizer(fused, config)
+    reference = cls(plain, lr=1e-2, betas=config.betas, weight_decay=0.01)
+    assert isinstance(optimizer, cls) and optimizer.defaults["fused"] == (torch.__version__ >= "2.4")  # CPU kernels
+    for _ in range(5):
+        grads = [torch.randn_like(w) for w in weights]
+        for params, opt in ((fused, optimizer), (plain, reference)):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+    for a, b, w in zip(fused, plain, weights):
+        assert not torch.equal(a, w)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_epoch_batches_are_a_seeded_permutation():
     batches = epoch_batches(10, 4, seed=1, epoch=2)
     assert [len(b) for b in batches] == [4, 4, 2] and sorted(sum(batches, [])) == list(range(10))

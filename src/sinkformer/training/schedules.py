@@ -44,12 +44,24 @@ def learning_rate(config: TrainConfig, epoch: int, step: int) -> float:
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
-    """Adam, AdamW or SGD (with momentum) as configured."""
+    """Adam, AdamW or SGD (with momentum) as configured.
+
+    Adam and AdamW take PyTorch's fused kernel (``fused=True``: one pass over each parameter instead of
+    about ten operations) where this torch has one for the parameters' device (CUDA; the CPU from torch
+    2.4), else the default implementation. The same update up to rounding; on a CPU a step of a
+    classifier with a 16000 x 48 embedding took 0.53 ms instead of 2.24 (one thread, informal).
+    """
     params = [p for p in params if p.requires_grad]
     if config.optimizer == "sgd":
         return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
     cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
-    return cls(params, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+    options = dict(lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+    if params:
+        try:
+            return cls(params, fused=True, **options)
+        except RuntimeError:  # no fused kernel for this device (or this torch's CPU)
+            pass
+    return cls(params, **options)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
