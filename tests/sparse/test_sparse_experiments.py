@@ -95,6 +95,23 @@ def test_language_model_learns_a_repeating_text():
 
 
 
+@pytest.mark.parametrize("options,evaluations", [({}, 1), ({"eval_every": 1}, 3), ({"eval_every": 2}, 2)])
+def test_the_test_set_is_scored_after_the_last_epoch_unless_the_config_asks(monkeypatch, options, evaluations):
+    from sinkformer.data.base import DataBundle
+    from sinkformer.data.text_lm import LMCollate, LMDataset, encode_bytes
+    from sinkformer.training import loop
+
+    calls, evaluate = [], loop._evaluate
+    monkeypatch.setattr(loop, "_evaluate", lambda *args, **kw: calls.append(1) or evaluate(*args, **kw))
+    ids = encode_bytes("abcdefgh" * 40)
+    data = DataBundle(LMDataset(ids, 16), LMDataset(ids[:64], 16), {"kind": "lm", "vocab_size": 260, "max_len": 16},
+                      LMCollate())
+    model = SinkhornTransformerLM(260, dim=16, depth=1, heads=2, max_len=16, attention=AttentionConfig.parse("sparse:8"))
+    final, _ = train(model, data, {"epochs": 3, "batch_size": 8, "max_train_batches": 1, **options}, seed=0,
+                     sequence=True)
+    assert len(calls) == evaluations and math.isfinite(final["test_loss"])
+
+
 def test_sst_trees_binary_labels(tmp_path):
     file = tmp_path / "train.txt"
     file.write_text("(3 (2 It) (4 (2 works) (2 .)))\n(2 (2 Just) (2 fine))\n(0 (1 Bad) (2 film))\n")
