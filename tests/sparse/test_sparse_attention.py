@@ -88,6 +88,8 @@ def test_gumbel_noise_is_standard_gumbel_and_seeded():
     a = gumbel_noise((5,), generator=torch.Generator().manual_seed(1))
     b = gumbel_noise((5,), generator=torch.Generator().manual_seed(1))
     assert torch.equal(a, b)
+    u = torch.rand(5, generator=torch.Generator().manual_seed(1)).clamp(torch.finfo().tiny, 1 - 1e-7)
+    assert torch.equal(a, -torch.log(-torch.log(u)))  # -log(-log U) of the same draws, to the last bit
 
 
 def test_gumbel_noise_in_training_only():

@@ -169,7 +169,7 @@ def gumbel_noise(shape: torch.Size | tuple[int, ...], *, generator: torch.Genera
     """Standard i.i.d. Gumbel samples :math:`-\\log(-\\log U)`, :math:`U \\sim \\mathcal U(0, 1)`."""
     u = torch.rand(shape, generator=generator, dtype=dtype, device=device)
     tiny = torch.finfo(dtype).tiny
-    return -torch.log(-torch.log(u.clamp(tiny, 1.0 - 1e-7)))
+    return u.clamp_(tiny, 1.0 - 1e-7).log_().neg_().log_().neg_()  # in place: one buffer, the same values
 
 
 def sort_matrix(
