@@ -162,7 +162,7 @@ class _CausalBlocks(torch.autograd.Function):
             later[:, :end] += minus_dC.sum(-2)
             dR.sub_(suffix)
             R = blk["R"]
-            dS = R * (dR - (dR * R).sum(-1, keepdim=True))
+            dS = dR.sub_((dR * R).sum(-1, keepdim=True)).mul_(R)  # R (dR - (dR R) 1), in dR's buffer
             dq[:, start:end] = torch.bmm(dS, k[:, :end]).mul_(scale)
             dk[:, :end].baddbmm_(dS.transpose(1, 2), q[:, start:end], alpha=scale)
         return dq, dk, dv, None, None, None, None
