@@ -36,6 +36,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
+from .._capture import capturing
+
 __all__ = [
     "LOG_SCALING_LIMIT",
     "trusted_scalings",
@@ -220,8 +222,10 @@ def scalings_trusted(u_max: float, v_max: float, dtype: torch.dtype) -> bool:
 
 def any_along(mask: Tensor, dim: int) -> Tensor:
     """``mask.any(dim)`` for a bool tensor, as the maximum of its bytes on CPUs: a third of the time of
-    torch's bool reduction there (0.66 against 2.07 ms at (32, 4, 96, 96), one thread, informal)."""
-    if mask.device.type != "cpu" or mask.shape[dim] == 0:
+    torch's bool reduction there (0.66 against 2.07 ms at (32, 4, 96, 96), one thread, informal). Under
+    graph capture ``mask.any(dim)`` itself: inductor fuses it, and its C++ code for the bytes viewed as
+    bools does not compile (torch 2.13: ``Vectorized<bool>`` has no member ``to``)."""
+    if mask.device.type != "cpu" or mask.shape[dim] == 0 or capturing():
         return mask.any(dim)
     return mask.view(torch.uint8).amax(dim).view(torch.bool)
 
