@@ -119,7 +119,7 @@ def test_inductor_fullgraph():
 
 
 @pytest.mark.skipif(COMPILER is None, reason="inductor needs a C++ compiler, none found")
-@pytest.mark.parametrize("case", ["dense attention", "sinkhorn", "sinkhorn scaling domain"])
+@pytest.mark.parametrize("case", ["dense attention", "sinkhorn", "sinkhorn scaling domain", "sinkhorn no mask"])
 def test_inductor_compiles_the_dense_engine_with_masks(case):
     """Masks reduced as bytes in eager mode (``any_along``) are plain bool reductions under capture: inductor's
     C++ code for the bytes viewed as bools did not compile on the CPU (torch 2.13)."""
@@ -129,9 +129,9 @@ def test_inductor_compiles_the_dense_engine_with_masks(case):
         args = (q, k, v, pad)
     else:
         domain = "scaling" if "scaling" in case else "log"
-        fn = lambda S, keep: sinkformer.sinkhorn(S, 4, mask=keep, domain=domain)  # noqa: E731
-        args = (q @ k.transpose(-1, -2), torch.rand(2, 4, 16, 16, generator=torch.Generator().manual_seed(1)) > 0.3)
-        args = (args[0].detach().requires_grad_(), args[1])
+        fn = lambda S, *keep: sinkformer.sinkhorn(S, 4, mask=keep[0] if keep else None, domain=domain)  # noqa: E731
+        keep = torch.rand(2, 4, 16, 16, generator=torch.Generator().manual_seed(1)) > 0.3
+        args = ((q @ k.transpose(-1, -2)).detach().requires_grad_(),) + (() if "no mask" in case else (keep,))
     (out, grads), (out_c, grads_c) = eager_and_compiled(fn, args, "inductor")
     torch.testing.assert_close(out_c, out, atol=1e-5, rtol=0)
     for a, b in zip(grads_c, grads):
