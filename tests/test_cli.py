@@ -368,13 +368,17 @@ def test_the_announced_time_is_the_committed_times_scaled_by_the_calibration(mon
     # a committed run measured with another thread count (or none) is no reference: the times as committed
     assert suite._announcement(names, 1, {"step_ms": 5.0, "threads": 2}).endswith(
         f"(expected about {sum(minutes) / 2:.1f} min; the committed times, not calibrated: the committed run has "
-        f"no calibration with 2 thread(s))")
+        f"no calibration with 2 thread(s) and this workload)")
+    # nor is one measured with another workload (the committed run's calibration above has none)
+    assert suite._announcement(names, 1, {"step_ms": 5.0, "threads": 1, "workload": "another"}).endswith(
+        "no calibration with 1 thread(s) and this workload)")
 
 
 def test_the_calibration_is_a_mean_step_time_that_leaves_the_random_state_alone(one_thread):
     state = torch.get_rng_state()
     measured = suite.calibration(budget=0.05)
     assert measured["threads"] == 1 and 0 < measured["step_ms"] < 1000
+    assert measured["workload"] == suite.CALIBRATION_WORKLOAD
     assert torch.equal(torch.get_rng_state(), state)
 
 

@@ -184,21 +184,24 @@ def committed_seconds(names: Iterable[str]) -> dict[str, float]:
     return {n: float(measured.get(n, 60 * experiments[n].quick_minutes)) for n in names}
 
 
-def calibration(budget: float = 0.4) -> dict[str, Any]:
-    """This machine's speed now, for scaling the committed times: ``{"step_ms", "threads"}``, the mean
-    wall time of a training step (forward, backward, Adam) of a small Sinkformer encoder layer (width
-    32, 4 heads, 3 Sinkhorn iterations, 16 sequences of 32 tokens), over about ``budget`` seconds
-    after one warm-up step, with torch's current thread count. A mean, not a minimum: other processes
-    competing for the cores slow it as they slow the experiments. The global random state is left
-    as it was."""
-    import torch
+#: Names the calibration's workload: a reference measured with another workload is not comparable.
+CALIBRATION_WORKLOAD = "torch-encoder-layer-1"
 
-    from ..nn import TransformerEncoderLayer
+
+def calibration(budget: float = 0.4) -> dict[str, Any]:
+    """This machine's speed now, for scaling the committed times: ``{"step_ms", "threads", "workload"}``,
+    the mean wall time of a training step (forward, backward, Adam) of PyTorch's own
+    ``nn.TransformerEncoderLayer`` (width 32, 4 heads, 16 sequences of 32 tokens), over about ``budget``
+    seconds after one warm-up step, with torch's current thread count. PyTorch's layer, not this
+    library's (a Sinkformer layer until 2026-11-27): the calibration measures the machine, where a step
+    of our own engine would also measure the commit, and a reference measured with another workload
+    (``"workload"``) is not used. A mean, not a minimum: other processes competing for the cores slow
+    it as they slow the experiments. The global random state is left as it was."""
+    import torch
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        layer = TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True,
-                                        normalization="sinkhorn", n_iters=3)
+        layer = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
         optimizer = torch.optim.Adam(layer.parameters(), lr=1e-3)
         x = torch.randn(16, 32, 32)
 
@@ -213,7 +216,8 @@ def calibration(budget: float = 0.4) -> dict[str, Any]:
             step()
             steps += 1
         seconds = time.perf_counter() - start
-    return {"step_ms": round(1000 * seconds / steps, 3), "threads": torch.get_num_threads()}
+    return {"step_ms": round(1000 * seconds / steps, 3), "threads": torch.get_num_threads(),
+            "workload": CALIBRATION_WORKLOAD}
 
 
 def _committed_calibration() -> dict[str, Any] | None:
@@ -231,13 +235,15 @@ def _announcement(names: list[str], jobs: int, measured: dict[str, Any]) -> str:
     by this machine's calibration against the committed run's)."""
     seconds = committed_seconds(names)
     reference = _committed_calibration()
-    if reference and reference.get("step_ms") and reference.get("threads") == measured["threads"]:
+    comparable = reference and reference.get("step_ms") and all(
+        reference.get(key) == measured.get(key) for key in ("threads", "workload"))
+    if comparable:
         factor = measured["step_ms"] / reference["step_ms"]
         scaled = (f"the committed times x {factor:.2g}: a calibration step took {measured['step_ms']:.3g} ms here, "
                   f"{reference['step_ms']:.3g} ms for the committed run")
     else:
         factor, scaled = 1.0, "the committed times, not calibrated: the committed run has no calibration with " \
-                              f"{measured['threads']} thread(s)"
+                              f"{measured['threads']} thread(s) and this workload"
     minutes = [factor * seconds[n] / 60 for n in names]
     wall = expected_wall_minutes(minutes, jobs)
     work = f" with {jobs} processes, {sum(minutes):.1f} min of work" if jobs > 1 else ""
