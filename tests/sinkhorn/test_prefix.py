@@ -289,6 +289,17 @@ def test_two_and_three_iterations_without_logarithms_equal_the_log_domain(n_iter
     assert torch.isfinite(grad).all()
 
 
+@pytest.mark.parametrize("n_iters", [4, 5])
+def test_columns_first_uniform_marginals_first_and_second_derivatives(n_iters):
+    """The block sorting's problem (columns first, uniform marginals) in the scaling domain, whose
+    normalisations divide by _Quotient: its own backward against finite differences, twice."""
+    mask = key_mask(2, 6, 8)
+    scores = torch.randn(2, 6, 6, dtype=torch.float64, requires_grad=True)
+    fn = lambda s: prefix_sinkhorn(s, n_iters, mask=mask, marginals="uniform", start="columns")  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (scores,))
+    assert torch.autograd.gradgradcheck(fn, (scores,))
+
+
 @pytest.mark.parametrize("n_iters", [2, 3])
 def test_two_and_three_iterations_first_and_second_derivatives(n_iters):
     """The scaling-domain path's own backward (_ScaledRows) against finite differences, twice."""

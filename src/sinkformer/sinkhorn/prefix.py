@@ -161,17 +161,24 @@ def _scaling_domain(problem: "_Prefix", n_iters: int, start: str) -> tuple[Tenso
     bad = None  # (..., n): prefix t has a sum with mass below the floor
     u_max = v_max = None  # (..., n): prefix t's largest scalings
 
-    def divide(marginal: Tensor, sums: Tensor, mass: Tensor) -> Tensor:
+    def divide(marginal: Tensor, sums: Tensor, mass: Tensor, constant: bool = True,
+               inverse: Tensor | None = None) -> Tensor:
+        """``marginal / sums.clamp_min(floor)`` (no mass: 0); by :class:`_Quotient`, which saves less for the
+        backward, for a ``constant`` marginal (``inverse``: its inverse, 0 where it is 0; ``None``: the
+        marginal's entries are 0 or 1)."""
         nonlocal bad
         low = torch.where(mass, sums.detach(), 1.0).amin(-1) < floor
         bad = low if bad is None else bad | low
-        return marginal / sums.clamp_min(floor)  # no mass: 0
+        if not constant:
+            return marginal / sums.clamp_min(floor)
+        return _Quotient.apply(marginal, sums, floor, inverse)
 
     def largest(running: Tensor | None, scalings: Tensor) -> Tensor:
         new = scalings.detach().amax(-1)
         return new if running is None else torch.maximum(running, new)
 
     rows, b = problem.prefix_rows.to(x.dtype), torch.where(problem.col_valid, problem.log_b.exp(), 0.0)
+    inverse_b = torch.where(problem.col_valid, b.reciprocal(), 0.0)
     last_is_row = ((n_iters - 1) % 2 == 0) == (start == "rows")
     U = V = shared = None  # None: zero potentials; shared: U's rows when the same in every prefix
     for step in range(n_iters - 1 if last_is_row else n_iters):
@@ -186,11 +193,11 @@ def _scaling_domain(problem: "_Prefix", n_iters: int, start: str) -> tuple[Tenso
         else:  # [t, j]: rows <= t only
             sums = cumsum_rows(K) if U is None else cumsum_rows(K * shared.unsqueeze(-1)) if shared is not None \
                 else U @ K
-            V = divide(b, sums, problem.col_valid)
+            V = divide(b, sums, problem.col_valid, inverse=inverse_b)
             v_max = largest(v_max, V)
     if last_is_row:  # row t of prefix t: K[t, j] V[t, j], normalised
         A = K if V is None else K * V
-        weights = divide(A, A.sum(-1, keepdim=True), problem.row_valid.unsqueeze(-1))
+        weights = divide(A, A.sum(-1, keepdim=True), problem.row_valid.unsqueeze(-1), constant=False)
     else:  # U[t, t] K[t, j] V[t, j]
         weights = K * V if U is None else U.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * K * V
     one = torch.ones_like(bad, dtype=x.dtype)
@@ -198,6 +205,29 @@ def _scaling_domain(problem: "_Prefix", n_iters: int, start: str) -> tuple[Tenso
     if start == "columns":  # rows may exceed the ceiling (rows first: x <= 0)
         untrusted |= (x.detach() > ceiling).any(-1).to(torch.int32).cumsum(-1) > 0
     return weights, untrusted
+
+
+class _Quotient(torch.autograd.Function):
+    r""":math:`U = m / \max(s, \text{floor})` for a marginal :math:`m` without gradient, given its inverse
+    (0 where :math:`m = 0`; ``None``: :math:`m` holds 0s and 1s, its own inverse). The backward reads :math:`U` (which the next matrix product keeps anyway),
+    the inverse (one for every step) and where :math:`s` was clamped: :math:`ds = -dU\,U^2 / m`, 0 where
+    clamped or :math:`m = 0` (:math:`U = 0`). Autograd's division would keep :math:`s` and the clamped
+    sums, two more ``(..., n, n)`` arrays per normalisation. Twice differentiable (through :math:`U`)."""
+
+    @staticmethod
+    def forward(marginal: Tensor, sums: Tensor, floor: float, inverse: Tensor | None) -> Tensor:
+        return marginal / sums.clamp_min(floor)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        marginal, sums, floor, inverse = inputs
+        if ctx.needs_input_grad[1]:  # (one tensor is never two inputs: torch.compile refuses that)
+            ctx.save_for_backward(output, marginal if inverse is None else inverse, sums.detach() < floor)
+
+    @staticmethod
+    def backward(ctx, dU: Tensor):
+        U, inverse, clamped = ctx.saved_tensors
+        return None, torch.where(clamped, 0.0, -(dU * U) * U * inverse), None, None
 
 
 def _rows_first_in_scaling_domain(problem: "_Prefix", n_iters: int) -> tuple[Tensor, Tensor]:
