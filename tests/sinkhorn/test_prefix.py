@@ -289,15 +289,39 @@ def test_two_and_three_iterations_without_logarithms_equal_the_log_domain(n_iter
     assert torch.isfinite(grad).all()
 
 
+@pytest.mark.parametrize("start,marginals", [("columns", "uniform"), ("rows", "causal")])
 @pytest.mark.parametrize("n_iters", [4, 5])
-def test_columns_first_uniform_marginals_first_and_second_derivatives(n_iters):
-    """The block sorting's problem (columns first, uniform marginals) in the scaling domain, whose
-    normalisations divide by _Quotient: its own backward against finite differences, twice."""
+def test_scaling_domain_quotients_first_and_second_derivatives(n_iters, start, marginals, monkeypatch):
+    """The scaling domain's normalisations divide by _Quotient (here from 1 row on): its own backward
+    against finite differences, twice; the block sorting's problem (columns first, uniform marginals)
+    and the Sinkformer's."""
+    from sinkformer.sinkhorn import prefix
+
+    monkeypatch.setattr(prefix, "QUOTIENT_MIN_N", 1)
     mask = key_mask(2, 6, 8)
     scores = torch.randn(2, 6, 6, dtype=torch.float64, requires_grad=True)
-    fn = lambda s: prefix_sinkhorn(s, n_iters, mask=mask, marginals="uniform", start="columns")  # noqa: E731
+    fn = lambda s: prefix_sinkhorn(s, n_iters, mask=mask, marginals=marginals, start=start)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (scores,))
     assert torch.autograd.gradgradcheck(fn, (scores,))
+
+
+def test_quotients_from_32_rows_give_the_gradients_of_autograds_division(monkeypatch):
+    from sinkformer.sinkhorn import prefix
+
+    calls = []
+    monkeypatch.setattr(prefix._Quotient, "apply", lambda *a, f=prefix._Quotient.apply: calls.append(1) or f(*a))
+    g = torch.Generator().manual_seed(0)
+    scores = (3 * torch.randn(2, 40, 40, dtype=torch.float64, generator=g)).requires_grad_()
+    weights = torch.randn(2, 40, 40, dtype=torch.float64, generator=g)
+    grads = []
+    for least in (32, 41):  # 40 rows: quotients, then autograd's division
+        monkeypatch.setattr(prefix, "QUOTIENT_MIN_N", least)
+        out = prefix_sinkhorn(scores, 5, marginals="uniform", start="columns", mask=key_mask(2, 40, 9))
+        grads.append((out, *torch.autograd.grad((out * weights).sum(), scores)))
+        assert bool(calls) == (least == 32)
+        calls.clear()
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("n_iters", [2, 3])

@@ -63,6 +63,10 @@ __all__ = ["MARGINALS", "prefix_sinkhorn", "prefix_column_marginals", "log_matmu
            "inverse_count_sums"]
 
 MARGINALS = ("causal", "uniform")
+#: Fewest rows for which the scaling domain divides by :class:`_Quotient`: below, its own operations cost
+#: more than the memory it saves is worth (a causal block sorting of 8 blocks took 1.22x as long with it,
+#: 16 blocks 1.07x, 32 to 256 blocks within the noise: benchmarks/results/ab_issue26_sort_quotient.md).
+QUOTIENT_MIN_N = 32
 _EXACT_CHUNK = 1 << 22  # terms per chunk of the exact log-sum-exp fallback
 
 
@@ -169,7 +173,7 @@ def _scaling_domain(problem: "_Prefix", n_iters: int, start: str) -> tuple[Tenso
         nonlocal bad
         low = torch.where(mass, sums.detach(), 1.0).amin(-1) < floor
         bad = low if bad is None else bad | low
-        if not constant:
+        if not constant or x.shape[-1] < QUOTIENT_MIN_N:
             return marginal / sums.clamp_min(floor)
         return _Quotient.apply(marginal, sums, floor, inverse)
 
