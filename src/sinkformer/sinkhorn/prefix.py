@@ -63,10 +63,12 @@ __all__ = ["MARGINALS", "prefix_sinkhorn", "prefix_column_marginals", "log_matmu
            "inverse_count_sums"]
 
 MARGINALS = ("causal", "uniform")
-#: Fewest rows for which the scaling domain divides by :class:`_Quotient`: below, its own operations cost
-#: more than the memory it saves is worth (a causal block sorting of 8 blocks took 1.22x as long with it,
-#: 16 blocks 1.07x, 32 to 256 blocks within the noise: benchmarks/results/ab_issue26_sort_quotient.md).
-QUOTIENT_MIN_N = 32
+#: Fewest rows for which the scaling domain divides by :class:`_Quotient`, whose memory matters for long
+#: sequences: below, its own operations cost more than the memory it saves is worth. From 8 rows on, two
+#: interleaved runs of the causal block sorting (32 x 4 slices, 5 rounds, informal) took 1.22x and 1.01x as
+#: long at 8 blocks, 1.07x and 1.02x at 16, 1.00x and 1.10x at 32, 1.04x and 1.15x at 96 (32 x 4 slices),
+#: 1.03x and 1.02x at 256 (4 slices); benchmarks/results/ab_issue26_sort_quotient.md has this threshold.
+QUOTIENT_MIN_N = 128
 _EXACT_CHUNK = 1 << 22  # terms per chunk of the exact log-sum-exp fallback
 
 
