@@ -106,7 +106,8 @@ def test_the_test_set_is_scored_after_the_last_epoch_unless_the_config_asks(monk
     ids = encode_bytes("abcdefgh" * 40)
     data = DataBundle(LMDataset(ids, 16), LMDataset(ids[:64], 16), {"kind": "lm", "vocab_size": 260, "max_len": 16},
                       LMCollate())
-    model = SinkhornTransformerLM(260, dim=16, depth=1, heads=2, max_len=16, attention=AttentionConfig.parse("sparse:8"))
+    model = SinkhornTransformerLM(260, dim=16, depth=1, heads=2, max_len=16,
+                                  attention=AttentionConfig.parse("sparse:8"))
     final, _ = train(model, data, {"epochs": 3, "batch_size": 8, "max_train_batches": 1, **options}, seed=0,
                      sequence=True)
     assert len(calls) == evaluations and math.isfinite(final["test_loss"])

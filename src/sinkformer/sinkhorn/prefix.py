@@ -215,8 +215,9 @@ def _scaling_domain(problem: "_Prefix", n_iters: int, start: str) -> tuple[Tenso
 
 class _Quotient(torch.autograd.Function):
     r""":math:`U = m / \max(s, \text{floor})` for a marginal :math:`m` without gradient, given its inverse
-    (0 where :math:`m = 0`; ``None``: :math:`m` holds 0s and 1s, its own inverse). The backward reads :math:`U` (which the next matrix product keeps anyway),
-    the inverse (one for every step) and where :math:`s` was clamped: :math:`ds = -dU\,U^2 / m`, 0 where
+    (0 where :math:`m = 0`; ``None``: :math:`m` holds 0s and 1s, its own inverse). The backward reads
+    :math:`U` (which the next matrix product keeps anyway), the inverse (one for every step) and where
+    :math:`s` was clamped: :math:`ds = -dU\,U^2 / m`, 0 where
     clamped or :math:`m = 0` (:math:`U = 0`). Autograd's division would keep :math:`s` and the clamped
     sums, two more ``(..., n, n)`` arrays per normalisation. Twice differentiable (through :math:`U`)."""
 
