@@ -64,10 +64,10 @@ __all__ = ["MARGINALS", "prefix_sinkhorn", "prefix_column_marginals", "log_matmu
 
 MARGINALS = ("causal", "uniform")
 #: Fewest rows for which the scaling domain divides by :class:`_Quotient`, whose memory matters for long
-#: sequences: below, its own operations cost more than the memory it saves is worth. From 8 rows on, two
-#: interleaved runs of the causal block sorting (32 x 4 slices, 5 rounds, informal) took 1.22x and 1.01x as
-#: long at 8 blocks, 1.07x and 1.02x at 16, 1.00x and 1.10x at 32, 1.04x and 1.15x at 96 (32 x 4 slices),
-#: 1.03x and 1.02x at 256 (4 slices); benchmarks/results/ab_issue26_sort_quotient.md has this threshold.
+#: sequences: below, its own operations cost more than the memory it saves is worth. Interleaved runs of the
+#: causal block sorting (5 rounds, informal), with quotients at every size: 1.22x as long at 8 blocks, 1.07x
+#: at 16, 1.00x at 32, 1.04x at 96 (32 x 4 slices), 1.03x at 256 (4 slices); from 32 rows on: 1.10x at 32,
+#: 1.15x at 96, 1.02x at 256. benchmarks/results/ab_issue26_sort_quotient.md has this threshold.
 QUOTIENT_MIN_N = 128
 _EXACT_CHUNK = 1 << 22  # terms per chunk of the exact log-sum-exp fallback
 
@@ -175,7 +175,7 @@ def _scaling_domain(problem: "_Prefix", n_iters: int, start: str) -> tuple[Tenso
         nonlocal bad
         low = torch.where(mass, sums.detach(), 1.0).amin(-1) < floor
         bad = low if bad is None else bad | low
-        if not constant or x.shape[-1] < QUOTIENT_MIN_N:
+        if not (constant and quotients):
             return marginal / sums.clamp_min(floor)
         return _Quotient.apply(marginal, sums, floor, inverse)
 
@@ -184,7 +184,8 @@ def _scaling_domain(problem: "_Prefix", n_iters: int, start: str) -> tuple[Tenso
         return new if running is None else torch.maximum(running, new)
 
     rows, b = problem.prefix_rows.to(x.dtype), torch.where(problem.col_valid, problem.log_b.exp(), 0.0)
-    inverse_b = torch.where(problem.col_valid, b.reciprocal(), 0.0)
+    quotients = x.shape[-1] >= QUOTIENT_MIN_N
+    inverse_b = torch.where(problem.col_valid, b.reciprocal(), 0.0) if quotients else None
     last_is_row = ((n_iters - 1) % 2 == 0) == (start == "rows")
     U = V = shared = None  # None: zero potentials; shared: U's rows when the same in every prefix
     for step in range(n_iters - 1 if last_is_row else n_iters):

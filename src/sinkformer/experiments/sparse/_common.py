@@ -38,6 +38,7 @@ from ...models.sinkhorn_transformer import (
 from ...plotting import method_color, pyplot
 from ...runs import fit, training_seconds
 from ...runs.verdicts import Comparison, paired, paper_kind
+from ...training import TrainConfig
 from ...training.tasks import TokenLevel
 
 __all__ = ["short_label", "TokenLevel", "Model", "scale_blocks", "table_models", "blocks_line", "seeded", "mean_length",
@@ -152,7 +153,7 @@ def train(model: nn.Module, data: DataBundle, config: dict[str, Any], *, seed: i
     epoch cost 6-9 % of a quick run's time (sortcut, nli; one seed, informal).
     """
     options = {k: config[k] for k in TRAIN_KEYS if k in config}
-    options.setdefault("eval_every", options.get("epochs", 1))
+    options.setdefault("eval_every", options.get("epochs", TrainConfig.epochs))
     task = TokenLevel(data.info.get("pad_id")) if sequence else None
     result = fit(model, data, options, seed=seed, task=task, label=type(model).__name__)
     return result.final, training_seconds(result)
