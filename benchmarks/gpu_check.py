@@ -9,22 +9,26 @@ checks the clock before each item and records what it left out), each guarded so
 recorded and the next part still runs:
 
 1. ``environment`` — GPU name, driver, CUDA, torch and Triton versions, multiprocessors, memory;
-2. ``accuracy-target`` — forward and gradients of every dtype (bf16, fp16, fp32; fp64 where flash
+2. ``compile`` — the flash calls of every accuracy case, in worker processes side by side: Triton
+   compiles each kernel specialisation once per machine (its cache on disk, a second or two each, on
+   the host's cores), so the parts after this one find their kernels compiled;
+3. ``accuracy-target`` — forward and gradients of every dtype (bf16, fp16, fp32; fp64 where flash
    serves it) against the dense engine in float64 on the GPU at the target shape (n = 4096, d = 64);
-3. ``benchmark-targets`` — the rows the targets read: bf16 at n = 1024/4096/16384 (SDPA-flash,
+4. ``benchmark-targets`` — the rows the targets read: bf16 at n = 1024/4096/16384 (SDPA-flash,
    flash with n_iters 3 and 5, the paper's official algorithm at n = 1024);
-4. ``cuda-tests`` — ``pytest -k cuda`` on the flash tests (compiled kernels, CUDA-only cells);
-5. ``accuracy-edges`` — n not a multiple of the block, n_q != n_k, key and query padding, fully
+5. ``cuda-tests`` — ``pytest -k cuda`` on the flash tests (compiled kernels, CUDA-only cells);
+6. ``accuracy-edges`` — n not a multiple of the block, n_q != n_k, key and query padding, fully
    masked rows, d in {32, 64, 80, 128, 256}, a non-contiguous input, a tensor on a non-current device
    (with two GPUs);
-6. ``graph`` — forward+backward captured in a CUDA graph: replays equal eager calls, time per call;
-7. ``benchmark`` — the rest of the grid of :mod:`benchmarks.attention_cuda` (bf16 and fp32; n in
+7. ``graph`` — forward+backward captured in a CUDA graph: replays equal eager calls, time per call;
+8. ``benchmark`` — the rest of the grid of :mod:`benchmarks.attention_cuda` (bf16 and fp32; n in
    {1024, 4096, 16384}; n_iters 1, 3, 5, 21; SDPA-flash, the official algorithm, every engine that
    serves CUDA), with peak memory;
-8. ``offset-probe`` — last, in a subprocess: a full boolean mask with n·m > 2^31 entries gives the
+9. ``offset-probe`` — last, in a subprocess: a full boolean mask with n·m > 2^31 entries gives the
    same output and gradients as the same mask broadcast (offsets past 2^31 would read elsewhere).
 
-Writes ``attention_cuda.json`` and ``attention_cuda.md`` to ``--out`` (commit them as
+``--parts`` runs some parts only (the report lists the others as not run). Writes
+``attention_cuda.json`` and ``attention_cuda.md`` to ``--out`` (commit them as
 ``benchmarks/results/attention_cuda.{json,md}``: ``docs/speed.md`` includes the markdown) and prints a
 summary last. Exit status 1 when a part failed or raised, else 0 (parts left out by the budget say so).
 """
@@ -35,8 +39,11 @@ import argparse
 import datetime as dt
 import json
 import math
+import multiprocessing
 import os
 import platform
+import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -47,8 +54,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 #: (part, share of the budget) in the order they run
-PARTS = [("environment", 0.01), ("accuracy-target", 0.10), ("benchmark-targets", 0.14), ("cuda-tests", 0.20),
-         ("accuracy-edges", 0.17), ("graph", 0.05), ("benchmark", 0.23), ("offset-probe", 0.10)]
+PARTS = [("environment", 0.01), ("compile", 0.15), ("accuracy-target", 0.08), ("benchmark-targets", 0.08),
+         ("cuda-tests", 0.16), ("accuracy-edges", 0.12), ("graph", 0.05), ("benchmark", 0.25), ("offset-probe", 0.10)]
 #: forward and gradient tolerance, relative (Frobenius), by dtype: the issue's targets for bf16 and fp32
 TOLERANCE = {"bfloat16": (1e-2, 5e-2), "float16": (5e-3, 2e-2), "float32": (1e-5, 1e-4), "float64": (1e-10, 1e-8)}
 DTYPES = ["bfloat16", "float16", "float32", "float64"]
@@ -222,21 +229,104 @@ def edge_cases(cfg: dict, device: str) -> list[tuple]:
     return out
 
 
-def cuda_tests(device: str) -> dict:
-    """``pytest -k cuda`` on the flash tests, in a subprocess (its own output, its own failures)."""
+def workers(device: str) -> int:
+    """Processes that compile or test side by side: the host's cores less two, at most 12 (two on the CPU)."""
+    return 2 if device != "cuda" else max(1, min(12, (os.cpu_count() or 4) - 2))
+
+
+def _compile_case(task: tuple) -> tuple[int, str | None, float]:
+    """One accuracy case's flash call, forward and backward, in a worker process (:func:`compile_ahead`):
+    ``(index, error or None, seconds)``."""
+    smoke, device, index = task
+    import torch
+
+    import sinkformer
+    from sinkformer.sinkhorn.flash import unavailable
+
+    start = time.perf_counter()
+    cfg = SMOKE if smoke else FULL
+    name, dtype_name, n_iters, shape = (target_cases(cfg) + edge_cases(cfg, device))[index]
+    try:
+        q, k, v, kw = make_inputs(cfg, shape.pop("device", device), **shape)
+        dtype = getattr(torch, dtype_name)
+        if unavailable(q.device.type, dtype, q.shape[-1], v.shape[-1]) is None:
+            mine = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+            out = sinkformer.attention(*mine, n_iters=n_iters, backend="flash", **kw)
+            torch.autograd.grad(out, mine, torch.ones_like(out))
+            if q.is_cuda:
+                torch.cuda.synchronize(q.device)
+        return index, None, time.perf_counter() - start
+    except Exception as err:  # the case's own part records it with its traceback
+        return index, _short(err), time.perf_counter() - start
+
+
+def compile_ahead(cfg: dict, device: str, budget: Budget) -> dict:
+    """The flash calls of every accuracy case in :func:`workers` processes side by side, within the
+    part's budget: they fill Triton's cache on disk, from which the later parts load their kernels
+    (the same shapes, dtypes and masks: the same specialisations). Nothing here is a result: errors
+    are recorded and the accuracy parts run each case again."""
+    tasks = [(cfg is SMOKE, device, i) for i in range(len(target_cases(cfg) + edge_cases(cfg, device)))]
+    count = workers(device)
+    start, done, errors, stopped = time.perf_counter(), 0, [], False
+    with multiprocessing.get_context("spawn").Pool(count) as pool:  # spawn: CUDA cannot be forked
+        results = pool.imap_unordered(_compile_case, tasks)
+        for _ in tasks:
+            try:
+                index, error, _ = results.next(timeout=max(0.0, budget.deadline - time.perf_counter()))
+            except multiprocessing.TimeoutError:
+                stopped = True
+                break
+            done += 1
+            if error is not None:
+                errors.append(f"case {index}: {error}")
+        pool.terminate()
+    seconds = time.perf_counter() - start
+    status = (f"stopped at its budget: {done} of {len(tasks)} cases" if stopped else f"ok ({done} cases)") + \
+        (f", {len(errors)} raised" if errors else "")
+    return dict(status=status, cases=len(tasks), done=done, workers=count, seconds=round(seconds, 1), errors=errors)
+
+
+#: a test's line in pytest's verbose output (plain, or under pytest-xdist), and its outcome
+_OUTCOME = r"\b(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b"
+_TEST_LINE = re.compile(rf"::\S*.*{_OUTCOME}|{_OUTCOME}.*::")
+
+
+def cuda_tests(device: str, budget: Budget) -> dict:
+    """``pytest -k cuda`` on the flash tests, in a subprocess (its own output, its own failures), in
+    pytest-xdist workers where that is installed; stopped at the part's budget, with the tests run
+    so far counted."""
+    import importlib.util
+
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
     if device != "cuda":
         env.pop("TRITON_INTERPRET", None)  # (smoke run: collected and skipped, as on a machine without CUDA)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda",
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-k", "cuda",
            str(ROOT / "tests" / "sinkhorn" / "test_flash_engine.py")]
+    if device == "cuda" and importlib.util.find_spec("xdist") is not None:
+        cmd[4:4] = ["-n", str(workers(device))]
     start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=1800)  # a hang guard
-    tail = (done.stdout + done.stderr).strip().splitlines()
-    summary = next((line for line in reversed(tail) if " passed" in line or " failed" in line or " skipped" in line
-                    or " error" in line), tail[-1] if tail else "")
-    return dict(command=" ".join(cmd[1:]), returncode=done.returncode, summary=summary.strip("= "),
-                seconds=round(time.perf_counter() - start, 1), failures=[line for line in tail if "FAILED" in line][:20],
-                status="pass" if done.returncode == 0 or device != "cuda" and done.returncode == 5 else "FAIL")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
+                            start_new_session=True)  # its own process group: a stop ends its workers too
+    try:
+        output, stopped = proc.communicate(timeout=max(1.0, budget.deadline - time.perf_counter()))[0], False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, stopped = proc.communicate()[0], True
+    lines = output.strip().splitlines()
+    outcomes = [next(g for g in m.groups() if g) for m in map(_TEST_LINE.search, lines) if m]
+    counts = {word.lower(): outcomes.count(word) for word in ("PASSED", "FAILED", "ERROR", "SKIPPED")
+              if word in outcomes}
+    summary = next((line for line in reversed(lines) if re.search(r"\d+ (passed|failed|skipped|error)", line)), "")
+    ran = ", ".join(f"{n} {word}" for word, n in counts.items()) or "none finished"
+    if stopped:
+        summary = f"stopped at its budget after {time.perf_counter() - start:.0f} s: {ran}"
+    failed = counts.get("failed", 0) + counts.get("error", 0) or not stopped and proc.returncode not in (0, 5)
+    status = ("FAIL" if failed else "incomplete" if stopped else
+              "pass" if proc.returncode == 0 or device != "cuda" and proc.returncode == 5 else "FAIL")
+    return dict(command=" ".join(cmd[1:]), returncode=proc.returncode, summary=summary.strip("= "), counts=counts,
+                seconds=round(time.perf_counter() - start, 1),
+                failures=[line for line in lines if "FAILED" in line][:20],
+                tail=lines[-40:], status=status)
 
 
 def graph_capture(cfg: dict, device: str) -> dict:
@@ -418,7 +508,8 @@ def markdown(report: dict) -> str:
              f"{env.get('date', '')} · driver {env.get('driver', '?')} · CUDA {env.get('cuda', '?')} · torch "
              f"{env.get('torch', '?')} · Triton {env.get('triton', '?')}"
              f"{' · **smoke run** (CPU, tiny sizes: not a measurement)' if report['smoke'] else ''}.", "",
-             "Written by `python -m benchmarks gpu-check`. Parts:", "", "| part | status | seconds |", "|---|---|---:|"]
+             f"Written by `{report.get('command', 'python -m benchmarks gpu-check')}` at commit "
+             f"{report.get('commit', 'unrecorded')}. Parts:", "", "| part | status | seconds |", "|---|---|---:|"]
     for name, part in report["parts"].items():
         lines.append(f"| {name} | {part['status']} | {part['seconds']:.1f} |")
     lines += ["", "## Accuracy against float64 (the dense engine, on the same device)", "",
@@ -452,7 +543,7 @@ def markdown(report: dict) -> str:
         lines.append(probe.get("status", "not run"))
     tests = report.get("cuda_tests", {})
     result = tests.get("summary", tests.get("status", "not run"))
-    lines += ["", "## CUDA tests", "", f"`{tests.get('command', '')}`: {result}"]
+    lines += ["", "## CUDA tests", "", f"`{tests['command']}`: {result}" if "command" in tests else result]
     lines += [f"- {line}" for line in tests.get("failures", [])]
     meta = dict(report["bench_meta"], gpu=env.get("gpu", "?"), torch=env.get("torch"), triton=env.get("triton"),
                 date=env.get("date"), smoke=report["smoke"], graph=report.get("graph"))
@@ -482,7 +573,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=420.0, help="seconds for all parts (default 420)")
     parser.add_argument("--smoke", action="store_true",
                         help="the same code path on the CPU (Triton's interpreter, tiny sizes): checks the script")
+    parser.add_argument("--parts", default=",".join(name for name, _ in PARTS),
+                        help="comma-separated parts to run, in their fixed order (default: all): "
+                             + ", ".join(name for name, _ in PARTS))
     args = parser.parse_args(argv)
+    chosen = [part.strip() for part in args.parts.split(",") if part.strip()]
+    unknown = [part for part in chosen if part not in dict(PARTS)]
+    if unknown or not chosen:
+        parser.error(f"--parts takes names among {', '.join(name for name, _ in PARTS)}; got {args.parts!r}")
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the flash kernels are first imported
     import torch
@@ -496,23 +594,30 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.attention_cuda import METHODS, targets
 
     budget = Budget(args.budget)
-    report = dict(smoke=args.smoke, parts={}, accuracy=[], rows=[], environment={},
+    from sinkformer.provenance import git_commit
+
+    report = dict(smoke=args.smoke, command=" ".join(["python -m benchmarks gpu-check", *(argv or [])]),
+                  commit=git_commit(ROOT), parts={}, accuracy=[], rows=[], environment={},
                   bench_meta=dict(b=cfg["b"], h=cfg["h"], d=cfg["d"], repeats=cfg["repeats"],
                                   clock="CUDA-event" if device == "cuda" else "perf_counter",
                                   dtypes=["bfloat16", "float32"]))
     methods = METHODS
     work = {
         "environment": lambda: report.__setitem__("environment", environment(device)),
+        "compile": lambda: report.__setitem__("compile", compile_ahead(cfg, device, budget)),
         "accuracy-target": lambda: report["accuracy"].extend(accuracy(cfg, device, budget, target_cases(cfg))),
         "benchmark-targets": lambda: benchmark(cfg, device, budget, target_grid(cfg), report["rows"]),
-        "cuda-tests": lambda: report.__setitem__("cuda_tests", cuda_tests(device)),
+        "cuda-tests": lambda: report.__setitem__("cuda_tests", cuda_tests(device, budget)),
         "accuracy-edges": lambda: report["accuracy"].extend(accuracy(cfg, device, budget, edge_cases(cfg, device))),
         "graph": lambda: report.__setitem__("graph", graph_capture(cfg, device)),
         "benchmark": lambda: benchmark(cfg, device, budget, full_grid(cfg, methods), report["rows"]),
         "offset-probe": lambda: report.__setitem__("offset_probe", offset_probe(cfg, device)),
     }
-    shares_left = sum(share for _, share in PARTS)
+    shares_left = sum(share for name, share in PARTS if name in chosen)
     for name, share in PARTS:
+        if name not in chosen:
+            report["parts"][name] = dict(status="not run (left out by --parts)", seconds=0.0)
+            continue
         seconds = budget.begin(share, shares_left)
         shares_left -= share
         print(f"[{time.perf_counter() - budget.start:6.1f} s] {name} (budget {seconds:.0f} s)", flush=True)
@@ -548,7 +653,8 @@ def _part_status(name: str, report: dict) -> str:
     if name in ("benchmark-targets", "benchmark"):
         errors = [r for r in report["rows"] if str(r.get("status", "")).startswith("error")]
         return "FAIL" if errors else "ok"
-    part = {"cuda-tests": "cuda_tests", "graph": "graph", "offset-probe": "offset_probe"}.get(name)
+    part = {"compile": "compile", "cuda-tests": "cuda_tests", "graph": "graph",
+            "offset-probe": "offset_probe"}.get(name)
     if part is not None:
         status = report.get(part, {}).get("status", "ok")
         return status

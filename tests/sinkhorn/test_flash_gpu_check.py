@@ -26,10 +26,11 @@ def test_gpu_check_smoke_run(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "attention_cuda.json").read_text())
     parts = report["parts"]
-    assert list(parts) == ["environment", "accuracy-target", "benchmark-targets", "cuda-tests", "accuracy-edges",
-                           "graph", "benchmark", "offset-probe"]
+    assert list(parts) == ["environment", "compile", "accuracy-target", "benchmark-targets", "cuda-tests",
+                           "accuracy-edges", "graph", "benchmark", "offset-probe"]
+    assert report["compile"]["done"] == report["compile"]["cases"] == len(report["accuracy"]) and not report["compile"]["errors"]
     assert parts["graph"]["status"].startswith("skipped: CUDA graphs need a GPU")
-    assert all(p["status"] in ("ok", "pass") for name, p in parts.items() if name != "graph"), parts
+    assert all(p["status"].split(" ")[0] in ("ok", "pass") for name, p in parts.items() if name != "graph"), parts
     assert {r["dtype"] for r in report["accuracy"]} == {"bfloat16", "float32", "float64"}
     assert all(r["status"] == "pass" for r in report["accuracy"])
     assert {"sdpa-flash", "official", "flash", "tiled", "streamed", "dense"} <= {r["method"] for r in report["rows"]}
@@ -37,6 +38,75 @@ def test_gpu_check_smoke_run(tmp_path):
     text = (tmp_path / "out" / "attention_cuda.md").read_text()
     assert text.startswith("# The flash engine on") and "smoke run" in text and "## Targets" in text
     assert "gpu-check summary" in done.stdout
+
+
+def test_gpu_check_parts_and_its_command(tmp_path, capsys):
+    """``--parts`` runs the parts named, lists the others as not run, and the report records its
+    command and commit; an unknown part is refused naming the valid ones."""
+    from benchmarks import gpu_check
+
+    assert gpu_check.main(["--smoke", "--parts", "environment", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "attention_cuda.json").read_text())
+    assert list(report["parts"]) == [name for name, _ in gpu_check.PARTS]
+    assert report["parts"]["environment"]["status"] == "ok"
+    assert all(p["status"] == "not run (left out by --parts)" for name, p in report["parts"].items() if name != "environment")
+    assert report["command"] == f"python -m benchmarks gpu-check --smoke --parts environment --out {tmp_path}"
+    assert report["commit"] and f"at commit {report['commit']}" in (tmp_path / "attention_cuda.md").read_text()
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--smoke", "--parts", "environment,speed"])
+    assert "--parts takes names among environment, compile" in capsys.readouterr().err
+
+
+def test_gpu_check_parts_stop_at_their_budget():
+    """The CUDA tests and the compilation ahead stop when their share of the budget is spent (a
+    check that overran its lease once, on an H200, lost every part after the tests): the tests run
+    so far are counted, the subprocess group is ended, and the part says it stopped."""
+    from benchmarks import gpu_check
+
+    spent = gpu_check.Budget(0.0)
+    tests = gpu_check.cuda_tests("cpu", spent)
+    assert tests["status"] == "incomplete" and tests["summary"].startswith("stopped at its budget after"), tests
+    assert tests["seconds"] < 30 and tests["returncode"] == -9
+    compiled = gpu_check.compile_ahead(gpu_check.SMOKE, "cpu", spent)
+    assert compiled["status"].startswith("stopped at its budget: ") and compiled["done"] < compiled["cases"]
+
+
+def test_gpu_check_counts_the_outcomes_of_verbose_pytest_lines():
+    lines = ["tests/x.py::test_a[1] PASSED                  [ 50%]", "[gw1] [ 75%] FAILED tests/x.py::test_b",
+             "tests/x.py::test_c SKIPPED (no GPU)           [100%]", "collected 3 items", "== 1 failed, 1 passed =="]
+    found = [next(g for g in m.groups() if g) for m in map(gpu_check_line, lines) if m]
+    assert found == ["PASSED", "FAILED", "SKIPPED"]
+
+
+def gpu_check_line(line):
+    from benchmarks.gpu_check import _TEST_LINE
+
+    return _TEST_LINE.search(line)
+
+
+def test_the_gpu_findings_in_the_docs_are_the_committed_check():
+    """The figures docs/speed.md quotes from the first GPU check are those of the committed report
+    (benchmarks/results/attention_cuda.json) and the log of its first call."""
+    import re
+
+    from benchmarks import gpu_check
+
+    results = ROOT / "benchmarks" / "results"
+    data = json.loads((results / "attention_cuda.json").read_text())
+    text = " ".join((ROOT / "docs" / "speed.md").read_text().split())
+    graph = data["graph"]
+    assert f"{graph['eager_ms']:.3f} ms called eagerly and {graph['replay_ms']:.3f} ms replayed" in text
+    assert 0.85 <= 1 - graph["replay_ms"] / graph["eager_ms"] <= 0.95  # "about nine tenths"
+    row = {(r["method"], r["dtype"]): r for r in data["rows"] if r["n"] == 4096 and r.get("n_iters") == 5}
+    flash32, tiled32 = row[("flash", "float32")], row[("tiled", "float32")]
+    assert f"({flash32['forward_backward_ms']:.0f} against {tiled32['forward_backward_ms']:.0f} ms" in text
+    assert round(tiled32["peak_mib"] / flash32["peak_mib"]) == 15  # "a fifteenth of its memory"
+    first_call = (results / "gpu_check_h200_run1.log").read_text()
+    target_rows = re.findall(r"^\s*\w+ target\s+n_iters=\d+\s+forward .* (\w+)$", first_call, re.M)
+    ran = [r for r in data["accuracy"] if "forward" in r]
+    assert all(r["status"] == "pass" for r in ran) and set(target_rows) == {"pass"}
+    total = len(data["accuracy"]) + len(gpu_check.target_cases(gpu_check.FULL))
+    assert f"only {len(ran) + len(target_rows)} of the {total} ran" in text
 
 
 def test_performance_model_in_the_docs_is_rendered():
