@@ -213,7 +213,7 @@ def targets(rows: list[dict], graph: dict | None = None) -> list[dict]:
         ours = _find(rows, "flash", 4096, "bfloat16", n_iters)
         ratio = ours["forward_backward_ms"] / sdpa["forward_backward_ms"] if sdpa and ours else None
         out.append(dict(target=f"bf16, n=4096, {n_iters} iters, fwd+bwd: flash <= {limit}x SDPA-flash",
-                        value=ratio, met=None if ratio is None else ratio <= limit))
+                        value=ratio, met=None if ratio is None else ratio <= limit, limit=limit, n_iters=n_iters))
     ours = _find(rows, "flash", 4096, "bfloat16", 5)
     mem = (ours["peak_mib"] / sdpa["peak_mib"] if sdpa and ours and "peak_mib" in ours and sdpa["peak_mib"] > 0
            else None)
