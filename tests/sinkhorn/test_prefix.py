@@ -345,3 +345,50 @@ def test_cumsum_rows_is_torch_cumsum_over_rows_with_two_derivatives(shape):
     torch.testing.assert_close(cumsum_rows(x), x.cumsum(-2))
     assert torch.autograd.gradcheck(cumsum_rows, (x,))
     assert torch.autograd.gradgradcheck(cumsum_rows, (x,))
+
+
+@pytest.mark.parametrize("start", ["rows", "columns"])
+@pytest.mark.parametrize("mask", ["none", "keys", "any"])
+def test_the_log_domain_of_the_later_prefixes_equals_those_rows_of_every_prefix(start, mask):
+    """``_log_domain(..., first)`` computes the potentials of prefixes ``first..n-1`` only: its rows
+    equal those rows of the whole log domain (to rounding: other matrix shapes), gradients too."""
+    g = torch.Generator().manual_seed(5)
+    n = 12
+    scores = (3 * torch.randn(2, n, n, generator=g, dtype=torch.float64)).requires_grad_()
+    m = {"none": None, "keys": key_mask(2, n, 2), "any": torch.rand(2, n, n, generator=g) > 0.25}[mask]
+    problem = prefix._Prefix.build(scores, m, "causal", start)
+    for n_iters in range(1, 7):
+        whole = prefix._log_domain(problem, n_iters, start)
+        for first in (0, 1, 7, n - 1):
+            tail = prefix._log_domain(problem, n_iters, start, first)
+            assert tail.shape == whole[..., first:, :].shape
+            torch.testing.assert_close(tail, whole[..., first:, :], rtol=1e-13, atol=1e-15)
+            weight = torch.randn(tail.shape, generator=g, dtype=torch.float64)
+            got = torch.autograd.grad((tail * weight).sum(), scores, retain_graph=True)[0]
+            want = torch.autograd.grad((whole[..., first:, :] * weight).sum(), scores, retain_graph=True)[0]
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("start", ["rows", "columns"])
+def test_untrusted_rows_are_recomputed_for_the_later_prefixes_only(start, monkeypatch):
+    """When only later prefixes are untrusted (here rows 9.. of one slice take scores beyond float64's
+    exponent range), the log domain runs from the first untrusted row on, not over every prefix; the
+    weights are those rows of the whole log domain where untrusted, the scaling domain's elsewhere."""
+    g = torch.Generator().manual_seed(8)
+    n, n_iters = 16, 5
+    scores = 2 * torch.randn(2, n, n, generator=g, dtype=torch.float64)
+    scores[1, 9:] *= 1500
+    problem = prefix._Prefix.build(scores, None, "uniform", start)
+    weights, untrusted = prefix._scaling_domain(problem, n_iters, start)
+    first = int(untrusted.any(0).to(torch.uint8).argmax())
+    assert untrusted.any() and first >= 9 and not untrusted[0].any()
+    want = torch.where(untrusted.unsqueeze(-1), prefix._log_domain(problem, n_iters, start), weights)
+    calls = []
+    original = prefix._log_domain
+    monkeypatch.setattr(prefix, "_log_domain", lambda *a: calls.append(a[3:]) or original(*a))
+    leaf = scores.clone().requires_grad_()
+    got = prefix_sinkhorn(leaf, n_iters, marginals="uniform", start=start)
+    assert calls == [(first,)]
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-15)
+    (grad,) = torch.autograd.grad((got * torch.randn(got.shape, generator=g, dtype=torch.float64)).sum(), leaf)
+    assert torch.isfinite(grad).all()

@@ -288,6 +288,12 @@ def test_block_pooling_sums_and_causal_cumulative_sums():
     x = torch.arange(10.0).reshape(1, 10, 1)
     torch.testing.assert_close(block_pool(x, 4)[0, :, 0], torch.tensor([6.0, 22.0, 17.0]))
     torch.testing.assert_close(block_pool(x, 4, causal=True)[0, :, 0], torch.tensor([0.0, 10.0, 36.0]))
+    # the causal pooling keeps its N_B rows only, not the (n, d) cumulative sum that the sort net's
+    # first product would otherwise save for the backward (16 MiB of a 16k-token layer)
+    wide = torch.randn(2, 64, 8, requires_grad=True)
+    pooled = block_pool(wide, 16, causal=True)
+    assert pooled.untyped_storage().nbytes() == pooled.numel() * pooled.element_size()
+    torch.testing.assert_close(pooled, wide.cumsum(1)[:, ::16])
 
 
 def test_shared_keys_and_values():

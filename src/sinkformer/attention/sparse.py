@@ -159,8 +159,8 @@ def block_pool(x: Tensor, block_size: int, *, causal: bool = False, padding_mask
     """
     if padding_mask is not None:
         x = x.masked_fill(padding_mask.unsqueeze(-1), 0.0)
-    if causal:
-        return x.cumsum(-2)[..., ::block_size, :]
+    if causal:  # a copy of the N_B rows: the strided view would keep the whole (..., n, d) sum alive
+        return x.cumsum(-2)[..., ::block_size, :].contiguous()
     return to_blocks(x, block_size).sum(-2)
 
 

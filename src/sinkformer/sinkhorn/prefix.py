@@ -120,7 +120,25 @@ def prefix_sinkhorn(
         weights, inexact = _scaling_domain(problem, n_iters, start)
     else:
         return _log_domain(problem, n_iters, start)
-    return patched(weights, inexact.unsqueeze(-1), _log_domain_of, *problem.tensors(), n_iters=n_iters, start=start)
+    if capturing():  # no data-dependent shapes: every prefix in the log domain where one row needs it
+        return patched(weights, inexact.unsqueeze(-1), _log_domain_of, *problem.tensors(), n_iters=n_iters,
+                       start=start)
+    return _patch_tail(weights, inexact, problem, n_iters, start)
+
+
+def _patch_tail(weights: Tensor, inexact: Tensor, problem: "_Prefix", n_iters: int, start: str) -> Tensor:
+    r"""``weights (..., n, n)`` with the ``inexact (..., n)`` rows taken from the log domain, computed
+    for the prefixes from the first inexact row of any slice on only: row :math:`t` reads prefix
+    :math:`t`'s potentials alone, so rows :math:`t \ge t_0` cost :math:`O((n - t_0)\,n)` per
+    potential instead of :math:`O(n^2)`. Untrusted rows tend to come last: longer prefixes spread their
+    scalings further (the causal block sorting of 16k tokens, 256 blocks: rows 174 to 255 of one slice)."""
+    rows = inexact.reshape(-1, inexact.shape[-1]).any(0)
+    if not bool(rows.any()):
+        return weights
+    first = int(rows.to(torch.uint8).argmax())
+    tail = torch.where(inexact[..., first:].unsqueeze(-1), _log_domain(problem, n_iters, start, first),
+                       weights[..., first:, :])
+    return tail if first == 0 else torch.cat([weights[..., :first, :], tail], dim=-2)
 
 
 @exact_path
@@ -129,20 +147,24 @@ def _log_domain_of(*tensors: Tensor, n_iters: int, start: str) -> Tensor:
     return _log_domain(_Prefix(*tensors), n_iters, start)
 
 
-def _log_domain(problem: "_Prefix", n_iters: int, start: str) -> Tensor:
-    """The weights of :func:`prefix_sinkhorn` from log-domain potentials (any ``n_iters``, any range)."""
+def _log_domain(problem: "_Prefix", n_iters: int, start: str, first: int = 0) -> Tensor:
+    """The weights of :func:`prefix_sinkhorn` from log-domain potentials (any ``n_iters``, any range):
+    its rows ``first..n-1``, ``(..., n - first, n)``, from the potentials of those prefixes only."""
     last_is_row = ((n_iters - 1) % 2 == 0) == (start == "rows")
-    f = g = None  # potentials: None (zero), a vector (..., n) shared by every prefix, or a matrix [t, j]
+    f = g = None  # potentials: None (zero), a vector (..., n) shared by every prefix, or a matrix [t - first, j]
     for step in range(n_iters - 1 if last_is_row else n_iters):
         if (step % 2 == 0) == (start == "rows"):
-            f = problem.row_update(g)
+            f = problem.row_update(g, first)
         else:
-            g = problem.column_update(f)
+            g = problem.column_update(f, first)
     if last_is_row:  # row t of prefix t with the key bias G[t, :]: a SoftMax, O(n^2)
-        weights = torch.softmax(problem.x_rows if g is None else problem.x_rows + g, dim=-1)
-        return torch.where(problem.row_valid.unsqueeze(-1), weights, 0.0)
-    own = f.diagonal(dim1=-2, dim2=-1) if f is not None and f.dim() == problem.x.dim() else f  # row t's, prefix t
-    logits = problem.x if g is None else problem.x + g
+        x_rows = problem.x_rows[..., first:, :]
+        weights = torch.softmax(x_rows if g is None else x_rows + g, dim=-1)
+        return torch.where(problem.row_valid[..., first:].unsqueeze(-1), weights, 0.0)
+    own = f  # row t's potential in prefix t: F[t, t], the diagonal of the matrix [t - first, i] from `first` on
+    if f is not None:
+        own = f.diagonal(first, dim1=-2, dim2=-1) if f.dim() == problem.x.dim() else f[..., first:]
+    logits = problem.x[..., first:, :] if g is None else problem.x[..., first:, :] + g
     return torch.exp(logits if own is None else logits + own.unsqueeze(-1))  # masked entries: exp(-inf) = 0
 
 
@@ -393,26 +415,30 @@ class _Prefix:
         """The fields in order: ``_Prefix(*problem.tensors())`` is the same problem."""
         return tuple(getattr(self, field.name) for field in fields(self))
 
-    def row_update(self, g: Tensor | None) -> Tensor:
+    def row_update(self, g: Tensor | None, first: int = 0) -> Tensor:
         r""":math:`F[t, i] = -\log\sum_j e^{S_{ij} + G[t, j]}` (row marginals 1): a vector when ``g``
-        is zero (the same in every prefix), else the matrix ``[t, i]`` (a log-sum-exp matrix product)."""
+        is zero (the same in every prefix), else the matrix ``[t, i]`` (a log-sum-exp matrix product)
+        of the prefixes ``t >= first`` (``g``'s rows)."""
         if g is None:  # O(n^2): a SoftMax normaliser per row
             return torch.where(self.row_valid, -self.x_rows.logsumexp(-1), 0.0)
         # b = the score rows i, each shifted by its own maximum (row i is in every prefix t >= i that needs it)
-        lse = log_matmul(g, self.x, needed=self.prefix_rows, shift_b=True)
-        return torch.where(self.prefix_rows, -lse, 0.0)
+        prefix_rows = self.prefix_rows[..., first:, :]
+        lse = log_matmul(g, self.x, needed=prefix_rows, shift_b=True)
+        return torch.where(prefix_rows, -lse, 0.0)
 
-    def column_update(self, f: Tensor | None) -> Tensor:
-        r""":math:`G[t, j] = \log b^{(t)}_j - \log\sum_{i \le t} e^{S_{ij} + F[t, i]}`: a cumulative
-        sum over rows when ``f`` is the same in every prefix, else a log-sum-exp matrix product."""
+    def column_update(self, f: Tensor | None, first: int = 0) -> Tensor:
+        r""":math:`G[t, j] = \log b^{(t)}_j - \log\sum_{i \le t} e^{S_{ij} + F[t, i]}` for the prefixes
+        ``t >= first``: a cumulative sum over rows when ``f`` is the same in every prefix, else a
+        log-sum-exp matrix product (``f``'s rows are those prefixes')."""
+        col_valid, log_b = self.col_valid[..., first:, :], self.log_b[..., first:, :]
         if f is None or f.dim() == self.x.dim() - 1:
-            lse = log_cumsum_exp(self.x if f is None else self.x + f.unsqueeze(-1), needed=self.col_valid)
+            lse = log_cumsum_exp(self.x if f is None else self.x + f.unsqueeze(-1), needed=self.col_valid)[..., first:, :]
         else:
-            f_prefix = torch.where(self.prefix_rows, f, float("-inf"))  # the rows of prefix t only
+            f_prefix = torch.where(self.prefix_rows[..., first:, :], f, float("-inf"))  # the rows of prefix t only
             # the rows' maxima r_i move from the scores into f (the rows of b are columns: no shift of its own)
             r = _finite_max(self.x)
-            lse = log_matmul(f_prefix + r.transpose(-1, -2), (self.x - r).transpose(-1, -2), needed=self.col_valid)
-        return torch.where(self.col_valid, self.log_b - lse, 0.0)
+            lse = log_matmul(f_prefix + r.transpose(-1, -2), (self.x - r).transpose(-1, -2), needed=col_valid)
+        return torch.where(col_valid, log_b - lse, 0.0)
 
 
 def prefix_column_marginals(keep: Tensor, marginals: str, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
