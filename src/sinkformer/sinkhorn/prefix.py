@@ -432,7 +432,8 @@ class _Prefix:
         log-sum-exp matrix product (``f``'s rows are those prefixes')."""
         col_valid, log_b = self.col_valid[..., first:, :], self.log_b[..., first:, :]
         if f is None or f.dim() == self.x.dim() - 1:
-            lse = log_cumsum_exp(self.x if f is None else self.x + f.unsqueeze(-1), needed=self.col_valid)[..., first:, :]
+            y = self.x if f is None else self.x + f.unsqueeze(-1)
+            lse = log_cumsum_exp(y, needed=self.col_valid)[..., first:, :]
         else:
             f_prefix = torch.where(self.prefix_rows[..., first:, :], f, float("-inf"))  # the rows of prefix t only
             # the rows' maxima r_i move from the scores into f (the rows of b are columns: no shift of its own)
