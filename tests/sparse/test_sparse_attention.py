@@ -334,3 +334,39 @@ def test_errors_name_the_argument():
         m(torch.randn(1, 17, 8))
     with pytest.raises(ValueError, match="key_padding_mask must have shape"):
         m(torch.randn(1, 8, 8), torch.zeros(1, 9, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("causal,sortcut_budget", [(True, None), (False, None), (False, 2)])
+def test_sorting_weights_below_the_normal_range_are_mixed_as_zeros(causal, sortcut_budget, monkeypatch):
+    """float64 sorting weights cast to float32 can fall below its normal range (a causal sorting with
+    spread logits here, causal or not); they enter the key and value mixing as zeros (subnormal products run in
+    microcode on many x86 CPUs: hundreds of times slower), which changes the output and gradients by
+    less than float32's rounding, and the sorted blocks' validity not at all."""
+    from sinkformer.attention import sparse
+
+    g = torch.Generator().manual_seed(3)
+    nb, b = 6, 4
+    q, k, v = (torch.randn(1, 2, nb * b, 8, generator=g, requires_grad=True) for _ in range(3))
+    logits = 60 * torch.randn(1, 2, nb, nb, generator=g)
+    pad = torch.zeros(1, nb * b, dtype=torch.bool)
+    pad[0, -3:] = True
+    S = sort_matrix(logits, sort_iters=3, temperature=1.0, causal=causal).transpose(-1, -2).float()
+    assert ((S != 0) & (S.abs() < torch.finfo(torch.float32).tiny)).any()  # the case this test is about
+    mixed = []
+    flush = sparse.without_subnormals
+    monkeypatch.setattr(sparse, "without_subnormals", lambda t: mixed.append(flush(t)) or mixed[-1])
+
+    weights = torch.randn(1, 2, nb * b, 8, generator=g)
+
+    def run():
+        out = sparse_sinkhorn_attention(q, k, v, logits, block_size=b, sort_iters=3, causal=causal,
+                                        sortcut_budget=sortcut_budget, key_padding_mask=pad)
+        return (out,) + torch.autograd.grad((out * weights).sum(), (q, k, v))
+
+    got = run()
+    assert len(mixed) == 1 and not ((mixed[0] != 0) & (mixed[0].abs() < torch.finfo(torch.float32).tiny)).any()
+    monkeypatch.setattr(sparse, "without_subnormals", lambda t: t)  # the subnormal weights kept
+    want = run()
+    for a, w in zip(got, want):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, w, rtol=1e-6, atol=1e-30)
