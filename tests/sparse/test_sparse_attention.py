@@ -290,10 +290,15 @@ def test_block_pooling_sums_and_causal_cumulative_sums():
     torch.testing.assert_close(block_pool(x, 4, causal=True)[0, :, 0], torch.tensor([0.0, 10.0, 36.0]))
     # the causal pooling keeps its N_B rows only, not the (n, d) cumulative sum that the sort net's
     # first product would otherwise save for the backward (16 MiB of a 16k-token layer)
-    wide = torch.randn(2, 64, 8, requires_grad=True)
-    pooled = block_pool(wide, 16, causal=True)
-    assert pooled.untyped_storage().nbytes() == pooled.numel() * pooled.element_size()
-    torch.testing.assert_close(pooled, wide.cumsum(1)[:, ::16])
+    for n in (64, 61):  # a whole number of blocks, and a last block with padding
+        wide = torch.randn(2, n, 8, dtype=torch.float64, requires_grad=True)
+        pooled = block_pool(wide, 16, causal=True)
+        assert pooled.untyped_storage().nbytes() == pooled.numel() * pooled.element_size()
+        torch.testing.assert_close(pooled, wide.cumsum(1)[:, ::16], rtol=1e-14, atol=1e-14)
+        w = torch.randn(pooled.shape, dtype=torch.float64)
+        (got,) = torch.autograd.grad((pooled * w).sum(), wide)
+        (want,) = torch.autograd.grad((wide.cumsum(1)[:, ::16] * w).sum(), wide)
+        torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
 
 
 def test_shared_keys_and_values():

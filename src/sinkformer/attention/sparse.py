@@ -159,9 +159,11 @@ def block_pool(x: Tensor, block_size: int, *, causal: bool = False, padding_mask
     """
     if padding_mask is not None:
         x = x.masked_fill(padding_mask.unsqueeze(-1), 0.0)
-    if causal:  # a copy of the N_B rows: the strided view would keep the whole (..., n, d) sum alive
-        return x.cumsum(-2)[..., ::block_size, :].contiguous()
-    return to_blocks(x, block_size).sum(-2)
+    sums = to_blocks(x, block_size).sum(-2)  # (..., N_B, d)
+    if causal:  # the sums of the earlier blocks, and the block's first token: O(N_B d) after the block sums
+        earlier = torch.cat([torch.zeros_like(sums[..., :1, :]), sums[..., :-1, :].cumsum(-2)], dim=-2)
+        return earlier + x[..., ::block_size, :]
+    return sums
 
 
 def without_subnormals(t: Tensor) -> Tensor:
