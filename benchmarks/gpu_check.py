@@ -36,6 +36,7 @@ summary last. Exit status 1 when a part failed or raised, else 0 (parts left out
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import math
@@ -43,6 +44,7 @@ import multiprocessing
 import os
 import platform
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -230,21 +232,22 @@ def edge_cases(cfg: dict, device: str) -> list[tuple]:
 
 
 def workers(device: str) -> int:
-    """Processes that compile or test side by side: the host's cores less two, at most 12 (two on the CPU)."""
-    return 2 if device != "cuda" else max(1, min(12, (os.cpu_count() or 4) - 2))
+    """Processes that compile or test side by side: the cores this process may use less two, at most 12
+    (two on the CPU)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 4
+    return 2 if device != "cuda" else max(1, min(12, cores - 2))
 
 
 def _compile_case(task: tuple) -> tuple[int, str | None, float]:
     """One accuracy case's flash call, forward and backward, in a worker process (:func:`compile_ahead`):
     ``(index, error or None, seconds)``."""
-    smoke, device, index = task
+    cfg, device, index = task
     import torch
 
     import sinkformer
     from sinkformer.sinkhorn.flash import unavailable
 
     start = time.perf_counter()
-    cfg = SMOKE if smoke else FULL
     name, dtype_name, n_iters, shape = (target_cases(cfg) + edge_cases(cfg, device))[index]
     try:
         q, k, v, kw = make_inputs(cfg, shape.pop("device", device), **shape)
@@ -256,45 +259,68 @@ def _compile_case(task: tuple) -> tuple[int, str | None, float]:
             if q.is_cuda:
                 torch.cuda.synchronize(q.device)
         return index, None, time.perf_counter() - start
-    except Exception as err:  # the case's own part records it with its traceback
+    except Exception as err:  # recorded here; the accuracy parts run the case again and record their own
         return index, _short(err), time.perf_counter() - start
 
 
-def compile_ahead(cfg: dict, device: str, budget: Budget) -> dict:
+def compile_ahead(cfg: dict, device: str, budget: Budget, work=_compile_case) -> dict:
     """The flash calls of every accuracy case in :func:`workers` processes side by side, within the
     part's budget: they fill Triton's cache on disk, from which the later parts load their kernels
     (the same shapes, dtypes and masks: the same specialisations). Nothing here is a result: errors
-    are recorded and the accuracy parts run each case again."""
-    tasks = [(cfg is SMOKE, device, i) for i in range(len(target_cases(cfg) + edge_cases(cfg, device)))]
+    are recorded and the accuracy parts run each case again. A worker that dies (a crash, the
+    out-of-memory killer) ends the part, saying so; at the deadline the workers are killed. ``work``:
+    what a worker runs per case (a module-level function of the task ``(cfg, device, index)``)."""
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
+
+    tasks = [(cfg, device, i) for i in range(len(target_cases(cfg) + edge_cases(cfg, device)))]
     count = workers(device)
-    start, done, errors, stopped = time.perf_counter(), 0, [], False
-    with multiprocessing.get_context("spawn").Pool(count) as pool:  # spawn: CUDA cannot be forked
-        results = pool.imap_unordered(_compile_case, tasks)
-        for _ in tasks:
-            try:
-                index, error, _ = results.next(timeout=max(0.0, budget.deadline - time.perf_counter()))
-            except multiprocessing.TimeoutError:
-                stopped = True
-                break
-            done += 1
-            if error is not None:
-                errors.append(f"case {index}: {error}")
-        pool.terminate()
-    seconds = time.perf_counter() - start
-    status = (f"stopped at its budget: {done} of {len(tasks)} cases" if stopped else f"ok ({done} cases)") + \
-        (f", {len(errors)} raised" if errors else "")
-    return dict(status=status, cases=len(tasks), done=done, workers=count, seconds=round(seconds, 1), errors=errors)
+    start, done, errors, stop = time.perf_counter(), 0, [], None
+    pool = ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn"))  # CUDA cannot be forked
+    try:
+        pending = {pool.submit(work, task) for task in tasks}
+        while pending and stop is None:
+            finished, pending = wait(pending, timeout=max(0.0, budget.deadline - time.perf_counter()),
+                                     return_when=FIRST_COMPLETED)
+            if not finished:
+                stop = f"stopped at its budget: {done} of {len(tasks)} cases"
+            for future in finished:
+                try:
+                    index, error, _ = future.result()
+                except BrokenProcessPool:
+                    stop = f"a worker died: {done} of {len(tasks)} cases"
+                    break
+                done += 1
+                if error is not None:
+                    errors.append(f"case {index}: {error}")
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for child in multiprocessing.active_children():  # the workers still running (this program has no others)
+            child.kill()
+        pool.shutdown(wait=True)
+    status = (stop or f"ok ({done} cases)") + (f", {len(errors)} raised" if errors else "")
+    return dict(status=status, cases=len(tasks), done=done, workers=count,
+                seconds=round(time.perf_counter() - start, 1), errors=errors)
 
 
 #: a test's line in pytest's verbose output (plain, or under pytest-xdist), and its outcome
 _OUTCOME = r"\b(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b"
-_TEST_LINE = re.compile(rf"::\S*.*{_OUTCOME}|{_OUTCOME}.*::")
+_TEST_LINE = re.compile(rf"::.*{_OUTCOME}|{_OUTCOME}.*::")
+#: where pytest's short summary starts: its lines repeat the outcomes of the verbose ones
+_SUMMARY_START = "short test summary info"
+
+
+def pytest_outcomes(lines: list[str]) -> list[tuple[str, str]]:
+    """``(line, outcome)`` of each test line of pytest's verbose output, before its short summary."""
+    end = next((i for i, line in enumerate(lines) if _SUMMARY_START in line), len(lines))
+    found = ((line, _TEST_LINE.search(line)) for line in lines[:end])
+    return [(line, next(g for g in m.groups() if g)) for line, m in found if m]
 
 
 def cuda_tests(device: str, budget: Budget) -> dict:
     """``pytest -k cuda`` on the flash tests, in a subprocess (its own output, its own failures), in
     pytest-xdist workers where that is installed; stopped at the part's budget, with the tests run
-    so far counted."""
+    so far counted. The subprocess runs in its own process group, ended whenever this part ends."""
     import importlib.util
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
@@ -312,21 +338,26 @@ def cuda_tests(device: str, budget: Budget) -> dict:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, stopped = proc.communicate()[0], True
+    finally:  # an interrupt of the check (Ctrl-C, a kill of its group) does not reach this group: end it here
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
     lines = output.strip().splitlines()
-    outcomes = [next(g for g in m.groups() if g) for m in map(_TEST_LINE.search, lines) if m]
+    tests = pytest_outcomes(lines)
+    outcomes = [outcome for _, outcome in tests]
     counts = {word.lower(): outcomes.count(word) for word in ("PASSED", "FAILED", "ERROR", "SKIPPED")
               if word in outcomes}
     summary = next((line for line in reversed(lines) if re.search(r"\d+ (passed|failed|skipped|error)", line)), "")
     ran = ", ".join(f"{n} {word}" for word, n in counts.items()) or "none finished"
     if stopped:
         summary = f"stopped at its budget after {time.perf_counter() - start:.0f} s: {ran}"
-    failed = counts.get("failed", 0) + counts.get("error", 0) or not stopped and proc.returncode not in (0, 5)
+    failed = bool(counts.get("failed", 0) + counts.get("error", 0)) or (not stopped and proc.returncode not in (0, 5))
     status = ("FAIL" if failed else "incomplete" if stopped else
               "pass" if proc.returncode == 0 or device != "cuda" and proc.returncode == 5 else "FAIL")
+    failures = [line for line, outcome in tests if outcome in ("FAILED", "ERROR")]
     return dict(command=" ".join(cmd[1:]), returncode=proc.returncode, summary=summary.strip("= "), counts=counts,
-                seconds=round(time.perf_counter() - start, 1),
-                failures=[line for line in lines if "FAILED" in line][:20],
-                tail=lines[-40:], status=status)
+                seconds=round(time.perf_counter() - start, 1), failures=failures[:20], tail=lines[-40:],
+                status=status)
 
 
 def graph_capture(cfg: dict, device: str) -> dict:
@@ -596,7 +627,8 @@ def main(argv: list[str] | None = None) -> int:
     budget = Budget(args.budget)
     from sinkformer.provenance import git_commit
 
-    report = dict(smoke=args.smoke, command=" ".join(["python -m benchmarks gpu-check", *(argv or [])]),
+    given = sys.argv[1:] if argv is None else argv
+    report = dict(smoke=args.smoke, command=shlex.join(["python", "-m", "benchmarks", "gpu-check", *given]),
                   commit=git_commit(ROOT), parts={}, accuracy=[], rows=[], environment={},
                   bench_meta=dict(b=cfg["b"], h=cfg["h"], d=cfg["d"], repeats=cfg["repeats"],
                                   clock="CUDA-event" if device == "cuda" else "perf_counter",

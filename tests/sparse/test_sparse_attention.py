@@ -343,35 +343,51 @@ def test_errors_name_the_argument():
 
 @pytest.mark.parametrize("causal,sortcut_budget", [(True, None), (False, None), (False, 2)])
 def test_sorting_weights_below_the_normal_range_are_mixed_as_zeros(causal, sortcut_budget, monkeypatch):
-    """float64 sorting weights cast to float32 can fall below its normal range (a causal sorting with
-    spread logits here, causal or not); they enter the key and value mixing as zeros (subnormal products run in
-    microcode on many x86 CPUs: hundreds of times slower), which changes the output and gradients by
-    less than float32's rounding, and the sorted blocks' validity not at all."""
+    """Sorting weights cast to float32 can fall below its normal range (spread logits here: the causal
+    sorting, the plain one, and the SortCut positions); they enter the key and value mixing as zeros
+    (subnormal products run in microcode on many x86 CPUs: hundreds of times slower), which changes
+    the output and the gradients, the logits' included, by less than float32's rounding, and the
+    sorted blocks' validity not at all."""
     from sinkformer.attention import sparse
 
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(0)
     nb, b = 6, 4
     q, k, v = (torch.randn(1, 2, nb * b, 8, generator=g, requires_grad=True) for _ in range(3))
-    logits = 60 * torch.randn(1, 2, nb, nb, generator=g)
+    logits = (60 * torch.randn(1, 2, nb, nb, generator=g)).requires_grad_()
     pad = torch.zeros(1, nb * b, dtype=torch.bool)
     pad[0, -3:] = True
-    S = sort_matrix(logits, sort_iters=3, temperature=1.0, causal=causal).transpose(-1, -2).float()
-    assert ((S != 0) & (S.abs() < torch.finfo(torch.float32).tiny)).any()  # the case this test is about
+    S = sort_matrix(logits.detach(), sort_iters=3, temperature=1.0, causal=causal)
+    used = (S if sortcut_budget is None else S[..., :sortcut_budget]).float()  # the weights that are mixed
+    subnormal = lambda t: (t != 0) & (t.abs() < torch.finfo(torch.float32).tiny)  # noqa: E731
+    assert subnormal(used).sum() >= 2  # the case this test is about
     mixed = []
     flush = sparse.without_subnormals
     monkeypatch.setattr(sparse, "without_subnormals", lambda t: mixed.append(flush(t)) or mixed[-1])
-
     weights = torch.randn(1, 2, nb * b, 8, generator=g)
 
     def run():
         out = sparse_sinkhorn_attention(q, k, v, logits, block_size=b, sort_iters=3, causal=causal,
                                         sortcut_budget=sortcut_budget, key_padding_mask=pad)
-        return (out,) + torch.autograd.grad((out * weights).sum(), (q, k, v))
+        return (out,) + torch.autograd.grad((out * weights).sum(), (q, k, v, logits))
 
     got = run()
-    assert len(mixed) == 1 and not ((mixed[0] != 0) & (mixed[0].abs() < torch.finfo(torch.float32).tiny)).any()
+    assert len(mixed) == 1 and mixed[0].shape[-2:] == used.transpose(-1, -2).shape[-2:]
+    assert not subnormal(mixed[0]).any()
     monkeypatch.setattr(sparse, "without_subnormals", lambda t: t)  # the subnormal weights kept
     want = run()
     for a, w in zip(got, want):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, w, rtol=1e-6, atol=1e-30)
+
+
+def test_without_subnormals_keeps_half_precision_weights():
+    """Half-precision weights keep their own subnormals (their products run in float32, where those
+    are normal); float32 and float64 lose only what lies below float32's, or their own, normal range."""
+    from sinkformer.attention.sparse import without_subnormals
+
+    half = torch.tensor([1e-6, 1e-3, 0.5], dtype=torch.float16)  # 1e-6 is subnormal in float16
+    assert torch.equal(without_subnormals(half), half)
+    single = torch.tensor([1e-39, 1e-30, 0.5], dtype=torch.float32)
+    assert without_subnormals(single).tolist() == [0.0, single[1].item(), 0.5]
+    double = torch.tensor([1e-310, 1e-39, 0.5], dtype=torch.float64)
+    assert without_subnormals(double).tolist() == [0.0, 1e-39, 0.5]

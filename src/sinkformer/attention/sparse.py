@@ -167,14 +167,17 @@ def block_pool(x: Tensor, block_size: int, *, causal: bool = False, padding_mask
 
 
 def without_subnormals(t: Tensor) -> Tensor:
-    """``t`` with its subnormal entries (nonzero, below ``finfo(t.dtype).tiny`` in magnitude) set to 0.
+    """``t`` with its entries below float32's normal range (``finfo(float32).tiny``, or ``t``'s own
+    dtype's when wider) set to 0.
 
-    The sorting weights are computed in float64 and mixed in the keys' dtype: at long sequences the
-    causal sorting's cast to float32 leaves some below float32's normal range (5 % of the 16k-token
-    layer's), and products with subnormal operands run in microcode on many x86 CPUs (a float32
+    The sorting weights are mixed in the keys' dtype: at long sequences the causal sorting's float64
+    weights, cast to float32, leave some below its normal range (5 % of the 16k-token layer's), and
+    products with subnormal operands run in microcode on many x86 CPUs (a float32
     ``(4, 256, 256) @ (4, 256, 4096)``: 2.3 s with subnormal entries, 10 ms without, on an Intel Xeon).
-    What they add is below every rounding of weights that sum to 1."""
-    return t.masked_fill(t.abs() < torch.finfo(t.dtype).tiny, 0.0)
+    What they add is below every rounding of weights that sum to 1. (Half-precision weights keep
+    their subnormals: their products are computed in float32, where those are normal.)"""
+    tiny = torch.finfo(torch.promote_types(t.dtype, torch.float32)).tiny
+    return t.masked_fill(t.abs() < tiny, 0.0)
 
 
 def gumbel_noise(shape: torch.Size | tuple[int, ...], *, generator: torch.Generator | None = None,
@@ -348,7 +351,7 @@ def sparse_sinkhorn_step(q: Tensor, k: Tensor, v: Tensor, mix: Tensor, *, block_
 
     def sorted_and_own(x: Tensor) -> Tensor:  # slots 0..s of [sorted block p, block p]: (..., 2 (s + 1), d)
         blocks = to_blocks(x, block_size)  # (..., p + 1, b, d): block p zero-padded
-        weights = mix.to(blocks.dtype).unsqueeze(-2)  # (..., 1, p + 1)
+        weights = without_subnormals(mix.to(blocks.dtype)).unsqueeze(-2)  # (..., 1, p + 1), as the forward
         mixed = (weights @ blocks.flatten(-2)).unflatten(-1, blocks.shape[-2:])[..., 0, : s + 1, :]
         return torch.cat([mixed, blocks[..., p, : s + 1, :]], -2)
 
