@@ -335,7 +335,7 @@ def test_two_and_three_iterations_first_and_second_derivatives(n_iters):
     assert torch.autograd.gradcheck(lambda s: prefix_sinkhorn(s, n_iters, mask=any_mask), (scores,))
 
 
-@pytest.mark.parametrize("shape", [(3, 1, 5), (2, 3, 7, 4), (1, 64, 9), (2, 130, 6), (4, 65, 3)])
+@pytest.mark.parametrize("shape", [(3, 1, 5), (2, 3, 7, 4), (1, 64, 9), (1, 130, 2), (2, 65, 2)])
 def test_cumsum_rows_is_torch_cumsum_over_rows_with_two_derivatives(shape):
     """Triangular products of 64 rows plus carries: blocks of one row, exactly one block, a last
     partial block; first and second derivatives against finite differences."""
