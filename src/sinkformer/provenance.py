@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["provenance", "cpu_model", "git_commit", "library_commit", "source_checkout", "require_clean_source",
+__all__ = ["provenance", "cpu_model", "cpu_vendor", "git_commit", "library_commit", "source_checkout", "require_clean_source",
            "NOT_A_CHECKOUT", "WHAT_CHANGES_RESULTS"]
 
 #: The package's folder (``src/sinkformer`` in a source checkout, ``site-packages/sinkformer`` when installed).
@@ -47,6 +47,17 @@ def cpu_model() -> str:
         return platform.processor() or "unknown CPU"
     match = re.search(r"model name\s*:\s*(.+)", text)
     return match.group(1).strip() if match else (platform.processor() or "unknown CPU")
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``"GenuineIntel"``, ``"AuthenticAMD"``, ...: ``vendor_id`` of ``/proc/cpuinfo``
+    on Linux, else found in what ``platform`` knows), or ``""`` when unknown."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = platform.processor()
+    match = re.search(r"vendor_id\s*:\s*(\S+)", text) or re.search(r"GenuineIntel|AuthenticAMD", text)
+    return (match.group(1) if match.re.groups else match.group(0)) if match else ""
 
 
 def _git(folder: Path, *args: str) -> subprocess.CompletedProcess | None:

@@ -13,6 +13,7 @@ from sinkformer.provenance import (
     NOT_A_CHECKOUT,
     WHAT_CHANGES_RESULTS,
     cpu_model,
+    cpu_vendor,
     git_commit,
     library_commit,
     provenance,
@@ -59,6 +60,22 @@ def test_every_run_folder_records_its_provenance(tmp_path):
     assert facts["cpu"] == cpu_model() and facts["device"].startswith(("cpu", "cuda"))
     assert git_commit("/") == "not a git checkout"
     assert provenance("x")["command"] == "x" and "BLAS" in WHAT_CHANGES_RESULTS
+
+
+def test_cpu_vendor_is_read_from_cpuinfo_or_from_platform(monkeypatch, tmp_path):
+    import sinkformer.provenance as provenance_module
+
+    real_path = provenance_module.Path
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\n")
+    monkeypatch.setattr(provenance_module, "Path", lambda p: real_path(info) if p == "/proc/cpuinfo" else real_path(p))
+    assert cpu_vendor() == "AuthenticAMD"
+    monkeypatch.setattr(provenance_module, "Path", lambda p: real_path(tmp_path / "absent"))
+    monkeypatch.setattr(provenance_module.platform, "processor",
+                        lambda: "Intel64 Family 6 Model 85 Stepping 7, GenuineIntel")
+    assert cpu_vendor() == "GenuineIntel"
+    monkeypatch.setattr(provenance_module.platform, "processor", lambda: "arm")
+    assert cpu_vendor() == ""
 
 
 # --- which code made a run -------------------------------------------------------------------------------------------

@@ -275,3 +275,32 @@ def test_dropout_is_unbiased_and_seeded():
     assert torch.equal(a, b)
     mean = torch.stack([attention(q, k, v, dropout_p=0.4) for _ in range(2000)]).mean(0)
     assert (mean - attention(q, k, v)).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("row_vector", [False, True], ids=["batched-gemv", "row-vector"])
+@pytest.mark.parametrize("block", [None, 7], ids=["whole-slices", "row-blocks"])
+def test_both_shapes_of_the_matrix_vector_products_give_the_reference(monkeypatch, row_vector, block):
+    """``sizes.ROW_VECTOR_PRODUCTS`` (chosen by CPU vendor) changes only how ``K x`` is multiplied: on
+    either side, with several slices per block or rows of one, masked or not, unrolled and implicit
+    gradients equal the reference's."""
+    monkeypatch.setattr(sizes, "ROW_VECTOR_PRODUCTS", row_vector)
+    if block is not None:
+        monkeypatch.setattr(sizes, "CACHE_BLOCK_ELEMENTS", block)
+    q, k, v = inputs(n=8, m=11)
+    keep = masks(n=8, m=11)
+    grad_out = torch.randn(2, 3, 8, 4, dtype=torch.float64)
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, grad_out))
+
+    for mask in (None, keep):
+        got = grads(lambda q, k, v: attention(q, k, v, n_iters=5, attn_mask=mask, backend="tiled"))
+        want = grads(lambda q, k, v: reference(q, k, v, 5, mask))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-9 * b.abs().max().item(), rtol=0)
+    implicit = grads(lambda q, k, v: attention(q, k, v, n_iters=None, tol=1e-13, backward="implicit"))
+    unrolled = grads(lambda q, k, v: reference(q, k, v, 401))
+    for a, b in zip(implicit, unrolled):
+        torch.testing.assert_close(a, b, atol=1e-8 * b.abs().max().item(), rtol=0)

@@ -409,11 +409,13 @@ class Tile:
 
 
 def add_rows_times(add: Tensor, K: Tensor, x: Tensor, out: Tensor) -> Tensor:
-    """``out = add + K x`` for ``K (c, r, m)``, ``x (c, m, 1)``, ``add``/``out`` ``(c, r, 1)``, computed as
-    the row-vector product ``add^T + x^T K^T``: MKL's batched matrix-vector product ``K x`` runs several
-    times slower when ``c > 1`` (4 slices of 256 x 256: 277 us against 62 us)."""
-    torch.baddbmm(add.transpose(1, 2), x.transpose(1, 2), K.transpose(1, 2), out=out.transpose(1, 2))
-    return out
+    """``out = add + K x`` for ``K (c, r, m)``, ``x (c, m, 1)``, ``add``/``out`` ``(c, r, 1)`` (distinct from
+    the operands): a batched matrix-vector product, or the row-vector product ``add^T + x^T K^T`` where
+    :data:`~.sizes.ROW_VECTOR_PRODUCTS` says that is faster on this CPU."""
+    if sizes.ROW_VECTOR_PRODUCTS:
+        torch.baddbmm(add.transpose(1, 2), x.transpose(1, 2), K.transpose(1, 2), out=out.transpose(1, 2))
+        return out
+    return torch.bmm(K, x, out=out).add_(add)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -679,8 +681,10 @@ def implicit_duals_of(K, u, vt, r, c, max_iters=1000):
 
 
 def _mv(K: Tensor, x: Tensor) -> Tensor:
-    """``K x`` as the row-vector product ``x^T K^T`` (see :func:`add_rows_times`)."""
-    return torch.bmm(x.unsqueeze(1), K.transpose(1, 2)).squeeze(1)
+    """``K x`` for ``K (c, n, m)``, ``x (c, m)`` (a row-vector product where :data:`~.sizes.ROW_VECTOR_PRODUCTS`)."""
+    if sizes.ROW_VECTOR_PRODUCTS:
+        return torch.bmm(x.unsqueeze(1), K.transpose(1, 2)).squeeze(1)
+    return torch.bmm(K, x.unsqueeze(-1)).squeeze(-1)
 
 
 def _mtv(K: Tensor, x: Tensor) -> Tensor:

@@ -2,7 +2,8 @@
 
 How many (batch·head) slices the tiled engine takes at once (:func:`group_size`), how it covers a
 tile with cache blocks (:func:`cache_blocks`), how many query rows a streamed block has
-(:func:`stream_rows`, :func:`row_block`), and when ``backend="auto"`` streams (:data:`STREAM_ABOVE`).
+(:func:`stream_rows`, :func:`row_block`), when ``backend="auto"`` streams (:data:`STREAM_ABOVE`), and how
+a matrix-vector product is shaped on this CPU (:data:`ROW_VECTOR_PRODUCTS`).
 The constants are read at call time (``sizes.X``), so tests can lower them.
 """
 
@@ -11,12 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ..provenance import cpu_vendor
 from torch import Tensor
 
 __all__ = [
     "TILE_ELEMENTS", "GPU_TILE_ELEMENTS", "CACHE_BLOCK_ELEMENTS", "WHOLE_SLICE_BUDGETS", "BLOCK_ELEMENTS",
     "MIN_BLOCK_ROWS", "SAVED_TILE_SCORES", "STREAM_ABOVE", "group_size", "CacheBlocks", "cache_blocks",
-    "stream_rows", "row_block",
+    "stream_rows", "row_block", "ROW_VECTOR_PRODUCTS",
 ]
 
 #: Scores per group of (batch·head) slices on the CPU: small enough to stay in cache.
@@ -44,6 +47,13 @@ MIN_BLOCK_ROWS = 64
 SAVED_TILE_SCORES = 1 << 21
 #: Above this many scores per slice, ``backend="auto"`` streams (never an ``n × m`` tile).
 STREAM_ABOVE = 1 << 24
+#: Whether the engines' matrix-vector products ``K x`` over several slices (``K (c, r, m)``, ``c > 1``) run
+#: as the row-vector products ``x^T K^T``. MKL's batched matrix-vector product is several times slower than
+#: the row-vector product on AMD CPUs (EPYC: 4 slices of 256 x 256, 277 us against 62 us) and 1.1-1.9x
+#: faster than it on Intel ones (Xeon, AVX-512, one thread: 32 slices of 64 x 64, 35 us against 66 us; 16 of
+#: 256 x 256, 280 against 463; one slice, the same): so where PyTorch's BLAS is MKL, row-vector products on
+#: every CPU but Intel's. The two give the same sums in another order.
+ROW_VECTOR_PRODUCTS = torch.backends.mkl.is_available() and cpu_vendor() != "GenuineIntel"
 
 
 def group_size(slices: int, n: int, m: int, device: torch.device) -> int:
