@@ -277,13 +277,14 @@ def test_dropout_is_unbiased_and_seeded():
     assert (mean - attention(q, k, v)).abs().max() < 0.05
 
 
-@pytest.mark.parametrize("row_vector", [False, True], ids=["batched-gemv", "row-vector"])
+@pytest.mark.parametrize("product", ["batched", "per-slice", "row-vector"])
 @pytest.mark.parametrize("block", [None, 7], ids=["whole-slices", "row-blocks"])
-def test_both_shapes_of_the_matrix_vector_products_give_the_reference(monkeypatch, row_vector, block):
-    """``sizes.ROW_VECTOR_PRODUCTS`` (chosen by CPU vendor) changes only how ``K x`` is multiplied: on
-    either side, with several slices per block or rows of one, masked or not, unrolled and implicit
-    gradients equal the reference's."""
-    monkeypatch.setattr(sizes, "ROW_VECTOR_PRODUCTS", row_vector)
+def test_every_shape_of_the_matrix_vector_products_gives_the_reference(monkeypatch, product, block):
+    """``sizes.ROW_VECTOR_PRODUCTS`` (chosen by CPU vendor) and ``sizes.MATVEC_LOOP_SLICES`` change only how
+    ``K x`` is multiplied: each way, with several slices per block or rows of one, masked or not, unrolled
+    and implicit gradients equal the reference's."""
+    monkeypatch.setattr(sizes, "ROW_VECTOR_PRODUCTS", product == "row-vector")
+    monkeypatch.setattr(sizes, "MATVEC_LOOP_SLICES", 1 << 30 if product == "per-slice" else 0)
     if block is not None:
         monkeypatch.setattr(sizes, "CACHE_BLOCK_ELEMENTS", block)
     q, k, v = inputs(n=8, m=11)

@@ -415,6 +415,10 @@ def add_rows_times(add: Tensor, K: Tensor, x: Tensor, out: Tensor) -> Tensor:
     if sizes.ROW_VECTOR_PRODUCTS:
         torch.baddbmm(add.transpose(1, 2), x.transpose(1, 2), K.transpose(1, 2), out=out.transpose(1, 2))
         return out
+    if K.shape[0] <= sizes.MATVEC_LOOP_SLICES:
+        for K_s, x_s, add_s, out_s in zip(K, x.squeeze(-1), add.squeeze(-1), out.squeeze(-1)):
+            torch.addmv(add_s, K_s, x_s, out=out_s)
+        return out
     return torch.bmm(K, x, out=out).add_(add)
 
 

@@ -19,7 +19,7 @@ from torch import Tensor
 __all__ = [
     "TILE_ELEMENTS", "GPU_TILE_ELEMENTS", "CACHE_BLOCK_ELEMENTS", "WHOLE_SLICE_BUDGETS", "BLOCK_ELEMENTS",
     "MIN_BLOCK_ROWS", "SAVED_TILE_SCORES", "STREAM_ABOVE", "group_size", "CacheBlocks", "cache_blocks",
-    "stream_rows", "row_block", "ROW_VECTOR_PRODUCTS",
+    "stream_rows", "row_block", "ROW_VECTOR_PRODUCTS", "MATVEC_LOOP_SLICES",
 ]
 
 #: Scores per group of (batch·head) slices on the CPU: small enough to stay in cache.
@@ -54,6 +54,10 @@ STREAM_ABOVE = 1 << 24
 #: 256 x 256, 280 against 463; one slice, the same): so where PyTorch's BLAS is MKL, row-vector products on
 #: every CPU but Intel's. The two give the same sums in another order.
 ROW_VECTOR_PRODUCTS = torch.backends.mkl.is_available() and cpu_vendor() != "GenuineIntel"
+#: ... and, where they do not, blocks of at most this many slices multiply each slice on its own
+#: (``torch.addmv``) rather than in one batched product, which ran slower there (Xeon, 2 intra-op threads:
+#: 2 slices of 512 x 512 92 us against 26 us, 8 of 256 x 256 73 against 50; 32 of 128 x 128 67 against 117).
+MATVEC_LOOP_SLICES = 8
 
 
 def group_size(slices: int, n: int, m: int, device: torch.device) -> int:
