@@ -305,3 +305,15 @@ def test_every_shape_of_the_matrix_vector_products_gives_the_reference(monkeypat
     unrolled = grads(lambda q, k, v: reference(q, k, v, 401))
     for a, b in zip(implicit, unrolled):
         torch.testing.assert_close(a, b, atol=1e-8 * b.abs().max().item(), rtol=0)
+
+
+def test_the_backward_fills_no_gradient_of_the_kept_tiles():
+    """The forward keeps a small call's ``(B, n, m)`` tiles for the backward (an output of its op that gets
+    no gradient): autograd must not materialise a zero gradient of that shape for them (a memset of the
+    whole tile on every backward)."""
+    q, k, v = (torch.randn(2, 3, 40, 8, requires_grad=True) for _ in range(3))
+    out = attention(q, k, v, n_iters=5, backend="tiled")
+    with torch.profiler.profile(record_shapes=True) as prof:
+        out.sum().backward()
+    tile_shaped = [e.name for e in prof.events() if [6, 40, 40] in [list(s) for s in e.input_shapes if s]]
+    assert tile_shaped and not {"aten::fill_", "aten::zero_", "aten::zeros", "aten::zeros_like"} & set(tile_shaped)
