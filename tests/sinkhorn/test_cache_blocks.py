@@ -22,6 +22,7 @@ def test_views_cover_the_tile_in_block_order(c, n, m, budget):
         assert view.numel() <= max(budget, m) or r == slice(0, n)
         covered[s, r] += 1
     assert bool((covered == 1).all())
+    assert blocks.largest(m) == max([view.numel() for view in rows], default=0) or n == 0  # the scratch a block needs
 
 
 def test_small_slices_are_whole_blocks_large_ones_row_ranges():

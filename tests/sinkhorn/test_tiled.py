@@ -317,3 +317,26 @@ def test_the_backward_fills_no_gradient_of_the_kept_tiles():
         out.sum().backward()
     tile_shaped = [e.name for e in prof.events() if [6, 40, 40] in [list(s) for s in e.input_shapes if s]]
     assert tile_shaped and not {"aten::fill_", "aten::zero_", "aten::zeros", "aten::zeros_like"} & set(tile_shaped)
+
+
+def test_the_gradient_pass_forms_ds_in_scratch_memory_kept_for_the_next_call():
+    """``dS`` of the backward's last pass is written into a worker's scratch buffer, which the next call
+    uses again (memory not faulted in and zeroed by the kernel on every call), and the gradients do not
+    depend on what that buffer held."""
+    from sinkformer.sinkhorn import cpu_parallel
+
+    cpu_parallel.release_scratch()
+    q, k, v = (torch.randn(2, 3, 40, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+
+    def grads():
+        return torch.autograd.grad(attention(q, k, v, n_iters=5, backend="tiled").square().sum(), (q, k, v))
+
+    first = grads()
+    held = [s["dS"] for s in cpu_parallel._kept if "dS" in s]
+    assert len(held) == 1 and held[0].numel() == 6 * 40 * 40
+    held[0].fill_(float("nan"))  # what the last call left there
+    second = grads()
+    assert [s["dS"].data_ptr() for s in cpu_parallel._kept if "dS" in s] == [held[0].data_ptr()]
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    cpu_parallel.release_scratch()

@@ -265,8 +265,7 @@ class Tile:
         if options.stored:
             size = c * n * m
         else:
-            blocks = options.blocks(c, n, m)
-            size = (blocks.step * n if blocks.rows is None else min(blocks.rows, n)) * m
+            size = options.blocks(c, n, m).largest(m)
         return scratch_buffer(scratch, "memory", size, problem.q)
 
     def _block(self, i: int) -> Tensor:
@@ -514,7 +513,7 @@ def scaling_backward(tile: Tile, seed: Tensor | None, us: Tensor, vs: Tensor, co
     if rev is None:  # dS = P * (dP - alpha ⊕ beta)
         alpha, beta = implicit_duals_of(tile.K, u, vt, du * u, dvt * vt)
         X[..., 0], X[..., 1], Y[..., 0], Y[..., 1] = -u * alpha, -u, vt, vt * beta
-        _gradient_pass(tile, left, right, vt, V, drop, grads)
+        _gradient_pass(tile, left, right, vt, V, drop, grads, scratch)
         return
     rev.row_ys(Y)
     t = L
@@ -529,7 +528,7 @@ def scaling_backward(tile: Tile, seed: Tensor | None, us: Tensor, vs: Tensor, co
         dvt = dvt + next_col
         t -= 2
     last = (rev, du, rev.col_step(2, dvt, X, Y)[0]) if t == 2 else None  # steps 2 and 1 in the last pass
-    _gradient_pass(tile, left, right, vt, V, drop, grads, last)
+    _gradient_pass(tile, left, right, vt, V, drop, grads, scratch, last)
 
 
 def _first_pass(tile: Tile, uO: Tensor, drop: Tensor | None, first: Tensor | None,
@@ -580,14 +579,15 @@ def _row_step_pass(tile: Tile, rev: _Reverse, t: int, du: Tensor, ds: Tensor, X:
 
 
 def _gradient_pass(tile: Tile, left: Tensor, right: Tensor, vt: Tensor, V: Tensor, drop: Tensor | None, grads,
-                   last_steps=None) -> None:
+                   scratch: dict, last_steps=None) -> None:
     """The last pass: :math:`dS = \\tilde K\\odot(\\mathrm{diag}(u)\\,dP\\,\\mathrm{diag}(\\tilde v)
     + XY^\\top)` block by block, contracted into ``dq`` (rows of the block) and ``dk`` (summed).
 
     ``left = [u ⊙ dO, X] (c, n, e + L)``; ``right = [·, Y] (c, m, e + L)``, whose first ``e`` columns
     this pass fills with :math:`\\tilde v\\odot V`. ``last_steps = (reverse, du, ds2)``: the column step 2 ran
     (``ds2``); :math:`du + \\tilde K ds_2` and the row step 1 (the last column of ``X``, the
-    block's rows of ``left``) run here, block by block, before the block's ``dS``."""
+    block's rows of ``left``) run here, block by block, before the block's ``dS``, which is formed in the
+    worker's ``scratch`` (memory used again on the next call, not faulted in again)."""
     dq, dk, _ = grads
     blocks, scale = tile.blocks, tile.scale
     e, L = V.shape[-1], right.shape[-1] - V.shape[-1]
@@ -608,14 +608,16 @@ def _gradient_pass(tile: Tile, left: Tensor, right: Tensor, vt: Tensor, V: Tenso
         dub, dsb, totalb = blocks.rows_of(du.unsqueeze(-1)), blocks.slices_of(ds.unsqueeze(-1)), blocks.rows_of(total)
         factorb = blocks.rows_of(rev.row_factor(1).unsqueeze(-1))
         lastb = blocks.rows_of(left[..., e + L - 1:])  # X[..., L - 1]: the row step 1
+    work = scratch_buffer(scratch, "dS", blocks.largest(tile.shape[2]), dq)
     for i, Kb in tile.visit():
         if last_steps is not None:
             add_rows_times(dub[i], Kb, dsb[i], out=totalb[i])
             torch.mul(totalb[i], factorb[i], out=lastb[i])
+        dP = work[:Kb.numel()].view(Kb.shape)
         if drop is None:
-            dP = torch.bmm(leftb[i], rightb[i])
+            torch.bmm(leftb[i], rightb[i], out=dP)
         else:
-            dP = torch.bmm(leftb[i][..., :e], vVb[i]).mul_(dropb[i])
+            torch.bmm(leftb[i][..., :e], vVb[i], out=dP).mul_(dropb[i])
             dP.baddbmm_(leftb[i][..., e:], Yb[i])
         dS = dP.mul_(Kb)
         dqb[i].baddbmm_(dS, kb[i], beta=0.0, alpha=scale)

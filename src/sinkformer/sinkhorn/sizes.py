@@ -83,6 +83,10 @@ class CacheBlocks:
     step: int
     rows: int | None
 
+    def largest(self, m: int) -> int:
+        """Scores in the largest block of a ``(c, n, m)`` tile."""
+        return (min(self.step, self.c) * self.n if self.rows is None else min(self.rows, self.n)) * m
+
     @property
     def index(self) -> list[tuple[slice, slice]]:
         """``(slices, rows)`` of every block."""
