@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["provenance", "cpu_model", "cpu_vendor", "git_commit", "library_commit", "source_checkout", "require_clean_source",
-           "NOT_A_CHECKOUT", "WHAT_CHANGES_RESULTS"]
+__all__ = ["provenance", "cpu_model", "cpu_vendor", "git_commit", "library_commit", "source_checkout",
+           "require_clean_source", "NOT_A_CHECKOUT", "WHAT_CHANGES_RESULTS"]
 
 #: The package's folder (``src/sinkformer`` in a source checkout, ``site-packages/sinkformer`` when installed).
 PACKAGE_DIR = Path(__file__).resolve().parent

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from ..provenance import cpu_vendor
-from torch import Tensor
 
 __all__ = [
     "TILE_ELEMENTS", "GPU_TILE_ELEMENTS", "CACHE_BLOCK_ELEMENTS", "WHOLE_SLICE_BUDGETS", "BLOCK_ELEMENTS",
@@ -47,8 +47,8 @@ MIN_BLOCK_ROWS = 64
 SAVED_TILE_SCORES = 1 << 21
 #: Above this many scores per slice, ``backend="auto"`` streams (never an ``n × m`` tile).
 STREAM_ABOVE = 1 << 24
-#: Whether the engines' matrix-vector products ``K x`` over several slices (``K (c, r, m)``, ``c > 1``) run
-#: as the row-vector products ``x^T K^T``. MKL's batched matrix-vector product is several times slower than
+#: Whether the engines' matrix-vector products ``K x`` (``K (c, r, m)``, on the CPU) run as the row-vector
+#: products ``x^T K^T``. MKL's batched matrix-vector product is several times slower than
 #: the row-vector product on AMD CPUs (EPYC: 4 slices of 256 x 256, 277 us against 62 us) and 1.1-1.9x
 #: faster than it on Intel ones (Xeon, AVX-512, one thread: 32 slices of 64 x 64, 35 us against 66 us; 16 of
 #: 256 x 256, 280 against 463; one slice, the same): so where PyTorch's BLAS is MKL, row-vector products on
