@@ -27,6 +27,7 @@ SUITES = {
     "sharing": ("benchmarks.sharing", "sinkformer train alone and beside busy processes: epoch times"),
     "overhead": ("benchmarks.overhead", "Short sequences: the attention call against a bare floor of its arithmetic"),
     "parallel": ("benchmarks.parallel", "The tiled engine's groups: one Python thread per core vs intra-op threads"),
+    "matvec": ("benchmarks.matvec", "The engines' row sums K x on this CPU: each product, and the one picked here"),
     "ab": ("benchmarks.ab", "A change before and after: the attention grid or block sorting of two trees, interleaved"),
     "gpu-check": ("benchmarks.gpu_check", "The flash engine on a GPU: tests, accuracy, speed, memory, graphs"),
     "flash-compile": ("benchmarks.flash_compile", "Flash kernels compiled for an H100 without a GPU: resources"),

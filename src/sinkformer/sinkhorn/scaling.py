@@ -407,16 +407,26 @@ class Tile:
             torch.bmm(Kb if dropb is None else Kb * dropb[i], vVb[i], out=outb[i]).mul_(ub[i])
 
 
+def row_product(K: Tensor) -> str:
+    """How :func:`add_rows_times` multiplies ``K (c, r, m)`` by a vector per slice: ``"batched"`` (one
+    ``bmm``; every GPU), or on the CPU ``"row-vector"`` (``x^T K^T``) where :data:`~.sizes.ROW_VECTOR_PRODUCTS`
+    says that is faster, else ``"per-slice"`` (one ``addmv`` each) for blocks of at most
+    :data:`~.sizes.MATVEC_LOOP_SLICES` slices. ``python -m benchmarks matvec`` times each on this CPU."""
+    if K.device.type != "cpu":
+        return "batched"
+    if sizes.ROW_VECTOR_PRODUCTS:
+        return "row-vector"
+    return "per-slice" if K.shape[0] <= sizes.MATVEC_LOOP_SLICES else "batched"
+
+
 def add_rows_times(add: Tensor, K: Tensor, x: Tensor, out: Tensor) -> Tensor:
     """``out = add + K x`` for ``K (c, r, m)``, ``x (c, m, 1)``, ``add``/``out`` ``(c, r, 1)`` (distinct from
-    the operands): a batched matrix-vector product; on the CPU, the row-vector product ``add^T + x^T K^T``
-    where :data:`~.sizes.ROW_VECTOR_PRODUCTS` says that is faster, else one product per slice for blocks of
-    at most :data:`~.sizes.MATVEC_LOOP_SLICES` slices."""
-    cpu = K.device.type == "cpu"
-    if cpu and sizes.ROW_VECTOR_PRODUCTS:
+    the operands), multiplied as :func:`row_product` says."""
+    how = row_product(K)
+    if how == "row-vector":
         torch.baddbmm(add.transpose(1, 2), x.transpose(1, 2), K.transpose(1, 2), out=out.transpose(1, 2))
         return out
-    if cpu and K.shape[0] <= sizes.MATVEC_LOOP_SLICES:
+    if how == "per-slice":
         for K_s, x_s, add_s, out_s in zip(K, x.squeeze(-1), add.squeeze(-1), out.squeeze(-1)):
             torch.addmv(add_s, K_s, x_s, out=out_s)
         return out
@@ -690,7 +700,7 @@ def implicit_duals_of(K, u, vt, r, c, max_iters=1000):
 
 def _mv(K: Tensor, x: Tensor) -> Tensor:
     """``K x`` for ``K (c, n, m)``, ``x (c, m)`` (a row-vector product where :data:`~.sizes.ROW_VECTOR_PRODUCTS`)."""
-    if K.device.type == "cpu" and sizes.ROW_VECTOR_PRODUCTS:
+    if row_product(K) == "row-vector":
         return torch.bmm(x.unsqueeze(1), K.transpose(1, 2)).squeeze(1)
     return torch.bmm(K, x.unsqueeze(-1)).squeeze(-1)
 
