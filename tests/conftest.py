@@ -12,6 +12,33 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+#: Cells of the conformance grid (tests/conformance/test_engines.py) that run only with ``pytest -m slow``
+#: where the flash engine's kernels run in Triton's interpreter (no GPU), each program instance in
+#: Python: its float64 cells with 21 iterations or a tolerance took 4-14 s each there, the default suite's
+#: slowest tests (2026-11-27). The default suite keeps every float32 cell and the float64 cells of the
+#: plain case, which run the same kernels and the same loop; on a GPU every cell runs.
+INTERPRETED_SLOW = {
+    "test_forward_and_gradients": lambda params: params.get("n_iters") == 21,
+    "test_tolerance_mode": lambda params: True,
+}
+
+
+def interpreted_and_slow(name: str, params: dict) -> bool:
+    """Whether a conformance cell is a flash float64 cell of another case than ``plain`` that
+    :data:`INTERPRETED_SLOW` calls long, on a machine where the flash engine is interpreted."""
+    long = INTERPRETED_SLOW.get(name.split("[")[0])
+    return (long is not None and not torch.cuda.is_available() and params.get("engine") == "flash"
+            and params.get("dtype") == torch.float64 and params.get("case_name") != "plain" and long(params))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if (callspec is not None and item.path.name == "test_engines.py" and item.path.parent.name == "conformance"
+                and interpreted_and_slow(item.name, callspec.params)):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
