@@ -31,6 +31,16 @@ BLOCKS = ((32, 64, 64), (32, 128, 128), (8, 256, 256), (2, 512, 512), (1, 1024, 
 METHODS = {"batched": (False, 0), "per-slice": (False, 1 << 30), "row-vector": (True, 0)}
 
 
+def _takes(method: str, K: torch.Tensor) -> bool:
+    """Whether ``add_rows_times`` can take ``method`` for the block ``K`` (one slice is never multiplied per slice)."""
+    saved = (sizes.ROW_VECTOR_PRODUCTS, sizes.MATVEC_LOOP_SLICES)
+    sizes.ROW_VECTOR_PRODUCTS, sizes.MATVEC_LOOP_SLICES = METHODS[method]
+    try:
+        return scaling.row_product(K) == method
+    finally:
+        sizes.ROW_VECTOR_PRODUCTS, sizes.MATVEC_LOOP_SLICES = saved
+
+
 def _median_us(call, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -59,7 +69,7 @@ def measure(blocks=BLOCKS, threads=(1, 2), rounds: int = 5, repeats: int = 50) -
                         scaling.add_rows_times(add, K, x, out)
                     return call
 
-                calls = {method: rows_by(method) for method in METHODS}
+                calls = {method: rows_by(method) for method in METHODS if _takes(method, K)}
                 calls["column sums"] = lambda: torch.bmm(u, K, out=col)
                 times: dict[str, list[float]] = {name: [] for name in calls}
                 for round_ in range(rounds):
@@ -67,10 +77,10 @@ def measure(blocks=BLOCKS, threads=(1, 2), rounds: int = 5, repeats: int = 50) -
                         calls[name]()
                         times[name].append(_median_us(calls[name], repeats))
                 sizes.ROW_VECTOR_PRODUCTS, sizes.MATVEC_LOOP_SLICES = saved
-                row = {"threads": n_threads, "c": c, "r": r, "m": m, "rounds": rounds,
+                row = {"threads": n_threads, "c": c, "r": r, "m": m, "rounds": rounds, **dict.fromkeys(METHODS),
                        **{name: statistics.median(values) for name, values in times.items()}}
                 row["library"] = scaling.row_product(K)
-                row["fastest"] = min(METHODS, key=lambda method: row[method])
+                row["fastest"] = min((method for method in METHODS if row[method] is not None), key=row.get)
                 rows.append(row)
     finally:
         sizes.ROW_VECTOR_PRODUCTS, sizes.MATVEC_LOOP_SLICES = saved
@@ -83,12 +93,17 @@ def render(rows: list[dict], meta: dict) -> str:
              f"`uᵀK` of the same block; median over {meta['rounds']} interleaved rounds of each round's median, in µs. "
              f"Measured {meta['when']} on {meta['cpu']} (vendor {meta['vendor'] or 'unknown'}, MKL: {meta['mkl']}), "
              f"torch {meta['torch']}. Here the library picks: row-vector products {meta['row_vector']}, one product "
-             f"per slice for blocks of at most {meta['loop_slices']} slices.", "",
+             f"per slice for blocks of 2 to {meta['loop_slices']} slices. –: a product `add_rows_times` never takes for "
+             "that block (one slice is not multiplied per slice).", "",
              "| threads | block (c × r × m) | batched | per-slice | row-vector | column sums | library's | fastest |",
              "|---:|---|---:|---:|---:|---:|---|---|"]
+
+    def us(value):
+        return "–" if value is None else f"{value:.1f}"
+
     for r in rows:
-        lines.append(f"| {r['threads']} | {r['c']} × {r['r']} × {r['m']} | {r['batched']:.1f} | {r['per-slice']:.1f} | "
-                     f"{r['row-vector']:.1f} | {r['column sums']:.1f} | {r['library']} | {r['fastest']} |")
+        lines.append(f"| {r['threads']} | {r['c']} × {r['r']} × {r['m']} | {us(r['batched'])} | {us(r['per-slice'])} | "
+                     f"{us(r['row-vector'])} | {us(r['column sums'])} | {r['library']} | {r['fastest']} |")
     slower = [r for r in rows if r[r["library"]] > 1.1 * r[r["fastest"]]]
     lines += ["", "Blocks where the library's product took more than 1.1× the fastest's: "
               + (", ".join(f"{r['c']} × {r['r']} × {r['m']} on {r['threads']} thread(s) ({r[r['library']]:.1f} against "

@@ -11,7 +11,8 @@ from sinkformer.sinkhorn import scaling, sizes
 
 
 @pytest.mark.parametrize("row_vector, loop_slices, c, expected", [
-    (True, 8, 32, "row-vector"), (False, 8, 8, "per-slice"), (False, 8, 9, "batched"), (False, 0, 1, "batched")])
+    (True, 8, 32, "row-vector"), (False, 8, 8, "per-slice"), (False, 8, 2, "per-slice"), (False, 8, 9, "batched"),
+    (False, 8, 1, "batched"), (False, 0, 2, "batched")])
 def test_the_library_picks_by_the_two_constants(monkeypatch, row_vector, loop_slices, c, expected):
     monkeypatch.setattr(sizes, "ROW_VECTOR_PRODUCTS", row_vector)
     monkeypatch.setattr(sizes, "MATVEC_LOOP_SLICES", loop_slices)
@@ -43,9 +44,11 @@ def test_each_forced_product_is_the_one_timed_and_all_agree(monkeypatch):
 
 
 def test_the_command_writes_json_and_table(tmp_path, monkeypatch):
-    monkeypatch.setattr(matvec, "BLOCKS", ((2, 4, 6),))
+    monkeypatch.setattr(matvec, "BLOCKS", ((2, 4, 6), (1, 4, 6)))
     assert matvec.main(["--rounds", "1", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "matvec.json").read_text())
-    assert [(r["c"], r["r"], r["m"], r["threads"]) for r in data["rows"]] == [(2, 4, 6, 1), (2, 4, 6, 2)]
+    assert [(r["c"], r["threads"]) for r in data["rows"]] == [(2, 1), (1, 1), (2, 2), (1, 2)]
+    assert all(r["per-slice"] is None for r in data["rows"] if r["c"] == 1)  # never taken for one slice
     text = (tmp_path / "matvec.md").read_text()
-    assert "| 1 | 2 × 4 × 6 |" in text and "library picks" in text and "more than 1.1×" in text
+    assert "| 1 | 2 × 4 × 6 |" in text and "| 1 | 1 × 4 × 6 | " in text and "library picks" in text
+    assert "more than 1.1×" in text and " – |" in text

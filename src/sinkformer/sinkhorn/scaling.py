@@ -410,13 +410,14 @@ class Tile:
 def row_product(K: Tensor) -> str:
     """How :func:`add_rows_times` multiplies ``K (c, r, m)`` by a vector per slice: ``"batched"`` (one
     ``bmm``; every GPU), or on the CPU ``"row-vector"`` (``x^T K^T``) where :data:`~.sizes.ROW_VECTOR_PRODUCTS`
-    says that is faster, else ``"per-slice"`` (one ``addmv`` each) for blocks of at most
-    :data:`~.sizes.MATVEC_LOOP_SLICES` slices. ``python -m benchmarks matvec`` times each on this CPU."""
+    says that is faster, else ``"per-slice"`` (one ``addmv`` each) for blocks of 2 to
+    :data:`~.sizes.MATVEC_LOOP_SLICES` slices (one slice: the batched product, the same sums, was faster).
+    ``python -m benchmarks matvec`` times each on this CPU."""
     if K.device.type != "cpu":
         return "batched"
     if sizes.ROW_VECTOR_PRODUCTS:
         return "row-vector"
-    return "per-slice" if K.shape[0] <= sizes.MATVEC_LOOP_SLICES else "batched"
+    return "per-slice" if 1 < K.shape[0] <= sizes.MATVEC_LOOP_SLICES else "batched"
 
 
 def add_rows_times(add: Tensor, K: Tensor, x: Tensor, out: Tensor) -> Tensor:

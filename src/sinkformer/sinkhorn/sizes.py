@@ -54,9 +54,9 @@ STREAM_ABOVE = 1 << 24
 #: 256 x 256, 280 against 463; one slice, the same): so where PyTorch's BLAS is MKL, row-vector products on
 #: every CPU but Intel's. The two give the same sums in another order.
 ROW_VECTOR_PRODUCTS = torch.backends.mkl.is_available() and cpu_vendor() != "GenuineIntel"
-#: ... and, where they do not, blocks of at most this many slices multiply each slice on its own
-#: (``torch.addmv``) rather than in one batched product, which ran slower there (Xeon, 2 intra-op threads:
-#: 2 slices of 512 x 512 92 us against 26 us, 8 of 256 x 256 73 against 50; 32 of 128 x 128 67 against 117).
+#: ... and, where they do not, blocks of 2 to this many slices multiply each slice on its own
+#: (``torch.addmv``) rather than in one batched product, which ran slower there (Xeon: 2 slices of 512 x 512
+#: on 2 threads, 136 us against 84; ``benchmarks/results/matvec.md`` has every block the engine uses).
 MATVEC_LOOP_SLICES = 8
 
 
