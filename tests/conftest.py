@@ -14,21 +14,25 @@ if not torch.cuda.is_available():
 
 #: Cells of the conformance grid (tests/conformance/test_engines.py) that run only with ``pytest -m slow``
 #: where the flash engine's kernels run in Triton's interpreter (no GPU), each program instance in
-#: Python: its float64 cells with 21 iterations or a tolerance took 4-14 s each there, the default suite's
-#: slowest tests (2026-11-27). The default suite keeps every float32 cell and the float64 cells of the
-#: plain case, which run the same kernels and the same loop; on a GPU every cell runs.
+#: Python: its cells with 21 iterations, a tolerance or the implicit backward took 4-14 s each there,
+#: the default suite's slowest tests (2026-11-27), and its 5-iteration autocast cells 2-3 s each. The
+#: default suite keeps these cells for the plain case in every dtype (the same kernels and the same loop,
+#: without a mask), the implicit backward in float32, and every mask at 1 to 5 iterations; on a GPU every
+#: cell runs.
 INTERPRETED_SLOW = {
     "test_forward_and_gradients": lambda params: params.get("n_iters") == 21,
     "test_tolerance_mode": lambda params: True,
+    "test_implicit_backward": lambda params: params.get("dtype") == torch.float64,
+    "test_autocast": lambda params: params.get("n_iters") == 5,
 }
 
 
 def interpreted_and_slow(name: str, params: dict) -> bool:
-    """Whether a conformance cell is a flash float64 cell of another case than ``plain`` that
-    :data:`INTERPRETED_SLOW` calls long, on a machine where the flash engine is interpreted."""
+    """Whether a conformance cell is a flash cell of another case than ``plain`` that :data:`INTERPRETED_SLOW`
+    calls long, on a machine where the flash engine is interpreted."""
     long = INTERPRETED_SLOW.get(name.split("[")[0])
     return (long is not None and not torch.cuda.is_available() and params.get("engine") == "flash"
-            and params.get("dtype") == torch.float64 and params.get("case_name") != "plain" and long(params))
+            and params.get("case_name") != "plain" and long(params))
 
 
 def pytest_collection_modifyitems(config, items):
