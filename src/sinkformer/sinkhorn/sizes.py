@@ -49,14 +49,15 @@ SAVED_TILE_SCORES = 1 << 21
 STREAM_ABOVE = 1 << 24
 #: Whether the engines' matrix-vector products ``K x`` (``K (c, r, m)``, on the CPU) run as the row-vector
 #: products ``x^T K^T``. MKL's batched matrix-vector product is several times slower than
-#: the row-vector product on AMD CPUs (EPYC: 4 slices of 256 x 256, 277 us against 62 us) and 1.1-1.9x
-#: faster than it on Intel ones (Xeon, AVX-512, one thread: 32 slices of 64 x 64, 35 us against 66 us; 16 of
-#: 256 x 256, 280 against 463; one slice, the same): so where PyTorch's BLAS is MKL, row-vector products on
-#: every CPU but Intel's. The two give the same sums in another order.
+#: the row-vector product on AMD CPUs (EPYC: 4 slices of 256 x 256, 277 us against 62 us, an earlier
+#: session's measurement) and 1.1-2.3x faster than it on an Intel Xeon (every block the engine uses, 1 and 2
+#: threads: ``benchmarks/results/matvec.md``): so where PyTorch's BLAS is MKL, row-vector products on every
+#: CPU but Intel's. The two give the same sums in another order.
 ROW_VECTOR_PRODUCTS = torch.backends.mkl.is_available() and cpu_vendor() != "GenuineIntel"
 #: ... and, where they do not, blocks of 2 to this many slices multiply each slice on its own
 #: (``torch.addmv``) rather than in one batched product, which ran slower there (Xeon: 2 slices of 512 x 512
-#: on 2 threads, 136 us against 84; ``benchmarks/results/matvec.md`` has every block the engine uses).
+#: on 2 threads, 82 us against 48; 8 of 256 x 256: faster per slice on 1 thread, slower on 2;
+#: ``benchmarks/results/matvec.md`` has every block the engine uses).
 MATVEC_LOOP_SLICES = 8
 
 
