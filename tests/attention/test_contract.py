@@ -443,3 +443,26 @@ def test_explain_states_the_cubic_cost_of_causal_sinkhorn_and_a_call_warns_once(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         attention(x, x, x, is_causal=True, n_iters=7)  # once per process
+
+
+@pytest.mark.parametrize("shapes", [[(4, 8), (4, 8), (4, 8)], [(4, 1), (1, 8), (8,)], [(), (2, 3)], [(0, 3), (1, 3)],
+                                    [(4, 8), (3, 8)], [(2,), (2, 1), (3, 1, 1)]])
+def test_broadcast_shapes_is_torchs(shapes):
+    """The validation's broadcast of batch shapes (at once for equal shapes) gives torch's result, as a
+    torch.Size, and raises torch's error where the shapes do not broadcast."""
+    from sinkformer._validation import broadcast_shapes
+
+    try:
+        expected = torch.broadcast_shapes(*shapes)
+    except RuntimeError:
+        with pytest.raises(RuntimeError):
+            broadcast_shapes(*shapes)
+        return
+    got = broadcast_shapes(*(torch.Size(s) for s in shapes))
+    assert isinstance(got, torch.Size) and got == expected
+
+
+def test_batch_dimensions_that_do_not_broadcast_are_refused():
+    q = torch.randn(4, 8, 5, 3)
+    with pytest.raises(ValueError, match="batch dimensions must broadcast"):
+        attention(q, torch.randn(3, 8, 5, 3), torch.randn(3, 8, 5, 3))

@@ -25,7 +25,9 @@ import math
 import torch
 from torch import Tensor
 
-from .._validation import broadcastable, check_positive_int, check_qkv, check_scores_fit, check_tensor, compute_dtype
+from .._validation import (
+    broadcast_shapes, broadcastable, check_positive_int, check_qkv, check_scores_fit, check_tensor, compute_dtype,
+)
 from ..sinkhorn import sinkhorn
 from ..sinkhorn.problem import check_scale
 
@@ -94,7 +96,7 @@ class CausalSinkhornCache:
             raise ValueError(f"q, k and v must hold the same new tokens (dim -2), got shapes {tuple(q.shape)}, "
                              f"{tuple(k.shape)} and {tuple(v.shape)}")
         check_qkv(q, k, v)
-        batch, m = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]), q.shape[-2]
+        batch, m = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]), q.shape[-2]
         if key_padding_mask is not None:
             check_tensor(key_padding_mask, "key_padding_mask", dtype_bool=True)
             if key_padding_mask.dim() < 1 or not broadcastable(key_padding_mask.shape, batch + (m,)):
@@ -117,7 +119,7 @@ class CausalSinkhornCache:
     def _one(self, q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None) -> Tensor:
         dtype = compute_dtype(q.dtype)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        batch = torch.broadcast_shapes(q.shape[:-1], k.shape[:-1], v.shape[:-1])
+        batch = broadcast_shapes(q.shape[:-1], k.shape[:-1], v.shape[:-1])
         valid = torch.ones(batch, dtype=torch.bool, device=q.device) if pad is None else (~pad).expand(batch)
         self._append(k.expand(batch + k.shape[-1:]), v.expand(batch + v.shape[-1:]), valid)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0

@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from .._validation import (
-    capturing, check_choice, check_finite, check_positive_int, check_qkv, check_scores_fit, check_tensor,
-    compute_dtype, data_checks_run, require,
+    broadcast_shapes, capturing, check_choice, check_finite, check_positive_int, check_qkv, check_scores_fit,
+    check_tensor, compute_dtype, data_checks_run, require,
 )
 from ..sinkhorn.ops import autocast_dtype
 from ..sinkhorn.problem import check_iterations, check_scale
@@ -193,7 +193,7 @@ def _prepare(
     scale = (1.0 / math.sqrt(d) if d > 0 else 1.0) if scale is None else check_scale(scale)
     out_dtype = q.dtype
     dtype = compute_dtype(out_dtype)
-    batch = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    batch = tuple(broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
     n_q, n_k = q.shape[-2], k.shape[-2]
     sinkhorn_iterations = normalization == "sinkhorn" and (tol is not None or n_iters >= 2)
     # Sinkhorn's column normalisation would undo a large finite bias on a whole column: such entries are masking

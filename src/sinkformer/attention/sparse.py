@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from .._validation import broadcastable, check_positive_int, check_qkv, check_tensor, compute_dtype
+from .._validation import broadcast_shapes, broadcastable, check_positive_int, check_qkv, check_tensor, compute_dtype
 from ..sinkhorn import sinkhorn
 from ..sinkhorn.prefix import prefix_sinkhorn
 from .engines import sdpa as _sdpa
@@ -288,7 +288,7 @@ def sparse_sinkhorn_attention(
     n = q.shape[-2]
     if k.shape[-2] != n:
         raise ValueError(f"q and k must have the same length (self-attention), got q {tuple(q.shape)} and k {tuple(k.shape)}")
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     nb = n_blocks(n, block_size)
     check_tensor(sort_logits, "sort_logits", floating=True)
     if sort_logits.shape[-2:] != (nb, nb) or not broadcastable(sort_logits.shape[:-2], batch):
@@ -377,7 +377,7 @@ class _SortedAndOwn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mix: Tensor, blocks: Tensor) -> Tensor:
         nb, b, d = blocks.shape[-3:]
-        batch = torch.broadcast_shapes(mix.shape[:-2], blocks.shape[:-3])
+        batch = broadcast_shapes(mix.shape[:-2], blocks.shape[:-3])
         out = blocks.new_empty(*batch, nb, 2 * b, d)
         out[..., b:, :] = blocks
         torch.bmm(mix.expand(*batch, nb, nb).reshape(-1, nb, nb), out[..., b:, :].view(-1, nb, b * d),

@@ -17,7 +17,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from .._validation import check_positive_int, check_qkv
+from .._validation import broadcast_shapes, check_positive_int, check_qkv
 from .functional import attention
 from .sparse import n_blocks, to_blocks, token_validity
 
@@ -48,7 +48,7 @@ def local_attention(
     n = q.shape[-2]
     if k.shape[-2] != n:
         raise ValueError(f"q and k must have the same length (self-attention), got q {tuple(q.shape)} and k {tuple(k.shape)}")
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     valid = token_validity(key_padding_mask, batch, n, n_blocks(n, block_size) * block_size, q.device)
     keep = None if valid is None else rearrange(valid, "... (n b) -> ... n 1 b", b=block_size)
     if causal:
