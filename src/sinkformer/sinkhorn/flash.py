@@ -600,8 +600,7 @@ class _Terms:
         return _Terms(self.ya, self.xa, self.b, self.a, self.w, self.u, self.ok)
 
 
-@torch.library.custom_op("sinkformer::flash_backward", mutates_args=())
-def _backward_op(
+def _backward_impl(
     grad_out: Tensor, out: Tensor, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None,
     batch: list[int], scale: float, n_iters: int | None, tol: float | None, max_iters: int, fs: Tensor, gs: Tensor,
     counts: Tensor, shift_q: Tensor, shift_k: Tensor, backward: str,
@@ -632,6 +631,9 @@ def _backward(p: _Operands, grad_out: Tensor, v: Tensor, out: Tensor, fs: Tensor
     dq = p.dscore(False, dO, v, F, G, terms)
     dk = p.dscore(True, v, dO, G, F, terms)
     return dq.to(p.q.dtype), dk.to(p.k.dtype), dv.to(v.dtype)
+
+
+_backward_op = torch.library.custom_op("sinkformer::flash_backward", _backward_impl, mutates_args=())
 
 
 @_backward_op.register_fake
@@ -720,10 +722,10 @@ def _setup_context(ctx, inputs, output):
     ctx.schedule, ctx.backward = (batch, scale, n_iters, tol, max_iters), backward
 
 
-def _first_derivatives(ctx, grad_out):
+def _first_derivatives(ctx, grad_out, backward):
     q, k, v, out, keep, bias, fs, gs, counts, shift_q, shift_k = ctx.saved_tensors
-    return torch.ops.sinkformer.flash_backward(grad_out, out, q, k, v, keep, bias, *ctx.schedule, fs, gs, counts,
-                                               shift_q, shift_k, ctx.backward)
+    return backward(grad_out, out, q, k, v, keep, bias, *ctx.schedule, fs, gs, counts, shift_q, shift_k,
+                    ctx.backward)
 
 
 def _second_derivatives(ctx, grad_out):
@@ -736,4 +738,5 @@ def _second_derivatives(ctx, grad_out):
 
 _forward_autograd = register_engine_autograd(
     "sinkformer::flash_forward", "sinkformer::flash_backward", n_inputs=11, forward_impl=_forward_impl,
+    backward_impl=_backward_impl,
     setup_context=_setup_context, first_derivatives=_first_derivatives, second_derivatives=_second_derivatives)

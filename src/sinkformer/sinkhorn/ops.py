@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .._capture import capturing
 
-__all__ = ["autocast_dtype", "compute_in_float32_under_autocast", "register_engine_autograd",
+__all__ = ["autocast_dtype", "compute_in_float32_under_autocast", "register_engine_autograd", "runs_eagerly",
            "refuse_implicit_second_derivatives"]
 
 
@@ -39,35 +39,47 @@ def compute_in_float32_under_autocast(*op_names: str) -> None:
 
 
 def register_engine_autograd(forward_op: str, backward_op: str, *, n_inputs: int, forward_impl: Callable,
-                             setup_context: Callable, first_derivatives: Callable,
+                             backward_impl: Callable, setup_context: Callable, first_derivatives: Callable,
                              second_derivatives: Callable) -> Callable[..., tuple[Tensor, ...]]:
     """Autograd and autocast of an engine's pair of custom ops (``sinkformer::<engine>_forward`` and
     ``_backward``), the one setup the tiled, streamed and flash engines share; returns the engine's
     forward with autograd, ``forward(*inputs) -> outputs`` (the first output is differentiable).
 
-    ``forward_impl`` is the forward op's function. Eagerly, on plain tensors and without autocast,
-    ``forward`` runs it inside a ``torch.autograd.Function`` with the same ``setup_context`` and
-    backward (or, when no gradient is wanted, calls it directly), which skips the custom op's Python
-    dispatch and generated autograd wrapper (a fixed cost per call that weighs at short sequences).
-    Under graph capture (``torch.compile``, ``torch.export``), on tensor subclasses and under
-    autocast, it calls the custom op, which the graph sees as one opaque node.
+    ``forward_impl`` and ``backward_impl`` are the ops' functions. Eagerly (:func:`runs_eagerly`: plain
+    tensors, no graph capture, no autocast), ``forward`` runs ``forward_impl`` inside a
+    ``torch.autograd.Function`` with the same ``setup_context`` (or, when no gradient is wanted, calls it
+    directly), and that function's backward calls ``backward_impl``: this skips the custom ops' Python
+    dispatch and generated autograd wrapper (about 40 µs a call each on this project's CPUs, a cost that
+    weighs at short sequences). Under graph capture (``torch.compile``, ``torch.export``), on tensor
+    subclasses and under autocast, it calls the custom ops, which a graph sees as one opaque node each.
 
-    ``first_derivatives(ctx, grad_out) -> (dq, dk, dv)`` runs the engine's backward op; under
-    ``create_graph=True`` (second derivatives, e.g. gradient penalties) ``second_derivatives(ctx,
-    grad_out)`` runs instead and must return differentiable gradients (the engines recompute the weights
-    with the dense engine, :func:`~.dense.attention_grads_with_graph`). The ``n_inputs - 3`` inputs
-    after ``q, k, v`` get no gradient. Both ops compute in float32 under autocast."""
+    ``first_derivatives(ctx, grad_out, backward) -> (dq, dk, dv)`` calls ``backward`` (the backward op, or
+    ``backward_impl`` eagerly) with the engine's saved state; under ``create_graph=True`` (second
+    derivatives, e.g. gradient penalties) ``second_derivatives(ctx, grad_out)`` runs instead and must return
+    differentiable gradients (the engines recompute the weights with the dense engine,
+    :func:`~.dense.attention_grads_with_graph`). The ``n_inputs - 3`` inputs after ``q, k, v`` get no
+    gradient. Both ops compute in float32 under autocast."""
+    namespace, name = forward_op.split("::")
+    op = getattr(getattr(torch.ops, namespace), name)
+    backward_call = getattr(getattr(torch.ops, namespace), backward_op.split("::")[1])
 
-    def backward(ctx, grad_out, *unused):
+    def gradients(ctx, grad_out, eager: bool):
         if grad_out is None:  # not materialised (eagerly): an undefined gradient, e.g. gradcheck's check of it
             return (None,) * n_inputs
-        grads = (second_derivatives if torch.is_grad_enabled() else first_derivatives)(ctx, grad_out)
+        if torch.is_grad_enabled():
+            grads = second_derivatives(ctx, grad_out)
+        else:
+            grads = first_derivatives(ctx, grad_out, backward_impl if eager else backward_call)
         return tuple(grads) + (None,) * (n_inputs - 3)
+
+    def backward(ctx, grad_out, *unused):  # the forward op's: the backward op, a node in any graph
+        return gradients(ctx, grad_out, eager=False)
+
+    def eager_backward(ctx, grad_out, *unused):
+        return gradients(ctx, grad_out, eager=grad_out is None or runs_eagerly(grad_out))
 
     torch.library.register_autograd(forward_op, backward, setup_context=setup_context)
     compute_in_float32_under_autocast(forward_op, backward_op)
-    namespace, name = forward_op.split("::")
-    op = getattr(getattr(torch.ops, namespace), name)
 
     def eager_setup_context(ctx, inputs, output):
         # the other outputs get no gradient; unmaterialised, autograd passes None for them, not zeros of
@@ -80,17 +92,23 @@ def register_engine_autograd(forward_op: str, backward_op: str, *, n_inputs: int
     # named after the op, so that autograd's node reads "<engine>_forward_eagerBackward"
     Eager = type(f"{name}_eager", (torch.autograd.Function,), {
         "forward": staticmethod(lambda *inputs: forward_impl(*inputs)),
-        "setup_context": staticmethod(eager_setup_context), "backward": staticmethod(backward)})
+        "setup_context": staticmethod(eager_setup_context), "backward": staticmethod(eager_backward)})
 
     def forward(*inputs):
         q, k, v = inputs[:3]
-        if type(q) not in (Tensor, torch.nn.Parameter) or capturing() or autocast_dtype(q.device.type) is not None:
+        if not runs_eagerly(q):
             return op(*inputs)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return Eager.apply(*inputs)
         return forward_impl(*inputs)
 
     return forward
+
+
+def runs_eagerly(t: Tensor) -> bool:
+    """Whether an engine call on ``t`` may skip its custom ops (:func:`register_engine_autograd`): a plain
+    tensor, no graph capture, autocast off on its device."""
+    return type(t) in (Tensor, torch.nn.Parameter) and not capturing() and autocast_dtype(t.device.type) is None
 
 
 def refuse_implicit_second_derivatives(backward: str, engine: str) -> None:

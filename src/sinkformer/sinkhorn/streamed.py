@@ -373,8 +373,7 @@ def _(q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters, rows):
             q.new_empty(B, m, lengths[1]), q.new_empty(B, dtype=torch.int64), q.new_empty(B, dtype=torch.bool))
 
 
-@torch.library.custom_op("sinkformer::streamed_backward", mutates_args=())
-def _backward_op(
+def _backward_impl(
     grad_out: Tensor, out: Tensor, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None,
     batch: list[int], scale: float, n_iters: int | None, tol: float | None, max_iters: int, row_shift: Tensor,
     col_shift: Tensor, us: Tensor, vs: Tensor, counts: Tensor, log_domain: Tensor, rows: int,
@@ -384,6 +383,9 @@ def _backward_op(
     problem = Problem(q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters)
     return run_backward(grad_out, problem, out, None, row_shift, col_shift, us, vs, counts, log_domain,
                         q.new_empty(0), _options(q, rows), _log_backward)
+
+
+_backward_op = torch.library.custom_op("sinkformer::streamed_backward", _backward_impl, mutates_args=())
 
 
 @_backward_op.register_fake
@@ -398,10 +400,10 @@ def _setup_context(ctx, inputs, output):
     ctx.schedule, ctx.rows = (batch, scale, n_iters, tol, max_iters), rows
 
 
-def _first_derivatives(ctx, grad_out):
+def _first_derivatives(ctx, grad_out, backward):
     q, k, v, out, keep, bias, row_shift, col_shift, us, vs, counts, log_domain = ctx.saved_tensors
-    return torch.ops.sinkformer.streamed_backward(grad_out, out, q, k, v, keep, bias, *ctx.schedule, row_shift,
-                                                  col_shift, us, vs, counts, log_domain, ctx.rows)
+    return backward(grad_out, out, q, k, v, keep, bias, *ctx.schedule, row_shift, col_shift, us, vs, counts,
+                    log_domain, ctx.rows)
 
 
 def _second_derivatives(ctx, grad_out):
@@ -413,6 +415,7 @@ def _second_derivatives(ctx, grad_out):
 
 _forward_autograd = register_engine_autograd(
     "sinkformer::streamed_forward", "sinkformer::streamed_backward", n_inputs=11, forward_impl=_forward_impl,
+    backward_impl=_backward_impl,
     setup_context=_setup_context, first_derivatives=_first_derivatives, second_derivatives=_second_derivatives)
 
 

@@ -104,8 +104,7 @@ def _(q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters, seed, backward
             q.new_empty(B, m, lengths[1]), q.new_empty(B, dtype=torch.int64), q.new_empty(B, dtype=torch.bool), tiles)
 
 
-@torch.library.custom_op("sinkformer::tiled_backward", mutates_args=())
-def _backward_op(
+def _backward_impl(
     grad_out: Tensor, out: Tensor, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None,
     batch: list[int], scale: float, n_iters: int | None, tol: float | None, max_iters: int, seed: Tensor | None,
     row_shift: Tensor, col_shift: Tensor, us: Tensor, vs: Tensor, counts: Tensor, log_domain: Tensor, tiles: Tensor,
@@ -116,6 +115,9 @@ def _backward_op(
     problem = Problem(q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters)
     return run_backward(grad_out, problem, out, seed, row_shift, col_shift, us, vs, counts, log_domain, tiles,
                         _options(backward, dropout_p, domain, group, block), _log_backward)
+
+
+_backward_op = torch.library.custom_op("sinkformer::tiled_backward", _backward_impl, mutates_args=())
 
 
 @_backward_op.register_fake
@@ -234,10 +236,10 @@ def _problem(ctx, q, k, v, keep, bias) -> Problem:
     return Problem(q, k, v, keep, bias, *ctx.schedule)
 
 
-def _first_derivatives(ctx, grad_out):
+def _first_derivatives(ctx, grad_out, backward):
     q, k, v, out, keep, bias, seed, row_shift, col_shift, us, vs, counts, log_domain, tiles = ctx.saved_tensors
-    return torch.ops.sinkformer.tiled_backward(grad_out, out, *_problem(ctx, q, k, v, keep, bias).fields(), seed,
-                                               row_shift, col_shift, us, vs, counts, log_domain, tiles, *ctx.options)
+    return backward(grad_out, out, *_problem(ctx, q, k, v, keep, bias).fields(), seed, row_shift, col_shift, us, vs,
+                    counts, log_domain, tiles, *ctx.options)
 
 
 def _second_derivatives(ctx, grad_out):
@@ -247,6 +249,7 @@ def _second_derivatives(ctx, grad_out):
 
 _forward_autograd = register_engine_autograd(
     "sinkformer::tiled_forward", "sinkformer::tiled_backward", n_inputs=16, forward_impl=_forward_impl,
+    backward_impl=_backward_impl,
     setup_context=_setup_context, first_derivatives=_first_derivatives, second_derivatives=_second_derivatives)
 
 
