@@ -23,7 +23,9 @@ __all__ = [
     "broadcast_shapes",
     "compute_dtype",
     "check_qkv",
+    "check_qkv_values",
     "check_scores_fit",
+    "check_values_and_scores",
     "capturing",
     "data_checks_run",
     "require",
@@ -145,9 +147,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, values: bool = True) -> None:
     """Queries ``(..., n_q, d)``, keys ``(..., n_k, d)``, values ``(..., n_k, d_v)``: floating, one
-    dtype, batch dimensions that broadcast, finite values."""
+    dtype, batch dimensions that broadcast, and (``values``) finite values (:func:`check_qkv_values`)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(t, name, min_dim=2, floating=True)
     if q.shape[-1] != k.shape[-1]:
@@ -162,10 +164,34 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(
             f"q, k and v batch dimensions must broadcast, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         ) from None
+    if values:
+        check_qkv_values(q, k, v)
+
+
+def check_qkv_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``ValueError`` naming ``q``, ``k`` or ``v`` if it holds NaN or inf (where :func:`data_checks_run`)."""
     if not capturing() and all(map(data_checks_run, (q, k, v))) and bool(torch.isfinite(q.sum() + k.sum() + v.sum())):
         return  # one pass and one read for the common case (a sum that overflows: the checks below)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_finite(t, name)
+
+
+def check_values_and_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                            bias: torch.Tensor | None = None) -> None:
+    """:func:`check_qkv_values` and then :func:`check_scores_fit` (``q``, ``k``: the compute dtype).
+
+    Eagerly on the CPU without a bias, both in one read: the largest row norms of ``q`` and ``k`` are
+    finite only where ``q`` and ``k`` are (NaN and inf propagate) and bound the scores, and ``v``'s sum
+    is finite only where ``v`` is. Any doubt (a non-finite number, a bound over the limit, an empty
+    operand) runs the two checks, which name what is wrong."""
+    if bias is None and not capturing() and all(map(data_checks_run, (q, k, v))) and q.numel() and k.numel():
+        norms = [torch.linalg.vector_norm(x.detach(), dim=-1).amax() for x in (q, k)]
+        q_norm, k_norm, total = torch.stack(norms + [v.detach().sum().to(norms[0].dtype)]).tolist()
+        limit = torch.finfo(q.dtype).max / SCORE_HEADROOM
+        if all(map(math.isfinite, (q_norm, k_norm, total))) and max(scale, 1.0) * q_norm * k_norm <= limit:
+            return
+    check_qkv_values(q, k, v)
+    check_scores_fit(q, k, scale, bias)
 
 
 #: Scores (and their differences after the engines' shifts) must stay below ``finfo.max / SCORE_HEADROOM``.

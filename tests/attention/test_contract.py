@@ -466,3 +466,27 @@ def test_batch_dimensions_that_do_not_broadcast_are_refused():
     q = torch.randn(4, 8, 5, 3)
     with pytest.raises(ValueError, match="batch dimensions must broadcast"):
         attention(q, torch.randn(3, 8, 5, 3), torch.randn(3, 8, 5, 3))
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+@pytest.mark.parametrize("bad, word", [(float("nan"), "NaN"), (float("inf"), "inf"), (-float("inf"), "inf")])
+@pytest.mark.parametrize("kwargs", [{}, {"cost": "l2"}, {"normalization": "relu", "backend": "dense"}])
+def test_a_non_finite_input_is_named(name, bad, word, kwargs):
+    """The values of q, k and v are checked in one read with the scores' bound (the largest row norms of q
+    and k are not finite where q or k is not); a doubt runs the checks that name the tensor."""
+    q, k, v = qkv(n=6, batch=(2,))
+    args = dict(q=q.clone(), k=k.clone(), v=v.clone())
+    args[name][1, 3, 2] = bad
+    with pytest.raises(ValueError, match=f"{name} contains {word}"):
+        attention(**args, **kwargs)
+
+
+def test_finite_inputs_whose_norms_overflow_are_refused_for_their_scores_not_as_non_finite():
+    q, k, v = qkv(n=6, batch=(2,))
+    big = torch.zeros_like(q)
+    big[..., :2] = 3e38  # finite entries; each row norm overflows float32
+    with pytest.raises(ValueError, match="scores overflow torch.float32"):
+        attention(big, k, v)
+    huge_v = v.clone()
+    huge_v[..., :3, :] = 3e38  # finite values whose sum overflows: accepted (no score involves v)
+    assert attention(q, k, huge_v, n_iters=3).isfinite().sum() > 0

@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from .._validation import (
-    broadcast_shapes, capturing, check_choice, check_finite, check_positive_int, check_qkv, check_scores_fit,
-    check_tensor, compute_dtype, data_checks_run, require,
+    broadcast_shapes, capturing, check_choice, check_finite, check_positive_int, check_qkv, check_qkv_values,
+    check_scores_fit, check_tensor, check_values_and_scores, compute_dtype, data_checks_run, require,
 )
 from ..sinkhorn.ops import autocast_dtype
 from ..sinkhorn.problem import check_iterations, check_scale
@@ -178,7 +178,7 @@ def _prepare(
     chunk_size: int | None = None,
 ) -> Prepared:
     """Validate a call of :func:`attention`, combine its masks and choose its engine."""
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, values=False)  # the values: with the scores' bound, below
     check_choice(normalization, "normalization", NORMALIZATIONS)
     check_choice(cost, "cost", COSTS)
     check_choice(backward, "backward", BACKWARDS)
@@ -224,9 +224,13 @@ def _prepare(
     # an engine whose kernels take half-precision operands (float32 accumulation) gets them without copies
     if not (backends.engine(choice.engine).half_operands and q.is_cuda and out_dtype in (torch.float16, torch.bfloat16)):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    if l2_as_dot:
-        q, k = _l2_as_dot(q, k)
-    check_scores_fit(*((q, k) if call.cost == "dot" else _l2_as_dot(q, k, both=True)), scale, bias)
+    if call.cost == "dot" and not l2_as_dot:
+        check_values_and_scores(q, k, v, scale, bias)
+    else:  # the l2 cost: finite values, then the bound of the scores as dot products (q and k extended)
+        check_qkv_values(q, k, v)
+        if l2_as_dot:
+            q, k = _l2_as_dot(q, k)
+        check_scores_fit(*((q, k) if l2_as_dot else _l2_as_dot(q, k, both=True)), scale, bias)
     return Prepared(q, k, v, batch, keep, bias, wk, wq, scale, call, out_dtype, choice, key_padding_mask,
                     sdpa_is_causal=options_causal)
 
