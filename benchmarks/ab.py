@@ -13,6 +13,11 @@ entry by entry or not (then the largest difference). ``--before`` is a folder (a
 before the change: ``git worktree add /tmp/before HEAD``). With ``--out`` it also writes ``ab.json`` and
 ``ab.md``.
 
+``--clock cpu`` (with ``--threads 1``) times each repeat in CPU time of the calling thread and takes the
+lower decile of the repeats (the least disturbed ones) instead of the median wall time: a machine shared
+with other virtual machines moves wall times by tens of percent from round to round, which hides the
+few percent of a change to the cost per call at short sequences.
+
 ``--workload sort`` times Sparse Sinkhorn Attention's block sorting instead:
 :func:`sinkformer.attention.sparse.sort_matrix` (``sort_iters = --iters``, temperature 0.75, ``--causal``:
 the causal, prefix-balanced sorting) forward and backward on ``(b, h, N_B, N_B)`` logits of spread 3,
@@ -43,7 +48,8 @@ import json, os, sys, time, torch
 from torch.profiler import ProfilerActivity, profile
 import sinkformer
 ns, n_iters, causal = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
-shapes, what, workload = json.loads(sys.argv[4]), sys.argv[5], sys.argv[6]
+shapes, what, workload, cpu = json.loads(sys.argv[4]), sys.argv[5], sys.argv[6], sys.argv[8] == "cpu"
+clock = time.thread_time if cpu else time.perf_counter
 count_ops = what == "ops"
 torch.manual_seed(0)
 out = {}
@@ -81,8 +87,8 @@ for n in ns:
         continue
     times = []
     for _ in range(repeats):
-        t = time.perf_counter(); step(); times.append(time.perf_counter() - t)
-    out[n] = sorted(times)[len(times) // 2] * 1e3
+        t = clock(); step(); times.append(clock() - t)
+    out[n] = sorted(times)[len(times) // 10 if cpu else len(times) // 2] * 1e3
 print(json.dumps(out))
 """
 
@@ -98,9 +104,9 @@ def shapes(ns: list[int], heads: int | None = None, workload: str = "attention")
 
 def measure(tree: Path, ns: list[int], n_iters: int, causal: bool, threads: int | None,
             what: str = "time", heads: int | None = None, workload: str = "attention",
-            folder: Path | None = None) -> dict[int, float]:
+            folder: Path | None = None, clock: str = "wall") -> dict[int, float]:
     """Per n, in a fresh process on ``tree``: milliseconds of one forward+backward, median of the
-    repeats (``what="time"``), the aten calls of one forward+backward (``what="ops"``), or the path of
+    repeats (``what="time"``; ``clock="cpu"``: the lower decile of their CPU times), the aten calls of one forward+backward (``what="ops"``), or the path of
     a file in ``folder`` holding the output and gradients of one seeded forward+backward
     (``what="results"``)."""
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
@@ -108,7 +114,7 @@ def measure(tree: Path, ns: list[int], n_iters: int, causal: bool, threads: int 
         env["OMP_NUM_THREADS"] = str(threads)
     shapes_json = json.dumps({str(n): shape for n, shape in shapes(ns, heads, workload).items()})
     done = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(ns), str(n_iters), "1" if causal else "0",
-                           shapes_json, what, workload, str(folder or "")], env=env, capture_output=True, text=True,
+                           shapes_json, what, workload, str(folder or ""), clock], env=env, capture_output=True, text=True,
                           check=True)
     return {int(n): value for n, value in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
@@ -133,7 +139,7 @@ def difference(before: str | Path, after: str | Path) -> float:
 
 def compare(before: Path, after: Path, ns: list[int], n_iters: int, causal: bool, rounds: int,
             threads: int | None = None, progress=print, heads: int | None = None,
-            workload: str = "attention") -> list[dict]:
+            workload: str = "attention", clock: str = "wall") -> list[dict]:
     """Per n: both trees' medians over rounds (ms), the per-round ratios after/before, the aten calls of
     one forward+backward in each tree (counted once: they do not vary) and the largest difference between
     their results (``max_difference``: 0.0 when identical). ``heads``: instead of the table's heads."""
@@ -141,7 +147,8 @@ def compare(before: Path, after: Path, ns: list[int], n_iters: int, causal: bool
     for r in range(rounds):
         order = [("before", before), ("after", after)] if r % 2 == 0 else [("after", after), ("before", before)]
         for name, tree in order:
-            times[name].append(measure(tree, ns, n_iters, causal, threads, heads=heads, workload=workload))
+            times[name].append(measure(tree, ns, n_iters, causal, threads, heads=heads, workload=workload,
+                                       clock=clock))
         progress(f"round {r + 1}/{rounds} done")
     ops = {name: measure(tree, ns, n_iters, causal, threads, what="ops", heads=heads, workload=workload)
            for name, tree in (("before", before), ("after", after))}
@@ -160,7 +167,7 @@ def compare(before: Path, after: Path, ns: list[int], n_iters: int, causal: bool
                      "after_ms": statistics.median(t[n] for t in times["after"]), "ratio": statistics.median(ratios),
                      "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": rounds,
                      "before_ops": ops["before"][n], "after_ops": ops["after"][n],
-                     "max_difference": differences[n]})
+                     "max_difference": differences[n], "clock": clock})
     return rows
 
 
@@ -180,7 +187,9 @@ def table(rows: list[dict], n_iters: int, causal: bool, trees: tuple[str, str] |
     what = (f"{'causal ' if causal else ''}Sinkhorn, n_iters={n_iters}, forward+backward, float32, d=64"
             if workload == "attention" else f"{'causal ' if causal else ''}block sorting (sort_matrix), "
             f"sort_iters={n_iters}, forward+backward, float32 logits, n = N_B")
-    lines = [f"{what}; medians over {rows[0]['rounds']} interleaved rounds"
+    clock = ("; each round: the lower decile of its repeats' CPU times, one thread"
+             if rows[0].get("clock") == "cpu" else "")
+    lines = [f"{what}; medians over {rows[0]['rounds']} interleaved rounds{clock}"
              + (f"; before = {trees[0]}, after = {trees[1]}" if trees else ""), "",
              "| n | b × h | before (ms) | after (ms) | after / before (range over rounds) "
              "| aten calls before → after | results |",
@@ -215,8 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS of the workers (default: torch's)")
     parser.add_argument("--heads", type=int, help="heads of every n (default: the table's, e.g. 8)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="wall: median wall time of the repeats (default); cpu: lower decile of their CPU "
+                        "times (needs --threads 1)")
     parser.add_argument("--out", type=Path, help="folder for ab.json and ab.md")
     args = parser.parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error(f"--clock cpu counts the calling thread only: it needs --threads 1, got --threads {args.threads}")
     if args.heads is not None and args.heads < 1:
         parser.error(f"--heads must be >= 1, got {args.heads}")
     sizes = WORKLOADS[args.workload]
@@ -229,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name} must be a source tree with src/sinkformer, got {str(tree)!r}")
     rows = compare(args.before.resolve(), args.after.resolve(), args.n, args.iters, args.causal, args.rounds,
                    args.threads, progress=lambda s: print(s, file=sys.stderr), heads=args.heads,
-                   workload=args.workload)
+                   workload=args.workload, clock=args.clock)
     trees = (source(args.before), source(args.after))
     text = table(rows, args.iters, args.causal, trees, args.workload)
     print(text)

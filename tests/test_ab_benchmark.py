@@ -21,7 +21,8 @@ def _saved(folder: Path, n: int, *tensors: torch.Tensor) -> str:
 def test_rounds_alternate_the_trees_and_ratios_are_per_round(monkeypatch):
     calls = []
 
-    def fake(tree, ns, n_iters, causal, threads, what="time", heads=None, workload="attention", folder=None):
+    def fake(tree, ns, n_iters, causal, threads, what="time", heads=None, workload="attention", folder=None,
+             clock="wall"):
         if what == "ops":
             return {n: n + (1 if tree.name == "after" else 0) for n in ns}
         if what == "results":  # the trees agree at n = 16 and differ by 1e-3 at n = 64
@@ -48,12 +49,34 @@ def test_rounds_alternate_the_trees_and_ratios_are_per_round(monkeypatch):
 def test_heads_replace_the_tables_and_scale_the_repeats(monkeypatch):
     assert ab.shapes([4096, 64]) == {4096: ab.SHAPES[4096], 64: ab.SHAPES[64]}
     assert ab.shapes([4096, 64], heads=2) == {4096: (1, 2, 4), 64: (4, 2, 120)}
-    monkeypatch.setattr(ab, "measure", lambda tree, ns, *a, what="time", heads=None, workload="attention", folder=None:
-                        {n: _saved(folder, n, torch.zeros(1)) if what == "results" else 1.0 for n in ns})
+    monkeypatch.setattr(ab, "measure", lambda tree, ns, *a, what="time", heads=None, workload="attention", folder=None,
+                        clock="wall": {n: _saved(folder, n, torch.zeros(1)) if what == "results" else 1.0 for n in ns})
     rows = ab.compare(Path("/x/before"), Path("/x/after"), [4096], 5, False, rounds=2, progress=lambda s: None, heads=2)
     assert "| 4096 | 1 × 2 |" in ab.table(rows, 5, False)
     with pytest.raises(SystemExit):
         ab.main(["--before", str(ROOT), "--heads", "0"])
+
+
+def test_cpu_clock_reaches_the_workers_and_the_table_and_needs_one_thread(monkeypatch):
+    clocks = []
+
+    def fake(tree, ns, n_iters, causal, threads, what="time", heads=None, workload="attention", folder=None,
+             clock="wall"):
+        if what == "results":
+            return {n: _saved(folder, n, torch.zeros(1)) for n in ns}
+        clocks.append((what, clock))
+        return {n: 1.0 for n in ns}
+
+    monkeypatch.setattr(ab, "measure", fake)
+    rows = ab.compare(Path("/x/before"), Path("/x/after"), [16], 5, False, rounds=2, threads=1,
+                      progress=lambda s: None, clock="cpu")
+    assert [c for w, c in clocks if w == "time"] == ["cpu"] * 4
+    assert "lower decile of its repeats' CPU times, one thread" in ab.table(rows, 5, False)
+    assert "CPU times" not in ab.table([dict(r, clock="wall") for r in rows], 5, False)
+    with pytest.raises(SystemExit):
+        ab.main(["--before", str(ROOT), "--clock", "cpu"])  # CPU time of one thread: --threads 1 only
+    got = ab.measure(ROOT, [16], 3, False, threads=1, clock="cpu")
+    assert set(got) == {16} and 0 < got[16] < 10_000
 
 
 def test_one_measurement_runs_the_tree_it_is_given():
