@@ -124,8 +124,8 @@ def check_positive_int(value: object, name: str, *, minimum: int = 1) -> int:
 
 def broadcast_shapes(*shapes: Sequence[int]) -> torch.Size:
     """``torch.broadcast_shapes(*shapes)``, at once when the shapes are equal (the common case: q, k and v of
-    one batch). torch's runs a Python reference implementation, 30-40 µs a call on this project's CPUs, a
-    cost paid on every attention call. Raises ``RuntimeError`` as torch's does when they do not broadcast."""
+    one batch). torch's runs a Python reference implementation, tens of microseconds a call, paid on every
+    attention call. Raises ``RuntimeError`` as torch's does when they do not broadcast."""
     first = tuple(shapes[0])
     if all(tuple(shape) == first for shape in shapes[1:]):
         return torch.Size(first)

@@ -49,8 +49,8 @@ def register_engine_autograd(forward_op: str, backward_op: str, *, n_inputs: int
     tensors, no graph capture, no autocast), ``forward`` runs ``forward_impl`` inside a
     ``torch.autograd.Function`` with the same ``setup_context`` (or, when no gradient is wanted, calls it
     directly), and that function's backward calls ``backward_impl``: this skips the custom ops' Python
-    dispatch and generated autograd wrapper (about 40 µs a call each on this project's CPUs, a cost that
-    weighs at short sequences). Under graph capture (``torch.compile``, ``torch.export``), on tensor
+    dispatch and generated autograd wrapper (tens of microseconds a call each, a cost that weighs at short
+    sequences: ``benchmarks/results/ab_issue26_call_overhead.md``). Under graph capture (``torch.compile``, ``torch.export``), on tensor
     subclasses and under autocast, it calls the custom ops, which a graph sees as one opaque node each.
 
     ``first_derivatives(ctx, grad_out, backward) -> (dq, dk, dv)`` calls ``backward`` (the backward op, or
