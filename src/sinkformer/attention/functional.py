@@ -220,16 +220,22 @@ def _prepare(
         dtype=out_dtype, head_dim=d + l2_as_dot, value_dim=v.shape[-1], max_iters=max_iters,
         cost="dot" if l2_as_dot else cost,
     )
+    # the values before the engine's choice, so that bad inputs are named first (with the dot cost the scores'
+    # bound in the same read), in compute precision: a no-op cast for float32 and float64; half-precision CUDA
+    # tensors, which these checks do not read (data_checks_run), are not cast before the choice
+    half_cuda = q.is_cuda and out_dtype in (torch.float16, torch.bfloat16)
+    checked = (q, k, v) if half_cuda else (q.to(dtype), k.to(dtype), v.to(dtype))
+    if cost == "dot":
+        check_values_and_scores(*checked, scale, bias)
+    else:
+        check_qkv_values(*checked)
     choice = choose(call, backend)
     # an engine whose kernels take half-precision operands (float32 accumulation) gets them without copies
-    if not (backends.engine(choice.engine).half_operands and q.is_cuda and out_dtype in (torch.float16, torch.bfloat16)):
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    if call.cost == "dot" and not l2_as_dot:
-        check_values_and_scores(q, k, v, scale, bias)
-    else:  # the l2 cost: finite values, then the bound of the scores as dot products (q and k extended)
-        check_qkv_values(q, k, v)
-        if l2_as_dot:
-            q, k = _l2_as_dot(q, k)
+    if not (backends.engine(choice.engine).half_operands and half_cuda):
+        q, k, v = (t.to(dtype) for t in checked)
+    if l2_as_dot:
+        q, k = _l2_as_dot(q, k)
+    if cost == "l2":  # the bound of the scores as dot products (q and k extended)
         check_scores_fit(*((q, k) if l2_as_dot else _l2_as_dot(q, k, both=True)), scale, bias)
     return Prepared(q, k, v, batch, keep, bias, wk, wq, scale, call, out_dtype, choice, key_padding_mask,
                     sdpa_is_causal=options_causal)
