@@ -106,16 +106,16 @@ def measure(tree: Path, ns: list[int], n_iters: int, causal: bool, threads: int 
             what: str = "time", heads: int | None = None, workload: str = "attention",
             folder: Path | None = None, clock: str = "wall") -> dict[int, float]:
     """Per n, in a fresh process on ``tree``: milliseconds of one forward+backward, median of the
-    repeats (``what="time"``; ``clock="cpu"``: the lower decile of their CPU times), the aten calls of one forward+backward (``what="ops"``), or the path of
-    a file in ``folder`` holding the output and gradients of one seeded forward+backward
-    (``what="results"``)."""
+    repeats (``what="time"``; ``clock="cpu"``: the lower decile of their CPU times), the aten calls of
+    one forward+backward (``what="ops"``), or the path of a file in ``folder`` holding the output and
+    gradients of one seeded forward+backward (``what="results"``)."""
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     shapes_json = json.dumps({str(n): shape for n, shape in shapes(ns, heads, workload).items()})
     done = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(ns), str(n_iters), "1" if causal else "0",
-                           shapes_json, what, workload, str(folder or ""), clock], env=env, capture_output=True, text=True,
-                          check=True)
+                           shapes_json, what, workload, str(folder or ""), clock], env=env, capture_output=True,
+                          text=True, check=True)
     return {int(n): value for n, value in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
 

@@ -50,8 +50,9 @@ def register_engine_autograd(forward_op: str, backward_op: str, *, n_inputs: int
     ``torch.autograd.Function`` with the same ``setup_context`` (or, when no gradient is wanted, calls it
     directly), and that function's backward calls ``backward_impl``: this skips the custom ops' Python
     dispatch and generated autograd wrapper (tens of microseconds a call each, a cost that weighs at short
-    sequences: ``benchmarks/results/ab_issue26_call_overhead.md``). Under graph capture (``torch.compile``, ``torch.export``), on tensor
-    subclasses and under autocast, it calls the custom ops, which a graph sees as one opaque node each.
+    sequences: ``benchmarks/results/ab_issue26_call_overhead.md``). Under graph capture
+    (``torch.compile``, ``torch.export``), on tensor subclasses and under autocast, it calls the custom
+    ops, which a graph sees as one opaque node each.
 
     ``first_derivatives(ctx, grad_out, backward) -> (dq, dk, dv)`` calls ``backward`` (the backward op, or
     ``backward_impl`` eagerly) with the engine's saved state; under ``create_graph=True`` (second
@@ -76,7 +77,7 @@ def register_engine_autograd(forward_op: str, backward_op: str, *, n_inputs: int
         return gradients(ctx, grad_out, eager=False)
 
     def eager_backward(ctx, grad_out, *unused):
-        return gradients(ctx, grad_out, eager=grad_out is None or runs_eagerly(grad_out))
+        return gradients(ctx, grad_out, eager=grad_out is not None and runs_eagerly(grad_out))
 
     torch.library.register_autograd(forward_op, backward, setup_context=setup_context)
     compute_in_float32_under_autocast(forward_op, backward_op)
