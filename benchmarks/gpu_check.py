@@ -590,8 +590,9 @@ def summary(report: dict) -> str:
     failed = [r for r in report["accuracy"] if r["status"] != "pass" and not r["status"].startswith("refused")]
     lines.append(f"  accuracy: {sum(r['status'] == 'pass' for r in report['accuracy'])} pass, {len(failed)} not")
     for t in report.get("targets", []):
-        value = "not measured" if t["value"] is None else f"{t['value']:.2f}"
-        lines.append(f"  target: {t['target']}: {value} ({'met' if t['met'] else 'not met' if t['met'] is False else '-'})")
+        verdict = "not measured" if t["met"] is None else "met" if t["met"] else "not met"
+        value = "" if t["value"] is None else f"{t['value']:.2f} "  # a yes/no target has no value
+        lines.append(f"  target: {t['target']}: {value}({verdict})")
     return "\n".join(lines)
 
 

@@ -97,13 +97,13 @@ def test_gpu_check_counts_the_outcomes_of_verbose_pytest_lines():
 
 def test_the_gpu_findings_in_the_docs_are_the_committed_check():
     """The figures docs/speed.md quotes from the first GPU check are those of the committed report
-    (benchmarks/results/attention_cuda.json) and the log of its first call."""
+    (benchmarks/results/attention_cuda_h200_e91278b.json) and the log of its first call."""
     import re
 
     from benchmarks import gpu_check
 
     results = ROOT / "benchmarks" / "results"
-    data = json.loads((results / "attention_cuda.json").read_text())
+    data = json.loads((results / "attention_cuda_h200_e91278b.json").read_text())
     text = " ".join((ROOT / "docs" / "speed.md").read_text().split())
     graph = data["graph"]
     assert f"{graph['eager_ms']:.3f} ms called eagerly and {graph['replay_ms']:.3f} ms replayed" in text
@@ -118,6 +118,36 @@ def test_the_gpu_findings_in_the_docs_are_the_committed_check():
     assert all(r["status"] == "pass" for r in ran) and set(target_rows) == {"pass"}
     total = len(data["accuracy"]) + len(gpu_check.target_cases(gpu_check.FULL))
     assert f"only {len(ran) + len(target_rows)} of the {total} ran" in text
+
+
+def test_the_second_gpu_check_in_the_docs_is_the_committed_report():
+    """The figures docs/speed.md quotes from the second GPU check are those of the committed report
+    (benchmarks/results/attention_cuda.json, which the tables read) and of the first check's report."""
+    results = ROOT / "benchmarks" / "results"
+    data = json.loads((results / "attention_cuda.json").read_text())
+    first = json.loads((results / "attention_cuda_h200_e91278b.json").read_text())
+    text = " ".join((ROOT / "docs" / "speed.md").read_text().split())
+    commit = data["commit"][:7]
+    assert f"at {commit}, one call" in text and (results / f"gpu_check_h200_{commit}.log").exists()
+    assert all(p["status"].split(" ")[0] in ("ok", "pass") for p in data["parts"].values())
+    compiled = data["compile"]
+    assert f"{compiled['cases']} accuracy cases' kernels compiled in {compiled['seconds']:.1f} s on " \
+           f"{compiled['workers']} workers" in text
+    passed = [r for r in data["accuracy"] if r["status"] == "pass"]
+    refused = [r for r in data["accuracy"] if r["status"] != "pass"]
+    assert {r["dtype"] for r in refused} == {"float64"} and all(r["status"].startswith("refused") for r in refused)
+    assert f"all {len(passed)} cases" in text and f"the {len(refused)} in float64 were refused" in text
+    counts = data["cuda_tests"]["counts"]
+    assert f"{counts['passed']} passed, {counts['skipped']} skipped" in text
+    ratios = {t["target"][:26]: t["value"] for t in data["targets"]}
+    old = {t["target"][:26]: t["value"] for t in first["targets"]}
+    key3, key5 = "bf16, n=4096, 3 iters, fwd", "bf16, n=4096, 5 iters, fwd"
+    assert f"second read {ratios[key3]:.2f}× and {ratios[key5]:.2f}× SDPA-flash" in text
+    assert f"({old[key3]:.2f}× and {old[key5]:.2f}× in the first)" in text
+    graph, first_graph = data["graph"], first["graph"]
+    assert f"took {graph['eager_ms']:.3f} ms ({first_graph['eager_ms']:.3f} ms in the first)" in text
+    assert f"CUDA graph {graph['replay_ms']:.3f} ms ({first_graph['replay_ms']:.3f})" in text
+    assert round(7 * (1 - graph["replay_ms"] / graph["eager_ms"])) == 6  # "about six sevenths"
 
 
 def test_performance_model_in_the_docs_is_rendered():
@@ -163,3 +193,18 @@ def test_benchmarks_run_from_another_folder(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks"), "--help"], capture_output=True, text=True,
                           cwd=tmp_path, env=env, timeout=300)
     assert done.returncode == 0 and "gpu-check" in done.stdout, done.stderr
+
+
+def test_gpu_check_summary_says_what_each_target_measured():
+    """The summary prints a ratio target's value and verdict, a yes/no target's verdict alone (the
+    H200 run at d7b142e printed 'n=16384 runs (flash): not measured (met)' for a run it had timed), and
+    'not measured' only where nothing was measured."""
+    from benchmarks import gpu_check
+
+    targets = [dict(target="ratio", value=2.08, met=False), dict(target="runs", value=None, met=True),
+               dict(target="absent", value=None, met=None)]
+    report = dict(parts={}, accuracy=[], targets=targets)
+    lines = gpu_check.summary(report).splitlines()
+    assert "  target: ratio: 2.08 (not met)" in lines
+    assert "  target: runs: (met)" in lines
+    assert "  target: absent: (not measured)" in lines
