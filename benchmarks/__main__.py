@@ -31,6 +31,7 @@ SUITES = {
     "ab": ("benchmarks.ab", "A change before and after: the attention grid or block sorting of two trees, interleaved"),
     "gpu-check": ("benchmarks.gpu_check", "The flash engine on a GPU: tests, accuracy, speed, memory, graphs"),
     "flash-compile": ("benchmarks.flash_compile", "Flash kernels compiled for an H100 without a GPU: resources"),
+    "flash-tune": ("benchmarks.flash_tune", "Flash kernels' launches on a GPU: each candidate checked and timed"),
     "flash-model": ("benchmarks.flash_model", "Performance model of the flash engine and SDPA-flash on an H100"),
 }
 #: where results go unless --out says otherwise (not the committed benchmarks/results)
