@@ -128,15 +128,22 @@ _HALF = (torch.float16, torch.bfloat16)
 #: dim is the power of two >= max(d, d_v, 16). ``sweep`` serves the forward, the matrix-vector and
 #: the dV sweeps, ``dscore`` the dq/dk sweeps, ``vector`` the rowdot (rows per program) and fold
 #: (entries per step) kernels. Each entry compiles for sm_90 within an H100's 227 KiB of shared
-#: memory without register spills (``python -m benchmarks flash-compile`` reports it); its speed is
-#: unmeasured (no GPU run yet). An absent entry is refused by :func:`unavailable`.
+#: memory without register spills (``python -m benchmarks flash-compile`` reports it). Timed on a GPU
+#: (``python -m benchmarks flash-tune``, an H200): bfloat16 and float32 at d = 64, the fastest of
+#: the candidates in benchmarks/results/flash_tune_{bf16,fp32}.md (a test holds them equal); the
+#: other entries are untimed. An absent entry is refused by :func:`unavailable`.
 GPU_CONFIGS: dict[tuple[torch.dtype, int], dict[str, LaunchConfig]] = {
     # half precision: 128-row forward blocks up to d = 64, as FlashAttention's Triton kernels on Hopper
-    **{(dtype, d): _launches((128, 64, 4, 3), (64, 64, 4, 2)) for dtype in _HALF for d in (16, 32, 64)},
+    **{(dtype, d): _launches((128, 64, 4, 3), (64, 64, 4, 2)) for dtype in _HALF for d in (16, 32)},
+    # timed in bfloat16 (float16 runs the same products, untimed): dscore 64 x 32 is 0.94x the 64 x 64
+    # launch forward+backward at n = 4096 and 16384
+    **{(dtype, 64): _launches((128, 64, 4, 3), (64, 32, 4, 2)) for dtype in _HALF},
     **{(dtype, 128): _launches((64, 64, 4, 2), (64, 32, 4, 2)) for dtype in _HALF},
     **{(dtype, 256): _launches((64, 32, 8, 2), (32, 32, 4, 1), 32) for dtype in _HALF},
     # float32 products on CUDA cores (no TF32: within 1e-5 of float64)
-    **{(torch.float32, d): _launches((64, 32, 4, 2), (64, 32, 4, 2)) for d in (16, 32, 64)},
+    **{(torch.float32, d): _launches((64, 32, 4, 2), (64, 32, 4, 2)) for d in (16, 32)},
+    # timed: 0.64x the 64 x 32 launches forward+backward at n = 4096, 5 iterations (0.70x at n = 1024)
+    (torch.float32, 64): _launches((128, 64, 8, 2), (64, 64, 4, 2)),
     (torch.float32, 128): _launches((32, 32, 4, 2), (32, 32, 4, 1), 32),
     (torch.float32, 256): _launches((32, 16, 8, 1), (16, 16, 4, 1), 16),
     # float64: small blocks (its products take twice the registers and shared memory); none at d = 256
