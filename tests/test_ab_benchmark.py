@@ -84,6 +84,7 @@ def test_one_measurement_runs_the_tree_it_is_given():
     assert set(ops) == {16} and isinstance(ops[16], int) and ops[16] > 10  # a forward+backward is many aten calls
 
 
+@pytest.mark.slow  # the default suite stays under 15 minutes on 2 cores
 def test_the_sort_workload_times_the_block_sorting_of_its_tree():
     """``--workload sort``: sort_matrix forward+backward at N_B blocks (its own table of sizes)."""
     assert ab.shapes([8, 96], workload="sort") == {8: ab.SORT_SHAPES[8], 96: ab.SORT_SHAPES[96]}
@@ -110,6 +111,7 @@ def test_the_source_of_a_tree_is_its_commit(tmp_path):
         assert len(ab.source(ROOT).split("+")[0]) == 12
 
 
+@pytest.mark.slow  # the default suite stays under 15 minutes on 2 cores
 def test_results_of_two_trees_are_compared_entry_by_entry(tmp_path):
     """The results column: the output and gradients of one seeded forward+backward, saved by each tree's
     worker; a tree against itself is identical (the worker is deterministic), and differences are the

@@ -117,6 +117,7 @@ def test_refusals_are_named(kwargs, words):
         sinkhorn(torch.randn(2, 4, 4), **kwargs)
 
 
+@pytest.mark.slow  # the default suite stays under 15 minutes on 2 cores
 def test_compiled_fullgraph_equals_eager_with_and_without_the_log_domain():
     S, kwargs = _one_untrusted_matrix()  # the first matrix takes the log domain, the others do not
 

@@ -92,6 +92,7 @@ RESUME_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # the default suite stays under 15 minutes on 2 cores
 def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(RESUME_SCRIPT)
