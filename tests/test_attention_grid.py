@@ -123,3 +123,19 @@ def test_merged_rows_keep_their_machine_and_targets_pair_rows_of_one_run(tmp_pat
     assert targets["memory_21_over_5"] == 63.0 / 60.0  # two earlier runs on one machine
     header = (tmp_path / "attention.md").read_text().splitlines()[0]
     assert "Old Xeon (old and older); New EPYC (20" in header
+
+
+def test_what_the_targets_say_is_the_two_committed_grids():
+    """docs/speed.md's reading of the "2x" and "8x" targets quotes the full and the quick grid's JSON."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    results = root / "benchmarks" / "results"
+    full, quick = (json.loads((results / p).read_text())["targets"] for p in ("attention.json", "quick/attention.json"))
+    text = " ".join((root / "docs" / "speed.md").read_text().split())
+    times = [t["time_ours_over_sdpa"] for t in (full, quick)]
+    assert all(t <= 2 for t in times) and "is met in both grids ({:.2f}× and {:.2f}×;".format(*times) in text
+    speedups = [t["speedup_over_paper"] for t in (full, quick)]
+    assert all(s < 8 for s in speedups) and "missed in both ({:.2f}× and {:.2f}×)".format(*speedups) in text
+    low, high = sorted(round(t["time_paper_over_sdpa"]) for t in (full, quick))
+    assert f"here it runs at {low}–{high}× SDPA" in text
