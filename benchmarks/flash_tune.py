@@ -167,9 +167,12 @@ def compile_all(cfg: dict, device: str, tasks: list[tuple], budget: Budget) -> d
             if not done:
                 break
             for future in done:
-                index, error = future.result()
+                try:
+                    error = future.result()[1]
+                except Exception as err:  # noqa: BLE001 — a worker died (a crash, the out-of-memory killer)
+                    error = f"its worker died: {type(err).__name__}"
                 if error is not None:
-                    errors[index] = error
+                    errors[index_of[future]] = error
         for future in pending:
             errors[index_of[future]] = "not compiled within the budget"
     finally:

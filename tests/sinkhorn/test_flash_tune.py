@@ -124,3 +124,21 @@ def test_the_tune_in_the_docs_is_the_committed_results():
                  == ("tiled", "float32", 4096, 5))
     assert f"cuBLAS products did in the check ({tiled['forward_backward_ms']:.1f} ms)" in text
     assert abs(row["best_ms"] / tiled["forward_backward_ms"] - 1) < 0.1  # "about as fast"
+
+
+def _dies(task):
+    import os
+
+    os._exit(3)  # as a crash or the out-of-memory killer ends a worker
+
+
+def test_a_worker_that_dies_is_reported_not_raised(monkeypatch):
+    """A candidate whose compiling worker dies is reported as such; the run goes on without it."""
+    from benchmarks.gpu_check import Budget
+
+    monkeypatch.setattr(flash_tune, "_compile_candidate", _dies)
+    budget = Budget(120.0)
+    budget.begin(1.0, 1.0)
+    tasks = [("float32", "sweep", (16, 32, 4, 2))]
+    errors = flash_tune.compile_all(flash_tune.SMOKE, "cpu", tasks, budget)
+    assert errors == {0: "its worker died: BrokenProcessPool"}
