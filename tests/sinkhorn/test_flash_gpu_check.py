@@ -122,13 +122,18 @@ def test_the_gpu_findings_in_the_docs_are_the_committed_check():
 
 def test_the_second_gpu_check_in_the_docs_is_the_committed_report():
     """The figures docs/speed.md quotes from the second GPU check are those of the committed report
-    (benchmarks/results/attention_cuda.json, which the tables read) and of the first check's report."""
+    (benchmarks/results/attention_cuda.json, which the tables read), its log and the first check's report."""
+    import re
+
     results = ROOT / "benchmarks" / "results"
     data = json.loads((results / "attention_cuda.json").read_text())
     first = json.loads((results / "attention_cuda_h200_e91278b.json").read_text())
     text = " ".join((ROOT / "docs" / "speed.md").read_text().split())
     commit = data["commit"][:7]
-    assert f"at {commit}, one call" in text and (results / f"gpu_check_h200_{commit}.log").exists()
+    log = (results / f"gpu_check_h200_{commit}.log").read_text()
+    assert f"at {commit}, one call" in text and "--budget 400" in data["command"]
+    last = re.findall(r"^\[\s*([\d.]+) s\] offset-probe", log, re.M)
+    assert f"its last part began at {last[0]} s and took {data['parts']['offset-probe']['seconds']:.1f} s" in text
     assert all(p["status"].split(" ")[0] in ("ok", "pass") for p in data["parts"].values())
     compiled = data["compile"]
     assert f"{compiled['cases']} accuracy cases' kernels compiled in {compiled['seconds']:.1f} s on " \
