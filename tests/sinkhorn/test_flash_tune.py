@@ -124,6 +124,9 @@ def test_the_tune_in_the_docs_is_the_committed_results():
                  == ("tiled", "float32", 4096, 5))
     assert f"cuBLAS products did in the check ({tiled['forward_backward_ms']:.1f} ms)" in text
     assert abs(row["best_ms"] / tiled["forward_backward_ms"] - 1) < 0.1  # "about as fast"
+    flash32 = next(r for r in check["rows"] if (r["method"], r["dtype"], r["n"], r.get("n_iters"))
+                   == ("flash", "float32", 4096, 5))
+    assert round(tiled["peak_mib"] / flash32["peak_mib"]) == 15 and "at a fifteenth of its memory" in text
 
 
 def _dies(task):
