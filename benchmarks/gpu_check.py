@@ -329,7 +329,7 @@ def cuda_tests(device: str, budget: Budget) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-k", "cuda",
            str(ROOT / "tests" / "sinkhorn" / "test_flash_engine.py")]
     if device == "cuda" and importlib.util.find_spec("xdist") is not None:
-        cmd[4:4] = ["-n", str(workers(device)), "--dist", "loadgroup"]  # a group compiles its kernels once
+        cmd[4:4] = ["-n", str(workers(device))]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
                             start_new_session=True)  # its own process group: a stop ends its workers too

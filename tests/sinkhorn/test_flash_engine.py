@@ -291,16 +291,9 @@ def test_benchmark_smoke(tmp_path):
 # CUDA tensors, compiled kernels
 
 
-#: the float32 cells of one case share their compiled kernels: under pytest-xdist's ``--dist loadgroup`` (the GPU
-#: check's) they run on one worker, which compiles them once; spread over workers, each compiled them again side by
-#: side (an H200 check at 5a15873: a cell took up to 70 s, the part stopped at its budget half-way)
-FLOAT32_CASES = [pytest.param(case, marks=pytest.mark.xdist_group(f"float32-{case}"))
-                 for case in ("plain", "padding", "bool_mask", "float_mask")]
-
-
 @on_cuda
 @pytest.mark.parametrize("n_iters", [1, 2, 3, 5, 21])
-@pytest.mark.parametrize("case", FLOAT32_CASES)
+@pytest.mark.parametrize("case", ["plain", "padding", "bool_mask", "float_mask"])
 def test_cuda_float32(case, n_iters):
     q, k, v, kw = make(case, n=200, m=150, d=64, e=64, device="cuda")
     compare(q, k, v, kw, torch.float32, 2e-5, 2e-4, n_iters=n_iters)
