@@ -121,12 +121,12 @@ def test_the_gpu_findings_in_the_docs_are_the_committed_check():
 
 
 def test_the_second_gpu_check_in_the_docs_is_the_committed_report():
-    """The figures docs/speed.md quotes from the second GPU check are those of the committed report
-    (benchmarks/results/attention_cuda.json, which the tables read), its log and the first check's report."""
+    """The figures docs/speed.md quotes from the second GPU check are those of its committed report
+    (benchmarks/results/attention_cuda_h200_d7b142e.json), its log and the first check's report."""
     import re
 
     results = ROOT / "benchmarks" / "results"
-    data = json.loads((results / "attention_cuda.json").read_text())
+    data = json.loads((results / "attention_cuda_h200_d7b142e.json").read_text())
     first = json.loads((results / "attention_cuda_h200_e91278b.json").read_text())
     text = " ".join((ROOT / "docs" / "speed.md").read_text().split())
     commit = data["commit"][:7]
@@ -153,6 +153,52 @@ def test_the_second_gpu_check_in_the_docs_is_the_committed_report():
     assert f"took {graph['eager_ms']:.3f} ms ({first_graph['eager_ms']:.3f} ms in the first)" in text
     assert f"CUDA graph {graph['replay_ms']:.3f} ms ({first_graph['replay_ms']:.3f})" in text
     assert round(7 * (1 - graph["replay_ms"] / graph["eager_ms"])) == 6  # "about six sevenths"
+
+
+def test_the_third_gpu_check_in_the_docs_is_the_committed_report():
+    """The figures docs/speed.md quotes from the third GPU check (the first with the tuned launches) are those of
+    the committed report (benchmarks/results/attention_cuda.json, which the tables read), the second check's, the
+    log of the CUDA tests run alone and the report of the grouped run that was reverted."""
+    import re
+
+    from benchmarks import gpu_check
+
+    results = ROOT / "benchmarks" / "results"
+    data = json.loads((results / "attention_cuda.json").read_text())
+    second = json.loads((results / "attention_cuda_h200_d7b142e.json").read_text())
+    text = " ".join((ROOT / "docs" / "speed.md").read_text().split())
+    commit = data["commit"][:7]
+    assert (results / f"gpu_check_h200_{commit}.log").exists() and "--budget 400" in data["command"]
+    assert f"at {commit}, one call with `--budget 400`, the first with the tuned launches" in text
+    ratios = {t["target"][:26]: t["value"] for t in data["targets"]}
+    old = {t["target"][:26]: t["value"] for t in second["targets"]}
+    key3, key5 = "bf16, n=4096, 3 iters, fwd", "bf16, n=4096, 5 iters, fwd"
+    assert f"flash took {ratios[key3]:.2f}× and {ratios[key5]:.2f}× SDPA-flash at 3 and 5 iterations " \
+           f"({old[key3]:.2f}× and {old[key5]:.2f}× in the second check)" in text
+    row = {(r["method"], r["dtype"]): r for r in data["rows"] if r["n"] == 4096 and r.get("n_iters") == 5}
+    assert f"in float32, {row[('flash', 'float32')]['forward_backward_ms']:.1f} ms at 5 iterations against the " \
+           f"tiled engine's {row[('tiled', 'float32')]['forward_backward_ms']:.1f} ms" in text
+    passed = [r for r in data["accuracy"] if r["status"] == "pass"]
+    assert len(passed) + 5 == len(data["accuracy"]) and f"All {len(passed)} accuracy cases" in text
+    tests = data["cuda_tests"]
+    assert tests["status"] == "incomplete" and f"in {tests['seconds']:.0f} s, {tests['counts']['passed']} passed, " \
+           f"{tests['counts']['skipped']} skipped, the rest not run" in text
+    rerun = (results / f"cuda_tests_h200_{commit}_rerun.log").read_text()
+    summary = re.search(r"(\d+) passed, (\d+) skipped in ([\d.]+)s", rerun)
+    assert f"{summary[1]} passed, {summary[2]} skipped, in {summary[3]} s" in text
+    grouped = json.loads((results / "cuda_tests_grouped_h200_cb7a294.json").read_text())["cuda_tests"]
+    assert "--dist loadgroup" in grouped["command"] and grouped["status"] == "incomplete"
+    assert f"{grouped['counts']['passed']} passed, {grouped['counts']['skipped']} skipped in " \
+           f"{grouped['seconds']:.1f} s" in text
+    parts = data["parts"]
+    assert f"the graph used {parts['graph']['seconds']:.1f} s of its share and the offset probe " \
+           f"{parts['offset-probe']['seconds']:.1f} s" in text
+    shares = dict(gpu_check.PARTS)
+    assert shares["cuda-tests"] > 0.16 and abs(sum(shares.values()) - 1) < 1e-9
+    eager = [d["graph"]["eager_ms"] for d in (data, second, json.loads(
+        (results / "attention_cuda_h200_e91278b.json").read_text()))]
+    assert f"eager forward+backward took {eager[0]:.3f} ms and the replay {data['graph']['replay_ms']:.3f} ms" in text
+    assert f"the eager call read {min(eager):.1f} to {max(eager):.1f} ms" in text
 
 
 def test_performance_model_in_the_docs_is_rendered():
