@@ -445,7 +445,7 @@ def scaling_forward(tile: Tile, seed: Tensor | None, out: Tensor, options: Optio
     a, b = tile.problem.marginals(v)
     drop = dropout_mask(tile.shape, v, options.dropout_p, seed, tile.start)
     us, vs, counts, stop, col_error = _iterate(tile, a, b, v, drop, out, options)
-    us, vs = torch.stack(us, -1), torch.stack(vs, -1)
+    us, vs = _stack_last(us), _stack_last(vs)
     if not _trustworthy(us, vs):
         return None
     if options.backward == "implicit":
@@ -484,6 +484,13 @@ def _iterate(tile: Tile, a: Tensor, b: Tensor, v: Tensor, drop: Tensor | None, o
     return run.fs, run.gs, run.counts, run.stop, col_error
 
 
+def _stack_last(iterates: list[Tensor]) -> Tensor:
+    """``torch.stack(iterates, -1)`` ``(c, n, L)`` of ``L`` iterates ``(c, n)``: stacked along a new first
+    dimension, then transposed in one copy. PyTorch's CPU stack along the last dimension ran about twice
+    as long (11 iterates of 192 x 64: 320 against 166 us on this Xeon, one thread)."""
+    return torch.stack(iterates).permute(1, 2, 0).contiguous()
+
+
 def _trustworthy(us: Tensor, vs: Tensor) -> bool:
     """Scalings finite and moderate (:func:`~.problem.scalings_trusted`) over the whole group."""
     if us.numel() == 0 or vs.numel() == 0:
@@ -508,7 +515,7 @@ def scaling_backward(tile: Tile, seed: Tensor | None, us: Tensor, vs: Tensor, co
     u, vt = us[..., -1], vs[..., -1]
     rev = None if options.backward == "implicit" else _Reverse(a, b, us, vs, counts, tile.problem.tol is not None)
     L = 2 if rev is None else rev.L
-    # [u ⊙ dO, X] and [ṽ ⊙ V, Y] (column j of X and Y: the step t = L - j), in the worker's scratch
+    # [u ⊙ dO, X] and [ṽ ⊙ V, Y] (column j of X and Y: the step t = j + 1), in the worker's scratch
     left = scratch_buffer(scratch, "left", c * n * (e + L), dO).view(c, n, e + L)
     right = scratch_buffer(scratch, "right", c * m * (e + L), dO).view(c, m, e + L)
     X, Y = left[..., e:], right[..., e:]
@@ -618,7 +625,7 @@ def _gradient_pass(tile: Tile, left: Tensor, right: Tensor, vt: Tensor, V: Tenso
         total = torch.empty_like(du).unsqueeze(-1)
         dub, dsb, totalb = blocks.rows_of(du.unsqueeze(-1)), blocks.slices_of(ds.unsqueeze(-1)), blocks.rows_of(total)
         factorb = blocks.rows_of(rev.row_factor(1).unsqueeze(-1))
-        lastb = blocks.rows_of(left[..., e + L - 1:])  # X[..., L - 1]: the row step 1
+        lastb = blocks.rows_of(left[..., e:e + 1])  # X[..., 0]: the row step 1
     work = scratch_buffer(scratch, "dS", blocks.largest(tile.shape[2]), dq)
     for i, Kb in tile.visit():
         if last_steps is not None:
@@ -644,7 +651,7 @@ class _Reverse:
     :math:`dr = -du\\, u_t^2 / a` (then :math:`d\\tilde v \\mathrel{+}= \\tilde K^\\top dr`), a column
     step the column coefficient :math:`ds = -d\\tilde v\\, \\tilde v_t^2 / b` (then :math:`du
     \\mathrel{+}= \\tilde K ds`); each adds the rank-one term :math:`dr\\,v_{t-1}^\\top` or
-    :math:`u_{t-1}\\,ds^\\top` to :math:`\\partial\\ell/\\partial\\tilde K`, stored as column ``L - t``
+    :math:`u_{t-1}\\,ds^\\top` to :math:`\\partial\\ell/\\partial\\tilde K`, stored as column ``t - 1``
     of ``X (c, n, L)``, ``Y (c, m, L)``."""
 
     def __init__(self, a: Tensor, b: Tensor, us: Tensor, vs: Tensor, counts: Tensor, frozen: bool):
@@ -668,12 +675,11 @@ class _Reverse:
 
     def row_ys(self, Y: Tensor) -> None:
         """The ``Y`` columns of every row step: :math:`v_{t-1}`, known before the reverse pass."""
-        steps = (self.L + 1) // 2  # row steps t = 1, 3, ..: columns L - t, from the last t's up
-        Y[..., (self.L - 1) % 2::2] = self.vs[..., :steps].flip(-1)
+        Y[..., ::2] = self.vs[..., :(self.L + 1) // 2]  # row steps t = 1, 3, ..: columns t - 1
 
     def row_step(self, t: int, dr: Tensor, du: Tensor, X: Tensor) -> Tensor:
         """Record the row step's coefficient ``dr`` in ``X``; returns ``du`` after it (0 where it ran)."""
-        X[..., self.L - t] = dr
+        X[..., t - 1] = dr
         return torch.where(self._active(t), 0.0, du) if self.frozen else torch.zeros_like(du)
 
     def col_step(self, t: int, dvt: Tensor, X: Tensor, Y: Tensor) -> tuple[Tensor, Tensor]:
@@ -681,8 +687,8 @@ class _Reverse:
         factor = self.col_factors[..., t // 2]
         if self.frozen:
             factor = torch.where(self._active(t), factor, 0.0)
-        ds = torch.mul(dvt, factor, out=Y[..., self.L - t])
-        X[..., self.L - t] = self.us[..., t // 2 - 1]
+        ds = torch.mul(dvt, factor, out=Y[..., t - 1])
+        X[..., t - 1] = self.us[..., t // 2 - 1]
         after = torch.where(self._active(t), 0.0, dvt) if self.frozen else torch.zeros_like(dvt)
         return ds, after
 
