@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,24 @@ def test_results_of_two_trees_are_compared_entry_by_entry(tmp_path):
     assert ab.difference(base, _saved(tmp_path, 3, torch.tensor([1.0, nan, 3.5]), torch.zeros(2))) == 0.5
     assert ab.difference(base, _saved(tmp_path, 4, torch.tensor([nan, 1.0, 3.0]), torch.zeros(2))) == float("inf")
     assert ab.difference(base, _saved(tmp_path, 5, torch.tensor([1.0, nan]), torch.zeros(2))) == float("inf")
+
+
+def test_the_iterate_layout_paragraph_is_the_committed_runs():
+    """docs/speed.md's figures for the iterates' layout are those of the two committed ab runs, each a
+    comparison of two commits of the history (before: the parent of after)."""
+    results = ROOT / "benchmarks" / "results"
+    text = " ".join((ROOT / "docs" / "speed.md").read_text().split())
+    many, five = (json.loads((results / f"ab_issue26_iterate_layout{k}.json").read_text()) for k in (21, 5))
+    small, large = ({row["n"]: row for row in many["rows"]}[n] for n in (64, 256))
+    assert f"0.935× at n = 64 (rounds {small['ratio_min']:.3f}–{small['ratio_max']:.3f})" in text
+    assert f"{small['ratio']:.3f}" == "0.935" and f"{large['ratio']:.3f}× at 256 ({large['ratio_min']:.3f}–" \
+           f"{large['ratio_max']:.3f})" in text
+    ratios = [row["ratio"] for row in five["rows"]]
+    assert [row["n"] for row in five["rows"]] == [16, 64, 256, 1024]
+    assert f"medians {min(ratios):.2f}–{max(ratios):.2f}" in text
+    assert all(row["ratio_min"] < 1 < row["ratio_max"] for row in five["rows"])  # "rounds on both sides of 1"
+    largest = max(row["max_difference"] for row in many["rows"] + five["rows"])
+    assert f"differences up to {largest:.0e}".replace("e-07", "e-7") in text
+    assert all(row["clock"] == "cpu" and row["rounds"] == 7 for row in many["rows"] + five["rows"])
+    for run in (many, five):
+        assert run["before"][:12] == "8eee9c40c2b5" and run["after"][:12] == "d7b2d3839c53"
