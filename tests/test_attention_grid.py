@@ -139,3 +139,21 @@ def test_what_the_targets_say_is_the_two_committed_grids():
     assert all(s < 8 for s in speedups) and "missed in both ({:.2f}× and {:.2f}×)".format(*speedups) in text
     low, high = sorted(round(t["time_paper_over_sdpa"]) for t in (full, quick))
     assert f"here it runs at {low}–{high}× SDPA" in text
+
+
+def test_the_xeon_paragraphs_quote_the_committed_grid():
+    """docs/speed.md's paragraph on the Intel Xeon and the causal engine's quote the committed grid's ratios
+    (5 iterations, forward+backward, n = 64..4096; causal, 3 iterations, at n = 1024 and 4096)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    grid = json.loads((root / "benchmarks" / "results" / "attention_grid.json").read_text())
+    text = " ".join((root / "docs" / "speed.md").read_text().split())
+    ratio = {(r["n"], r["n_iters"], r["causal"]): r["forward_backward_ratio"] for r in grid["rows"]
+             if r["method"] == "ours"}
+    five = [f"{ratio[(n, 5, False)]:.2f}×" for n in (64, 128, 256, 512, 1024, 4096)]
+    assert (f"(5 iterations, forward+backward: {five[0]} at n = 64, {five[1]} at 128, {five[2]} at 256, {five[3]} "
+            f"at 512, {five[4]} at 1024, {five[5]} at 4096,") in text
+    causal = [f"{ratio[(n, 3, True)]:.2f}×" for n in (1024, 4096)]
+    assert f"where causal Sinkhorn reads {causal[0]} and {causal[1]}" in text
+    assert f"{grid['targets']['causal3_at_4096']:.2f}" == causal[1][:-1]
