@@ -157,3 +157,15 @@ def test_the_xeon_paragraphs_quote_the_committed_grid():
     causal = [f"{ratio[(n, 3, True)]:.2f}×" for n in (1024, 4096)]
     assert f"where causal Sinkhorn reads {causal[0]} and {causal[1]}" in text
     assert f"{grid['targets']['causal3_at_4096']:.2f}" == causal[1][:-1]
+
+
+def test_the_quick_grids_paragraph_quotes_its_run_and_the_one_before():
+    """The quick grid's paragraph in docs/speed.md: the committed run's '2x' and '8x' figures, after the run
+    before it."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    quick = json.loads((root / "benchmarks" / "results" / "quick" / "attention.json").read_text())["targets"]
+    text = " ".join((root / "docs" / "speed.md").read_text().split())
+    assert (f"where this one reads {quick['time_ours_over_sdpa']:.2f}× and {quick['speedup_over_paper']:.2f}×"
+            in text)
