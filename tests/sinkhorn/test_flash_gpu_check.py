@@ -199,6 +199,9 @@ def test_the_third_gpu_check_in_the_docs_is_the_committed_report():
         (results / "attention_cuda_h200_e91278b.json").read_text()))]
     assert f"eager forward+backward took {eager[0]:.3f} ms and the replay {data['graph']['replay_ms']:.3f} ms" in text
     assert f"the eager call read {min(eager):.1f} to {max(eager):.1f} ms" in text
+    replays = [d["graph"]["replay_ms"] for d in (data, second, json.loads(
+        (results / "attention_cuda_h200_e91278b.json").read_text()))]
+    assert f"the replay stayed between {min(replays):.2f} and {max(replays):.2f} ms" in text
 
 
 def test_performance_model_in_the_docs_is_rendered():
