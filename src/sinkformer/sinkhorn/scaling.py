@@ -609,7 +609,7 @@ def _gradient_pass(tile: Tile, left: Tensor, right: Tensor, vt: Tensor, V: Tenso
     worker's ``scratch`` (memory used again on the next call, not faulted in again)."""
     dq, dk, _ = grads
     blocks, scale = tile.blocks, tile.scale
-    e, L = V.shape[-1], right.shape[-1] - V.shape[-1]
+    e = V.shape[-1]
     beta, _ = _accumulation(blocks, dk)
     if beta:
         dk.zero_()
