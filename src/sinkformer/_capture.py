@@ -8,6 +8,9 @@ compiled call computes what the eager one does.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
+import sys
 from collections.abc import Callable
 
 import torch
@@ -52,7 +55,6 @@ def exact_path(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
     return fn
 
 
-@torch._dynamo.allow_in_graph
 def _patched_in_graph(name: str, constants: tuple, value: Tensor, bad: Tensor, *operands: Tensor) -> Tensor:
     """:func:`patched` under capture: a ``torch.cond`` on whether any entry is ``bad``.
 
@@ -69,6 +71,39 @@ def _patched_in_graph(name: str, constants: tuple, value: Tensor, bad: Tensor, *
         return (torch.where(b, exact(*grads, **kwargs), v),)
 
     return torch.ops.higher_order.cond(bad.any(), replace, _unchanged, (value, bad) + operands)[0]
+
+
+def _allow_in_graph(dynamo) -> None:
+    """Put :func:`_patched_in_graph` into Dynamo's graphs whole (``allow_in_graph``)."""
+    dynamo.allow_in_graph(_patched_in_graph)
+
+
+class _WhenDynamoLoads(importlib.abc.MetaPathFinder):
+    """Runs :func:`_allow_in_graph` once ``torch._dynamo`` has loaded. Importing Dynamo takes seconds, which every
+    process that imports sinkformer would pay (the command line, each experiment's worker), and only compiling and
+    exporting need it: ``torch.compile`` and ``torch.export`` import it before they trace, so the registration
+    precedes every trace."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch._dynamo":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)  # from the other finders
+        if spec is not None and spec.loader is not None:
+            load = spec.loader.exec_module
+
+            def exec_module(module) -> None:
+                load(module)
+                _allow_in_graph(module)
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+if "torch._dynamo" in sys.modules:
+    _allow_in_graph(sys.modules["torch._dynamo"])
+else:
+    sys.meta_path.insert(0, _WhenDynamoLoads())
 
 
 def _unchanged(value: Tensor, *others: Tensor) -> tuple[Tensor]:

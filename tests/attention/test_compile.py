@@ -360,3 +360,20 @@ def test_compiled_overflow_check_takes_the_exact_maximum_when_the_bound_overflow
     torch._dynamo.reset()
     with pytest.raises(RuntimeError, match="scores overflow"):
         torch.compile(fn, fullgraph=True, backend="aot_eager")(q, aligned, v)
+
+
+def test_importing_sinkformer_leaves_dynamo_unloaded_until_it_loads_then_allows_the_exact_paths():
+    """``import sinkformer`` does not import ``torch._dynamo`` (seconds at every start: the command line, each
+    experiment's worker); when Dynamo loads, the function holding the exact paths' ``torch.cond`` is put into
+    graphs whole (``allow_in_graph``), as the side-effects test above needs."""
+    import subprocess
+    import sys
+
+    code = ("import sys, sinkformer\n"
+            "assert 'torch._dynamo' not in sys.modules, 'import sinkformer loaded torch._dynamo'\n"
+            "import torch._dynamo\n"
+            "from torch._dynamo import trace_rules, variables\n"
+            "from sinkformer._capture import _patched_in_graph\n"
+            "assert trace_rules.lookup_callable(_patched_in_graph) is variables.TorchInGraphFunctionVariable\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
