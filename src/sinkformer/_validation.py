@@ -100,12 +100,23 @@ def check_finite(x: torch.Tensor, name: str, *, allow_neg_inf: bool = False) -> 
     capture each check is an assert in the graph (``RuntimeError`` with the same message)."""
     if not data_checks_run(x):
         return
-    if not capturing() and not allow_neg_inf and bool(torch.isfinite(x.sum())):  # one cheap pass, common case
+    if not capturing() and x.numel() and _finite_at_a_glance(x, allow_neg_inf):  # the common case
         return
     require(~torch.isnan(x).any(), f"{name} contains NaN; expected finite values")
     kind = "+inf" if allow_neg_inf else "inf"
     bad = torch.isposinf(x) if allow_neg_inf else torch.isinf(x)
     require(~bad.any(), f"{name} contains {kind}; expected finite values")
+
+
+def _finite_at_a_glance(x: torch.Tensor, allow_neg_inf: bool) -> bool:
+    """Whether one reduction of non-empty ``x`` shows it free of NaN and +inf (and of -inf unless
+    ``allow_neg_inf``): its sum is finite, or, with -inf allowed, its maximum is below +inf (a NaN
+    propagates through both). A bool tensor's scan would cost more: on CPUs ``isnan(x).any()`` and
+    ``isposinf(x).any()`` took 3.7 ms at (128, 96, 96), the maximum 0.2 ms (informal). False: look closer
+    (a sum may also overflow)."""
+    if allow_neg_inf:
+        return bool(x.amax() < math.inf)
+    return bool(torch.isfinite(x.sum()))
 
 
 def check_choice(value: object, name: str, choices: Sequence[str]) -> str:

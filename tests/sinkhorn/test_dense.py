@@ -335,3 +335,37 @@ def test_input_checks_survive_compile(kwargs, words):
     torch._dynamo.reset()
     with pytest.raises(RuntimeError, match="scores contains NaN"):
         torch.compile(lambda S: sinkhorn(S, 3), fullgraph=True, backend="aot_eager")(nan)
+
+
+def _scores_with(*entries: float) -> torch.Tensor:
+    """Random (2, 5, 6) scores with ``entries`` written at scattered places (one each)."""
+    S = torch.randn(2, 5, 6)
+    for i, value in enumerate(entries):
+        S[i % 2, (2 * i + 1) % 5, (3 * i + 2) % 6] = value
+    return S
+
+
+@pytest.mark.parametrize("domain", ["log", "scaling"])
+@pytest.mark.parametrize("entries, words", [
+    ((float("nan"),), "scores contains NaN"),
+    ((float("-inf"), float("nan")), "scores contains NaN"),  # -inf beside a NaN: the NaN is named
+    ((float("inf"),), "scores contains +inf"),
+    ((float("-inf"), float("inf")), "scores contains +inf"),
+    ((float("nan"), float("inf")), "scores contains NaN"),
+])
+def test_one_bad_score_among_finite_and_masked_ones_is_named(domain, entries, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        sinkhorn(_scores_with(*entries), 3, domain=domain)
+
+
+@pytest.mark.parametrize("domain", ["log", "scaling"])
+def test_a_minus_inf_score_masks_its_entry_as_the_mask_does(domain):
+    """Scores told unmasked by their minimum and scores with a -inf entry take the same plan as an explicit mask."""
+    S = torch.randn(3, 5, 6, dtype=torch.float64)
+    masked = S.clone()
+    masked[1, 2, 3] = float("-inf")
+    mask = masked > float("-inf")
+    torch.testing.assert_close(sinkhorn(masked, 5, domain=domain), sinkhorn(S, 5, mask=mask, domain=domain),
+                               rtol=0, atol=1e-14)
+    P = sinkhorn(masked, 5, domain=domain)
+    assert P[1, 2, 3] == 0 and torch.isfinite(P).all()

@@ -221,10 +221,11 @@ def sort_matrix(
         raise ValueError(f"logits must be square (..., N_B, N_B), got shape {tuple(logits.shape)}")
     _check_sorting(sort_iters, temperature)
     n = logits.shape[-1]
-    x = logits
-    if gumbel:
-        x = x + gumbel_noise(x.shape, generator=generator, dtype=x.dtype, device=x.device)
-    x = x / temperature
+    if gumbel:  # (R + ε) / τ, formed in the noise's buffer
+        x = gumbel_noise(logits.shape, generator=generator, dtype=logits.dtype, device=logits.device)
+        x = x.add_(logits).div_(temperature)
+    else:
+        x = logits / temperature
 
     keep = torch.ones(n, n, dtype=torch.bool, device=x.device).triu() if causal else None  # eq. (6)
     if block_mask is not None:

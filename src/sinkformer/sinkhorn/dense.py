@@ -166,8 +166,8 @@ def sinkhorn(
     problem = _Problem.build(scores, mask, row_marginals, col_marginals)
     if domain == "scaling" and problem.x.numel():
         plan, trusted = problem.scaling_plan(n_iters)
-        plan = patched(plan, ~trusted[..., None, None], _log_domain_plan, scores, problem.x > float("-inf"),
-                       problem.a, problem.b, n_iters=n_iters)
+        plan = patched(plan, ~trusted[..., None, None], _log_domain_plan, scores, problem.x.detach(), problem.a,
+                       problem.b, n_iters=n_iters)
         return plan.to(scores.dtype)
     if warm_start is not None:
         check_tensor(warm_start, "warm_start", floating=True)
@@ -212,10 +212,11 @@ def sinkhorn(
 
 
 @exact_path
-def _log_domain_plan(scores: Tensor, keep: Tensor, a: Tensor, b: Tensor, *, n_iters: int) -> Tensor:
-    """:func:`sinkhorn` of ``scores`` in the log domain, with the mask and marginals its problem found
-    (an exact path of :func:`patched`): the same plan as the call without them."""
-    return sinkhorn(scores, n_iters, mask=keep, row_marginals=a, col_marginals=b)
+def _log_domain_plan(scores: Tensor, shifted: Tensor, a: Tensor, b: Tensor, *, n_iters: int) -> Tensor:
+    """:func:`sinkhorn` of ``scores`` in the log domain, with the mask (the finite entries of its problem's
+    ``shifted`` scores) and the marginals its problem found (an exact path of :func:`patched`): the same plan
+    as the call without them. The mask is made here, only for the calls that take this path."""
+    return sinkhorn(scores, n_iters, mask=shifted > float("-inf"), row_marginals=a, col_marginals=b)
 
 
 def _max_or_zero(x: Tensor) -> Tensor:
@@ -286,20 +287,9 @@ class _Problem:
         a = _check_marginal(a, "row_marginals", shape[:-1], x.dtype)
         b = _check_marginal(b, "col_marginals", shape[:-2] + shape[-1:], x.dtype)
 
-        keep = x > float("-inf")
-        if mask is not None:
-            check_tensor(mask, "mask", dtype_bool=True)
-            if not broadcastable(mask.shape, shape):
-                raise ValueError(
-                    f"mask must broadcast to the scores shape {shape}, got shape {tuple(mask.shape)}"
-                )
-            keep = keep & mask
-        if a is not None:
-            keep = keep & (a > 0).unsqueeze(-1)
-        if b is not None:
-            keep = keep & (b > 0).unsqueeze(-2)
+        keep = None if _unmasked(x, mask, a, b) else _kept(x, mask, a, b, shape)
         # under graph capture the masked form always runs (it is exact for unmasked scores too)
-        masked = _skip_data_checks() or not all_of(keep)
+        masked = _skip_data_checks() or (keep is not None and not all_of(keep))
         row_valid = any_along(keep, -1) if masked else None
         col_valid = any_along(keep, -2) if masked else None
         if data_checks_run(x, on_gpus=True):
@@ -309,12 +299,35 @@ class _Problem:
                 _check_feasible(row_marginals=(a, row_valid), col_marginals=(b, col_valid))
         a, b = marginals(row_valid, col_valid, shape, x, a, b)
         if masked:
-            x, row_shift, col_shift = double_shift(torch.where(keep, x, float("-inf")))
+            x, row_shift, col_shift = double_shift(torch.where(keep, x, float("-inf")), inplace=True)
             log_a, log_b = log_marginal(a, row_valid), log_marginal(b, col_valid)
         else:
             x, row_shift, col_shift = double_shift(x)
             log_a, log_b = log_marginal(a), log_marginal(b)
         return cls(x, row_shift, col_shift, a, b, log_a, log_b, row_valid, col_valid)
+
+
+def _unmasked(x: Tensor, mask: Tensor | None, a: Tensor | None, b: Tensor | None) -> bool:
+    """Whether no entry of the scores ``x`` is masked, told by one reduction (no mask, no marginals given,
+    no ``-inf`` score), not by a bool tile: on CPUs ``x > -inf`` and its reduction took 2.4 ms at
+    (128, 96, 96), the minimum 0.2 ms (informal). Never under graph capture (the masked form runs)."""
+    return (mask is None and a is None and b is None and not _skip_data_checks() and x.numel() > 0
+            and bool(x.amin() > float("-inf")))
+
+
+def _kept(x: Tensor, mask: Tensor | None, a: Tensor | None, b: Tensor | None, shape: tuple[int, ...]) -> Tensor:
+    """The entries that carry mass: a finite score, kept by ``mask``, on a row and a column of positive marginal."""
+    keep = x > float("-inf")
+    if mask is not None:
+        check_tensor(mask, "mask", dtype_bool=True)
+        if not broadcastable(mask.shape, shape):
+            raise ValueError(f"mask must broadcast to the scores shape {shape}, got shape {tuple(mask.shape)}")
+        keep = keep & mask
+    if a is not None:
+        keep = keep & (a > 0).unsqueeze(-1)
+    if b is not None:
+        keep = keep & (b > 0).unsqueeze(-2)
+    return keep
 
 
 def _floor(dtype: torch.dtype) -> float:
@@ -358,7 +371,7 @@ class _ScalingPlan(torch.autograd.Function):
         K = x.exp()  # masked entries: exp(-inf) = 0
         us, vs, sums, low = _scaling_iterates(K, v0, a, b, n_iters)
         us, vs = torch.cat(us, -2), torch.cat(vs, -2)
-        plan = us[..., -1:, :].mT * K * vs[..., -1:, :]
+        plan = torch.mul(K, us[..., -1:, :].mT).mul_(vs[..., -1:, :])
         return plan, us.amax((-2, -1)), vs.amax((-2, -1)), low, K, us, vs, torch.cat(sums, -1)
 
     @staticmethod
@@ -401,8 +414,9 @@ class _ScalingPlan(torch.autograd.Function):
                 dr = -dv * vs[t // 2] / total
                 X.append(us[t // 2 - 1]), Y.append(dr)
                 du, dv = dr @ K.mT if du is None else du + dr @ K.mT, None
-        dK = u.mT * dP * v + torch.cat(X, -2).mT @ torch.cat(Y, -2)
-        return K * dK, None, da, db, None
+        # dx = K ⊙ XᵀY + G ⊙ u ⊙ v, in the product's output: four passes over the tile with G's
+        dx = torch.matmul(torch.cat(X, -2).mT, torch.cat(Y, -2)).mul_(K)
+        return dx.addcmul_(G.mul_(u.mT), v), None, da, db, None
 
 
 def _check_totals(a: Tensor, b: Tensor) -> None:

@@ -187,7 +187,7 @@ def double_shift(x: Tensor, inplace: bool = False) -> tuple[Tensor, Tensor, Tens
     row_shift = _finite_or_zero(x.detach().amax(-1)) if x.shape[-1] else x.new_zeros(x.shape[:-1])
     x = x.sub_(row_shift.unsqueeze(-1)) if inplace else x - row_shift.unsqueeze(-1)
     col_shift = _finite_or_zero(x.detach().amax(-2)) if x.shape[-2] else x.new_zeros(x.shape[:-2] + x.shape[-1:])
-    x = x.sub_(col_shift.unsqueeze(-2)) if inplace else x - col_shift.unsqueeze(-2)
+    x = x.sub_(col_shift.unsqueeze(-2))  # x is the input only when inplace: one new tile at most
     return x, row_shift, col_shift
 
 
