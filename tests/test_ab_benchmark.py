@@ -151,3 +151,18 @@ def test_the_iterate_layout_paragraph_is_the_committed_runs():
     assert all(row["clock"] == "cpu" and row["rounds"] == 7 for row in many["rows"] + five["rows"])
     for run in (many, five):
         assert run["before"][:12] == "8eee9c40c2b5" and run["after"][:12] == "d7b2d3839c53"
+
+
+def test_the_sorting_without_bool_tiles_paragraph_is_the_committed_run():
+    """docs/speed.md's figures for the sorting without bool tiles are those of the committed ab run, two
+    commits of the history (before: the parent of after)."""
+    run = json.loads((ROOT / "benchmarks" / "results" / "ab_issue26_sort_tiles.json").read_text())
+    text = " ".join((ROOT / "docs" / "speed.md").read_text().split())
+    rows = {row["n"]: row for row in run["rows"]}
+    assert run["workload"] == "sort" and run["before"][:12] == "87b9852e433b" and run["after"][:12] == "5465e103b6e8"
+    assert all(row["clock"] == "cpu" and row["rounds"] == 11 for row in run["rows"])
+    assert "11 interleaved rounds on a noisy day (rounds on both sides of 1 at every size)" in text
+    assert all(row["ratio_min"] < 1 < row["ratio_max"] for row in run["rows"])
+    assert f"96 blocks the median is {rows[96]['ratio']:.3f}×" in text
+    largest = max(row["max_difference"] for row in run["rows"])
+    assert f"differences up to {largest:.1e}".replace("e-07", "e-7") in text
