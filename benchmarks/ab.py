@@ -18,6 +18,9 @@ lower decile of the repeats (the least disturbed ones) instead of the median wal
 with other virtual machines moves wall times by tens of percent from round to round, which hides the
 few percent of a change to the cost per call at short sequences.
 
+``--dropout P`` times the attention with ``dropout_p = P`` (training's weight dropout); the results are then
+compared from the same seed, so they are equal only when both trees draw the same masks.
+
 ``--workload sort`` times Sparse Sinkhorn Attention's block sorting instead:
 :func:`sinkformer.attention.sparse.sort_matrix` (``sort_iters = --iters``, temperature 0.75, ``--causal``:
 the causal, prefix-balanced sorting) forward and backward on ``(b, h, N_B, N_B)`` logits of spread 3,
@@ -49,6 +52,7 @@ from torch.profiler import ProfilerActivity, profile
 import sinkformer
 ns, n_iters, causal = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 shapes, what, workload, cpu = json.loads(sys.argv[4]), sys.argv[5], sys.argv[6], sys.argv[8] == "cpu"
+dropout = float(sys.argv[9])
 clock = time.thread_time if cpu else time.perf_counter
 count_ops = what == "ops"
 torch.manual_seed(0)
@@ -67,7 +71,7 @@ for n in ns:
         q, k, v = (torch.randn(b, h, n, 64, requires_grad=True) for _ in range(3))
         inputs = (q, k, v)
         def forward():
-            return sinkformer.attention(q, k, v, n_iters=n_iters, is_causal=causal)
+            return sinkformer.attention(q, k, v, n_iters=n_iters, is_causal=causal, dropout_p=dropout)
         def step():
             forward().sum().backward()
     if what == "results":  # the output and the gradients of a seeded cotangent, saved for the parent
@@ -104,7 +108,7 @@ def shapes(ns: list[int], heads: int | None = None, workload: str = "attention")
 
 def measure(tree: Path, ns: list[int], n_iters: int, causal: bool, threads: int | None,
             what: str = "time", heads: int | None = None, workload: str = "attention",
-            folder: Path | None = None, clock: str = "wall") -> dict[int, float]:
+            folder: Path | None = None, clock: str = "wall", dropout: float = 0.0) -> dict[int, float]:
     """Per n, in a fresh process on ``tree``: milliseconds of one forward+backward, median of the
     repeats (``what="time"``; ``clock="cpu"``: the lower decile of their CPU times), the aten calls of
     one forward+backward (``what="ops"``), or the path of a file in ``folder`` holding the output and
@@ -114,7 +118,8 @@ def measure(tree: Path, ns: list[int], n_iters: int, causal: bool, threads: int 
         env["OMP_NUM_THREADS"] = str(threads)
     shapes_json = json.dumps({str(n): shape for n, shape in shapes(ns, heads, workload).items()})
     done = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(ns), str(n_iters), "1" if causal else "0",
-                           shapes_json, what, workload, str(folder or ""), clock], env=env, capture_output=True,
+                           shapes_json, what, workload, str(folder or ""), clock, str(dropout)], env=env,
+                          capture_output=True,
                           text=True, check=True)
     return {int(n): value for n, value in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
@@ -139,25 +144,27 @@ def difference(before: str | Path, after: str | Path) -> float:
 
 def compare(before: Path, after: Path, ns: list[int], n_iters: int, causal: bool, rounds: int,
             threads: int | None = None, progress=print, heads: int | None = None,
-            workload: str = "attention", clock: str = "wall") -> list[dict]:
+            workload: str = "attention", clock: str = "wall", dropout: float = 0.0) -> list[dict]:
     """Per n: both trees' medians over rounds (ms), the per-round ratios after/before, the aten calls of
     one forward+backward in each tree (counted once: they do not vary) and the largest difference between
-    their results (``max_difference``: 0.0 when identical). ``heads``: instead of the table's heads."""
+    their results (``max_difference``: 0.0 when identical; with ``dropout``, the seed is the same, the masks
+    are each tree's own draw). ``heads``: instead of the table's heads."""
     times: dict[str, list[dict[int, float]]] = {"before": [], "after": []}
     for r in range(rounds):
         order = [("before", before), ("after", after)] if r % 2 == 0 else [("after", after), ("before", before)]
         for name, tree in order:
             times[name].append(measure(tree, ns, n_iters, causal, threads, heads=heads, workload=workload,
-                                       clock=clock))
+                                       clock=clock, dropout=dropout))
         progress(f"round {r + 1}/{rounds} done")
-    ops = {name: measure(tree, ns, n_iters, causal, threads, what="ops", heads=heads, workload=workload)
+    ops = {name: measure(tree, ns, n_iters, causal, threads, what="ops", heads=heads, workload=workload,
+                         dropout=dropout)
            for name, tree in (("before", before), ("after", after))}
     with tempfile.TemporaryDirectory() as folder:
         saved = {}
         for name, tree in (("before", before), ("after", after)):
             (Path(folder) / name).mkdir()
             saved[name] = measure(tree, ns, n_iters, causal, threads, what="results", heads=heads,
-                                  workload=workload, folder=Path(folder) / name)
+                                  workload=workload, folder=Path(folder) / name, dropout=dropout)
         differences = {n: difference(saved["before"][n], saved["after"][n]) for n in ns}
     sizes = shapes(ns, heads, workload)
     rows = []
@@ -167,7 +174,7 @@ def compare(before: Path, after: Path, ns: list[int], n_iters: int, causal: bool
                      "after_ms": statistics.median(t[n] for t in times["after"]), "ratio": statistics.median(ratios),
                      "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": rounds,
                      "before_ops": ops["before"][n], "after_ops": ops["after"][n],
-                     "max_difference": differences[n], "clock": clock})
+                     "max_difference": differences[n], "clock": clock, "dropout": dropout})
     return rows
 
 
@@ -184,7 +191,9 @@ def source(tree: Path) -> str:
 
 def table(rows: list[dict], n_iters: int, causal: bool, trees: tuple[str, str] | None = None,
           workload: str = "attention") -> str:
-    what = (f"{'causal ' if causal else ''}Sinkhorn, n_iters={n_iters}, forward+backward, float32, d=64"
+    dropout = rows[0].get("dropout", 0.0)
+    what = (f"{'causal ' if causal else ''}Sinkhorn, n_iters={n_iters}"
+            f"{f', dropout_p={dropout:g}' if dropout else ''}, forward+backward, float32, d=64"
             if workload == "attention" else f"{'causal ' if causal else ''}block sorting (sort_matrix), "
             f"sort_iters={n_iters}, forward+backward, float32 logits, n = N_B")
     clock = ("; each round: the lower decile of its repeats' CPU times, one thread"
@@ -221,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"of {sorted(SORT_SHAPES)})")
     parser.add_argument("--iters", type=int, default=5, help="Sinkhorn iterations (default 5)")
     parser.add_argument("--causal", action="store_true", help="is_causal=True")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout_p of the attention workload (default 0)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS of the workers (default: torch's)")
     parser.add_argument("--heads", type=int, help="heads of every n (default: the table's, e.g. 8)")
@@ -231,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.clock == "cpu" and args.threads != 1:
         parser.error(f"--clock cpu counts the calling thread only: it needs --threads 1, got --threads {args.threads}")
+    if not 0.0 <= args.dropout < 1.0 or (args.dropout and args.workload != "attention"):
+        parser.error(f"--dropout must be in [0, 1), with --workload attention, got {args.dropout} "
+                     f"(--workload {args.workload})")
     if args.heads is not None and args.heads < 1:
         parser.error(f"--heads must be >= 1, got {args.heads}")
     sizes = WORKLOADS[args.workload]
@@ -243,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name} must be a source tree with src/sinkformer, got {str(tree)!r}")
     rows = compare(args.before.resolve(), args.after.resolve(), args.n, args.iters, args.causal, args.rounds,
                    args.threads, progress=lambda s: print(s, file=sys.stderr), heads=args.heads,
-                   workload=args.workload, clock=args.clock)
+                   workload=args.workload, clock=args.clock, dropout=args.dropout)
     trees = (source(args.before), source(args.after))
     text = table(rows, args.iters, args.causal, trees, args.workload)
     print(text)

@@ -23,7 +23,7 @@ def test_rounds_alternate_the_trees_and_ratios_are_per_round(monkeypatch):
     calls = []
 
     def fake(tree, ns, n_iters, causal, threads, what="time", heads=None, workload="attention", folder=None,
-             clock="wall"):
+             clock="wall", dropout=0.0):
         if what == "ops":
             return {n: n + (1 if tree.name == "after" else 0) for n in ns}
         if what == "results":  # the trees agree at n = 16 and differ by 1e-3 at n = 64
@@ -51,7 +51,7 @@ def test_heads_replace_the_tables_and_scale_the_repeats(monkeypatch):
     assert ab.shapes([4096, 64]) == {4096: ab.SHAPES[4096], 64: ab.SHAPES[64]}
     assert ab.shapes([4096, 64], heads=2) == {4096: (1, 2, 4), 64: (4, 2, 120)}
     monkeypatch.setattr(ab, "measure", lambda tree, ns, *a, what="time", heads=None, workload="attention", folder=None,
-                        clock="wall": {n: _saved(folder, n, torch.zeros(1)) if what == "results" else 1.0 for n in ns})
+                        clock="wall", dropout=0.0: {n: _saved(folder, n, torch.zeros(1)) if what == "results" else 1.0 for n in ns})
     rows = ab.compare(Path("/x/before"), Path("/x/after"), [4096], 5, False, rounds=2, progress=lambda s: None, heads=2)
     assert "| 4096 | 1 × 2 |" in ab.table(rows, 5, False)
     with pytest.raises(SystemExit):
@@ -62,7 +62,7 @@ def test_cpu_clock_reaches_the_workers_and_the_table_and_needs_one_thread(monkey
     clocks = []
 
     def fake(tree, ns, n_iters, causal, threads, what="time", heads=None, workload="attention", folder=None,
-             clock="wall"):
+             clock="wall", dropout=0.0):
         if what == "results":
             return {n: _saved(folder, n, torch.zeros(1)) for n in ns}
         clocks.append((what, clock))
@@ -76,6 +76,31 @@ def test_cpu_clock_reaches_the_workers_and_the_table_and_needs_one_thread(monkey
     assert "CPU times" not in ab.table([dict(r, clock="wall") for r in rows], 5, False)
     with pytest.raises(SystemExit):
         ab.main(["--before", str(ROOT), "--clock", "cpu"])  # CPU time of one thread: --threads 1 only
+
+
+def test_dropout_reaches_the_workers_and_the_table_and_the_attention_calls(monkeypatch):
+    """``--dropout P``: every measurement of both trees runs ``dropout_p = P`` (a real worker too: its
+    forward+backward with dropout makes more aten calls than without), the table says so, and a value outside
+    [0, 1) or with the sort workload is refused."""
+    seen = []
+
+    def fake(tree, ns, n_iters, causal, threads, what="time", heads=None, workload="attention", folder=None,
+             clock="wall", dropout=0.0):
+        seen.append((what, dropout))
+        return {n: _saved(folder, n, torch.zeros(1)) if what == "results" else 1.0 for n in ns}
+
+    monkeypatch.setattr(ab, "measure", fake)
+    rows = ab.compare(Path("/x/before"), Path("/x/after"), [16], 5, False, rounds=2, progress=lambda s: None,
+                      dropout=0.1)
+    assert {d for _, d in seen} == {0.1} and {w for w, _ in seen} == {"time", "ops", "results"}
+    assert "Sinkhorn, n_iters=5, dropout_p=0.1, forward+backward" in ab.table(rows, 5, False)
+    assert "dropout_p" not in ab.table([dict(r, dropout=0.0) for r in rows], 5, False)
+    monkeypatch.undo()
+    plain, dropped = (ab.measure(ROOT, [16], 3, False, threads=1, what="ops", dropout=p)[16] for p in (0.0, 0.1))
+    assert dropped > plain
+    for bad in (["--dropout", "1.0"], ["--dropout", "0.1", "--workload", "sort"]):
+        with pytest.raises(SystemExit):
+            ab.main(["--before", str(ROOT), *bad])
 
 
 def test_one_measurement_runs_the_tree_it_is_given():

@@ -237,8 +237,8 @@ def dropout_masks(seed, shape, group, p):
     masks = []
     for start in range(0, B, group):
         gen = torch.Generator().manual_seed(base + start)
-        like = torch.empty((min(B, start + group) - start,) + shape[1:], dtype=torch.float64)
-        masks.append(like.bernoulli_(1 - p, generator=gen).div_(1 - p))
+        uniforms = torch.rand((min(B, start + group) - start,) + shape[1:], generator=gen, dtype=torch.float64)
+        masks.append((uniforms >= p).double().div_(1 - p))
     return torch.cat(masks)
 
 
@@ -364,3 +364,22 @@ def test_the_eager_backward_skips_the_backward_op_with_the_same_gradients(monkey
     assert not {f"sinkformer::{backend}_backward", f"sinkformer::{backend}_forward"} & eager_ops
     for a, b in zip(eager, through_ops):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_the_dropout_mask_keeps_each_entry_with_probability_one_minus_p_and_is_seeded(dtype):
+    """Entries are 0 or 1 / (1 - p) in the mask's dtype; the kept fraction of 2^20 entries is within 6 standard
+    deviations of 1 - p (uniforms drawn in at least float32, so bfloat16 does not coarsen p); the same seed and
+    group start give the same mask (the backward draws it again), another start another mask."""
+    from sinkformer.sinkhorn.scaling import dropout_mask
+
+    p, like, seed = 0.1, torch.empty(0, dtype=dtype), torch.tensor([12345])
+    mask = dropout_mask((4, 512, 512), like, p, seed, start=8)
+    assert mask.dtype == dtype and mask.shape == (4, 512, 512)
+    scaled = torch.ones((), dtype=dtype).div_(1 - p)
+    assert set(mask.unique().tolist()) == {0.0, scaled.item()}
+    kept = (mask != 0).double().mean().item()
+    assert abs(kept - (1 - p)) < 6 * (p * (1 - p) / mask.numel()) ** 0.5
+    assert torch.equal(mask, dropout_mask((4, 512, 512), like, p, seed, start=8))
+    assert not torch.equal(mask, dropout_mask((4, 512, 512), like, p, seed, start=12))
+    assert dropout_mask((4, 512, 512), like, 0.0, seed, start=8) is None

@@ -211,11 +211,16 @@ def _pad_cat(parts: list[Tensor]) -> Tensor:
 
 def dropout_mask(shape: tuple[int, int, int], like: Tensor, p: float, seed: Tensor | None,
                  start: int) -> Tensor | None:
-    """The scaled Bernoulli keep-mask ``(c, n, m)`` of the group starting at ``start`` (or None)."""
+    """The scaled Bernoulli keep-mask ``(c, n, m)`` of the group starting at ``start`` (or None): entry
+    :math:`[U \ge p] / (1 - p)` of uniforms :math:`U` drawn in at least float32 (in ``like``'s dtype and device).
+    ``torch.rand`` and an in-place comparison, not ``bernoulli_``: on CPUs its per-entry draw took
+    twice the time of the uniforms' (``benchmarks/results/ab_issue26_dropout.md``)."""
     if not p:
         return None
     generator = torch.Generator(device=like.device).manual_seed(int(seed.item()) + start)
-    return like.new_empty(shape).bernoulli_(1.0 - p, generator=generator).div_(1.0 - p)
+    draw = torch.rand(shape, generator=generator, dtype=torch.promote_types(like.dtype, torch.float32),
+                      device=like.device)
+    return draw.ge_(p).to(like.dtype).div_(1.0 - p)
 
 
 # ------------------------------------------------------------------------------------------------
