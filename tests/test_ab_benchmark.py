@@ -191,3 +191,18 @@ def test_the_sorting_without_bool_tiles_paragraph_is_the_committed_run():
     assert f"96 blocks the median is {rows[96]['ratio']:.3f}×" in text
     largest = max(row["max_difference"] for row in run["rows"])
     assert f"differences up to {largest:.1e}".replace("e-07", "e-7") in text
+
+
+def test_the_dropout_masks_paragraph_is_the_committed_run():
+    """docs/speed.md's figures for the dropout masks are those of the committed ab run (before: the parent of
+    after), timed with dropout."""
+    run = json.loads((ROOT / "benchmarks" / "results" / "ab_issue26_dropout.json").read_text())
+    text = " ".join((ROOT / "docs" / "speed.md").read_text().split())
+    rows = {row["n"]: row for row in run["rows"]}
+    assert run["before"][:12] == "3bb3b7781e56" and run["after"][:12] == "b83e30d3d451"
+    assert all(row["clock"] == "cpu" and row["rounds"] == 7 and row["dropout"] == 0.1 for row in run["rows"])
+    assert "`python -m benchmarks ab --dropout 0.1`, one thread, CPU time, 7 interleaved rounds" in text
+    assert (f"The median ratio is {rows[256]['ratio']:.3f}× at n = 256 (every round below 1) and "
+            f"{rows[64]['ratio']:.3f}× and {rows[1024]['ratio']:.3f}× at n = 64 and 1024 (rounds on both sides of 1)"
+            ) in text
+    assert rows[256]["ratio_max"] < 1 and all(rows[n]["ratio_min"] < 1 < rows[n]["ratio_max"] for n in (64, 1024))

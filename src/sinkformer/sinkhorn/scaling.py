@@ -213,8 +213,8 @@ def dropout_mask(shape: tuple[int, int, int], like: Tensor, p: float, seed: Tens
                  start: int) -> Tensor | None:
     """The scaled Bernoulli keep-mask ``(c, n, m)`` of the group starting at ``start`` (or None): entry
     :math:`[U \ge p] / (1 - p)` of uniforms :math:`U` drawn in at least float32 (in ``like``'s dtype and device).
-    ``torch.rand`` and an in-place comparison, not ``bernoulli_``: on CPUs its per-entry draw took
-    twice the time of the uniforms' (``benchmarks/results/ab_issue26_dropout.md``)."""
+    ``torch.rand`` and an in-place comparison, not ``bernoulli_``, PyTorch's slow path on CPUs (whole calls
+    with dropout before and after: ``benchmarks/results/ab_issue26_dropout.md``)."""
     if not p:
         return None
     generator = torch.Generator(device=like.device).manual_seed(int(seed.item()) + start)
