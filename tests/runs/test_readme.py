@@ -75,6 +75,16 @@ def test_the_headline_counts_only_the_paper_claims_before_and_after_holm():
     assert readme.render_summary(data) == readme.render_headline(data, "docs/experiments.md#what-the-quick-runs-found")
 
 
+def test_the_headline_gives_the_machines_speed_beside_the_runs_time():
+    """The run's time is read with its calibration step (the machine's speed then); a digest without one says none."""
+    data = _digest({"a": [_comparison([1.0, 1.1, 0.9, 1.2, 1.0, 1.05], CLAIM)]})
+    data.update(seconds=1155, calibration={"step_ms": 7.022, "threads": 1, "workload": "torch-encoder-layer-1"})
+    assert ("experiments in 19 min 15 s (a training step of PyTorch's own encoder layer, the suite's calibration, "
+            "took 7.02 ms at its start: the machine's speed then). ") in readme.render_headline(data)
+    data["calibration"] = None
+    assert "experiments in 19 min 15 s. " in readme.render_headline(data)
+
+
 def test_an_old_digest_renders_its_comparisons_as_unclassified():
     old = _digest({"a": [_comparison([1.0, 1.1, 0.9, 1.2, 1.0, 1.05], CLAIM)]})
     for c in old["experiments"][0]["comparisons"]:

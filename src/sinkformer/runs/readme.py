@@ -112,6 +112,15 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _speed(calibration: dict[str, Any] | None) -> str:
+    """The machine's speed during a run, beside its time: its calibration step (:func:`~.suite.calibration`,
+    the measure ``sinkformer run`` scales its estimate by), which moves from run to run on a shared machine."""
+    if not calibration or "step_ms" not in calibration:
+        return ""
+    return (f" (a training step of PyTorch's own encoder layer, the suite's calibration, took "
+            f"{calibration['step_ms']:.2f} ms at its start: the machine's speed then)")
+
+
 def render_headline(data: dict[str, Any], link: str = "#what-the-quick-runs-found") -> str:
     """What the quick forms are and what the committed run found, counted by kind: the first lines of
     docs/experiments.md and of the README's results (``link``: where every comparison is)."""
@@ -124,7 +133,8 @@ def render_headline(data: dict[str, Any], link: str = "#what-the-quick-runs-foun
     seeds_text = (f"{seeds[0]} seeds each" if len(seeds) == 1 else f"{seeds[0]}–{seeds[-1]} seeds each") if seeds else ""
     return (
         f"{QUICK_FORMS} The committed quick run ({data['started'][:10]}, {data['provenance']['cpu_count']} CPU cores, "
-        f"{data['jobs']} worker processes) ran all {len(data['experiments'])} experiments in {minutes} min {seconds} s. "
+        f"{data['jobs']} worker processes) ran all {len(data['experiments'])} experiments in {minutes} min {seconds} s"
+        f"{_speed(data.get('calibration'))}. "
         f"**{counts['by_kind'][CLAIM]} of its {counts['comparisons']} paired comparisons** ({seeds_text}) **test a "
         f"claim of the papers at the papers' settings**: by the 95 % interval "
         + ", ".join(f"**{n} {v}**" for v, n in claims.items())
