@@ -212,7 +212,7 @@ def _pad_cat(parts: list[Tensor]) -> Tensor:
 def dropout_mask(shape: tuple[int, int, int], like: Tensor, p: float, seed: Tensor | None,
                  start: int) -> Tensor | None:
     """The scaled Bernoulli keep-mask ``(c, n, m)`` of the group starting at ``start`` (or None): entry
-    :math:`[U \ge p] / (1 - p)` of uniforms :math:`U` drawn in at least float32 (in ``like``'s dtype and device).
+    :math:`[U \\ge p] / (1 - p)` of uniforms :math:`U` drawn in at least float32 (in ``like``'s dtype and device).
     ``torch.rand`` and an in-place comparison, not ``bernoulli_``, PyTorch's slow path on CPUs (whole calls
     with dropout before and after: ``benchmarks/results/ab_issue26_dropout.md``)."""
     if not p:
