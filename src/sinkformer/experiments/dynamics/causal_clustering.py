@@ -96,7 +96,7 @@ def figure(results: dict, cfg: dict):
     "causal-clustering",
     description="Causal SoftMax and causal Sinkhorn attention on the sphere: every token converges to the first",
     paper="Karagodin, Polyanskiy, Rigollet, Clustering in causal attention masking",
-    quick_minutes=0.08,
+    quick_minutes=0.4,
     full_minutes=10.0,
     defaults={"betas": [1.0, 4.0], "n_systems": 24, "n_tokens": 32, "d": 3, "t1": 60.0, "dt": 0.1,
               "record_every": 5, "seed": 0},

@@ -68,7 +68,7 @@ def _ellipse(cov: torch.Tensor, center, scale: float):
     "drifting",
     description="Gaussian drifting-model covariance paths toward rotated targets (ellipses along the path)",
     paper="Castin et al. 2025, Appendix B, Figure 5",
-    quick_minutes=0.13,
+    quick_minutes=0.05,
     full_minutes=2.0,
     defaults={"n_targets": 5, "anisotropies": [4.0, 16.0], "t1": 12.0, "steps": 600, "n_particles": 2000, "seed": 0},
     full={"n_particles": 10000},

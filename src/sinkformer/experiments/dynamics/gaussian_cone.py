@@ -194,7 +194,7 @@ def _summary(name: str, out: G.GaussianFlow, q: torch.Tensor) -> dict:
     "gaussian-cone",
     description="2-D covariance trajectories in the PSD cone: convergence to 0, to a line, to a plane; divergence",
     paper="Castin et al. 2025, Figures 2, 3 and 10",
-    quick_minutes=0.47,
+    quick_minutes=0.15,
     full_minutes=4.0,
     defaults={"grid": 9, "grid_diverge": 11, "seed": 36, "max_time": 300.0, "max_time_diverge": 60.0,
               "blowup": 1e3, "stop_below": 1e-5, "n_particles_check": 1000},

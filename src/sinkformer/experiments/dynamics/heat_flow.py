@@ -123,7 +123,7 @@ def figure(eps_one, eps_multi, gauss, eps_p_one, eps_p_multi, parts, n, sizes, f
     "heat-flow",
     description="W2 between Sinkformer layers (Schrödinger-bridge steps) and the heat flow vs eps: slopes 3 and 2",
     paper="Agarwal et al., Pretrained Transformers are Heat Flows (poster)",
-    quick_minutes=0.13,
+    quick_minutes=0.08,
     full_minutes=10.0,
     defaults={"n_particles": 1000, "eps_particles_one": [0.4, 0.2, 0.1, 0.05], "eps_particles_multi": [0.4, 0.2, 0.1],
               "horizon": 1.0, "floor_sizes": [250, 1000], "floor_eps": 0.1, "seed": 0},

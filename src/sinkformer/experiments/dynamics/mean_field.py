@@ -97,7 +97,7 @@ def masked_errors(ns: list[int], n_reference: int, levels: int, t1: float, steps
     "mean-field",
     description="Particle systems converge to the Gaussian moment ODE as N grows (slope -1/2); masked: conditional W2",
     paper="Castin et al. 2025, §3 (mean-field limit, Thm 3.3, Def. 3.2) and §4",
-    quick_minutes=0.23,
+    quick_minutes=0.15,
     full_minutes=20.0,
     defaults={"ns": [100, 300, 1000, 3000], "ns_sinkhorn": [100, 300, 1000], "reps": 6, "t1": 1.0, "steps": 10,
               "ns_masked": [100, 300, 1000], "n_reference": 2000, "levels": 5, "seed": 0},

@@ -98,7 +98,7 @@ def figure(hists: dict, dims: list[int], kind_label: str):
     "rank-histograms",
     description="Histograms of the ranks of limiting covariances in d = 3, 4, 5 (Softmax and L2)",
     paper="Castin et al. 2025, Figures 4 and 11",
-    quick_minutes=0.63,
+    quick_minutes=0.2,
     full_minutes=10.0,
     defaults={"dims": [3, 4, 5], "n_per_dim": 30, "horizon": 1e4, "seed": 40},
     full={"n_per_dim": 100, "horizon": 1e5},

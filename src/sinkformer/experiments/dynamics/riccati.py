@@ -115,7 +115,7 @@ def figure(results: dict):
     "riccati",
     description="Riccati covariance of Softmax attention: closed form vs ODE vs particles, clustering vs blow-up",
     paper="Castin et al. 2025, Figure 1",
-    quick_minutes=0.33,
+    quick_minutes=0.12,
     full_minutes=5.0,
     defaults={"n_particles": 1000, "steps": 50, "seed": 0},
     full={"n_particles": 20000, "steps": 100},

@@ -83,7 +83,7 @@ def _density(grid: torch.Tensor, var: float) -> torch.Tensor:
     "sinkformer-diffusion",
     description="eps-rescaled Sinkhorn attention spreads like the heat equation with factor 1/2; SoftMax does not",
     paper="Sinkformers (Sander et al. 2022), Theorem 1 vs Proposition 4; docs/theory.md §12",
-    quick_minutes=0.13,
+    quick_minutes=0.06,
     full_minutes=5.0,
     defaults={"n_particles": 1000, "eps": 0.1, "t1": 0.5, "steps": 20, "seed": 0},
     full={"n_particles": 8000, "eps": 0.05, "steps": 40},

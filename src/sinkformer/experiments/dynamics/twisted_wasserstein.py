@@ -89,7 +89,7 @@ def figure(results: dict, cfg: dict):
     "twisted-wasserstein",
     description="Castin et al. §5.4: F0 grows along the SoftMax flow at the twisted-Wasserstein rate",
     paper="Castin et al. 2025, §5.4 (twisted Wasserstein gradient flow)",
-    quick_minutes=0.07,
+    quick_minutes=0.2,
     full_minutes=2.0,
     defaults={"n_particles": 30, "t1": 1.0, "steps": [10, 20, 40, 80], "seed": 0},
     full={"n_particles": 200, "steps": [10, 20, 40, 80, 160]},

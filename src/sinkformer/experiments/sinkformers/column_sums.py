@@ -141,7 +141,7 @@ def _full_cost(cfg: dict) -> list:
     cost=_full_cost,
     description="column sums of a Transformer's attention matrices at several epochs of training",
     paper="Sinkformers, Figure 2",
-    quick_minutes=0.4,
+    quick_minutes=0.2,
     full_minutes=120.0,
     defaults={
         "seed": 0,

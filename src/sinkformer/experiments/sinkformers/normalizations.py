@@ -193,7 +193,7 @@ def plot(result: NormalizationsResult, path: str | Path) -> Path:
     "normalizations",
     description="K0, K1 (SoftMax) and Kinf (Sinkhorn) on two point clouds",
     paper="Sinkformers, Figure 1",
-    quick_minutes=0.02,
+    quick_minutes=0.01,
     defaults={"n_points": 10, "seed": 0},
 )
 def run(ctx: Run) -> None:
