@@ -100,3 +100,33 @@ def test_what_the_row_blocks_cannot_serve_is_refused_by_name():
         causal_block_attention(Problem(q, k, v, None, torch.zeros(2, 8, 8, dtype=q.dtype), (2,), 1.0, 3))
     with pytest.raises(ValueError, match=r"key padding mask only \(keep of shape \(\.\.\., 1, n\)\), got keep of shape"):
         causal_block_attention(Problem(q, k, v, torch.ones(2, 8, 8, dtype=torch.bool), None, (2,), 1.0, 3))
+
+
+@pytest.mark.parametrize("n_iters", [2, 3])
+@pytest.mark.parametrize("spread", [1.0, 40.0])  # 40: some rows' sums underflow float32
+def test_the_minimum_shortcut_is_the_bool_tiles_bit_for_bit(monkeypatch, n_iters, spread):
+    """Without padding a block adds 1 to its future entries and reads one minimum, taking the bool tiles
+    of prefix.safe_sums only when a sum is small: the output, the rows flagged and the gradients are those
+    of the bool tiles everywhere (forced here by pretending to capture a graph), bit for bit."""
+    monkeypatch.setattr(causal_blocks, "BLOCK_SCORES", 1)  # blocks of 32 rows
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(4, 90, 6, generator=g) for _ in range(3))
+    q = spread * q
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, inexact = blocks(*leaves, None, 1.0, n_iters)
+        return (out, inexact) + torch.autograd.grad(out.square().sum(), leaves)
+
+    fast = run()
+    monkeypatch.setattr(causal_blocks, "capturing", lambda: True)
+    tiles = run()
+    assert bool(fast[1].any()) == (spread > 1)
+    for a, b in zip(fast, tiles):
+        assert torch.equal(a, b)
+
+
+def test_an_empty_batch_gives_empty_outputs():
+    q, k, v = (torch.randn(0, 40, 4) for _ in range(3))
+    out, inexact = blocks(q, k, v, None, 1.0, 3)
+    assert out.shape == (0, 40, 4) and inexact.shape == (0, 40)

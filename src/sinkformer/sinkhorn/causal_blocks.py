@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .prefix import cumsum_rows, inverse_count_sums, scaled_rows
+from .._capture import capturing
+from .prefix import cumsum_rows, inverse_count_sums, safe_sums, scaled_by_sums, small_sums_below
 from .problem import Problem
 
 __all__ = ["causal_block_attention", "key_mask", "BLOCK_SCORES", "BLOCK_ROWS"]
@@ -92,8 +93,9 @@ class _RowBlocks:
     def block(self, start: int, end: int, carry: Tensor, flags: bool = True) -> dict:
         """Rows ``[start, end)`` against keys ``[0, end)``: ``R``, the last row of ``C`` (with ``carry``, the
         column sums of the rows before: the next block's carry), ``b`` and what :func:`~.prefix.scaled_rows`
-        makes of them, in place of ``C`` (``flags``: with the rows to replace, which the backward does not
-        need)."""
+        makes of them, in place of ``C``. ``flags`` (the forward): with the rows to replace, and the weights
+        ``P`` formed in ``R``'s buffer (``R`` and ``ratio`` are then ``None``); the backward needs all but
+        the flags."""
         q, k = self.q[:, start:end], self.k[:, :end]
         S = torch.baddbmm(q.new_empty(()), q, k.transpose(1, 2), beta=0.0, alpha=self.scale)
         t = torch.arange(start, end, device=q.device).unsqueeze(-1)
@@ -107,11 +109,31 @@ class _RowBlocks:
         if self.row_valid is not None:  # a row without a kept key: NaN from the softmax, no mass
             R = torch.where(self.row_valid[:, start:end].unsqueeze(-1), R, 0.0)
         C = cumsum_rows(R).add_(carry[:, :end].unsqueeze(-2))
-        last = C[:, -1].clone() if flags else None  # the forward's next carry, before scaled_rows adds 1
+        last = C[:, -1].clone() if flags else None  # the forward's next carry, before 1 is added to small sums
         b = (self.H[:, start:end].unsqueeze(-1) - self.H_before[:, :end].unsqueeze(-2)).to(R.dtype)
-        P, safe_C, ratio, total, inexact = scaled_rows(R, C, allowed if flags else None, b, self.n_iters == 3,
-                                                       self.q.shape[1], inplace=True)
-        return dict(R=R, last=last, safe_C=safe_C, ratio=ratio, b=b, P=P, total=total, inexact=inexact)
+        safe_C, inexact = self._safe_sums(C, start, allowed if flags else None)
+        # the forward needs the weights only: the ratio R / C and then the weights in R's buffer
+        P, ratio, total = scaled_by_sums(R, safe_C, b, self.n_iters == 3, inplace=True, ratio_in_R=flags)
+        return dict(R=None if flags else R, last=last, safe_C=safe_C, ratio=ratio, b=b, P=P, total=total,
+                    inexact=inexact)
+
+    def _safe_sums(self, C: Tensor, start: int, needed: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """:func:`~.prefix.safe_sums` of a block's sums ``C`` ``(B, r, end)`` in place, and its inexact rows
+        (``None`` with ``needed`` None, or when none is).
+
+        Without padding, the entries off ``needed`` are the block's future keys ``j > t``, inside its own
+        columns ``[start, end)``: 1 is added there, after which one minimum tells whether any sum is small,
+        which is rare. Bool tiles of the block's size (a comparison, its reduction and the bool's
+        conversion) cost several times that minimum on the CPU."""
+        if self.keys is not None or capturing():  # (no data-dependent branch in a graph)
+            return safe_sums(C, needed, self.q.shape[1], inplace=True)
+        rows = C.shape[-2]
+        if not C.numel():
+            return C, None
+        C[..., start:].add_(torch.ones(rows, rows, dtype=C.dtype, device=C.device).triu_(1))
+        if bool(C.amin() >= small_sums_below(C.dtype, self.q.shape[1])):  # NaN: the general path
+            return C, None
+        return safe_sums(C, needed, self.q.shape[1], inplace=True)
 
 
 class _CausalBlocks(torch.autograd.Function):
@@ -127,7 +149,8 @@ class _CausalBlocks(torch.autograd.Function):
             carries.append(carry.clone())
             blk = problem.block(start, end, carry)
             out[:, start:end] = torch.bmm(blk["P"], v[:, :end])  # (not out=: torch.export refuses it)
-            inexact[:, start:end] = blk["inexact"]
+            if blk["inexact"] is not None:
+                inexact[:, start:end] = blk["inexact"]
             carry[:, :end] = blk["last"]
         return out, inexact, torch.stack(carries) if carries else q.new_zeros(0, B, n)
 

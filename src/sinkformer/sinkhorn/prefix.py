@@ -60,7 +60,7 @@ from .._validation import _skip_data_checks, broadcastable, check_positive_int, 
 from .problem import log_marginal, trusted_scalings
 
 __all__ = ["MARGINALS", "prefix_sinkhorn", "prefix_column_marginals", "log_matmul", "log_cumsum_exp", "cumsum_rows", "scaled_rows",
-           "inverse_count_sums"]
+           "safe_sums", "scaled_by_sums", "small_sums_below", "inverse_count_sums"]
 
 MARGINALS = ("causal", "uniform")
 #: Fewest rows for which the scaling domain divides by :class:`_Quotient`, whose memory matters for long
@@ -287,25 +287,47 @@ def scaled_rows(R: Tensor, C: Tensor, needed: Tensor | None, b: Tensor, normalis
     after 2 (3) iterations from the row SoftMax ``R`` and its cumulative column sums ``C``.
 
     ``needed``: bool, the entries with mass (causal and kept), broadcastable to ``C``, which is exactly 0
-    off them (``R`` is 0 there); an entry whose ``C`` is below ``terms * tiny / eps`` is inexact (terms
-    lost to underflow could exceed its rounding). Returns the weights, the ``C`` used (1 added where
-    ``C`` is that small: off ``needed``, where ``R`` is 0, and on inexact entries, whose row is
-    replaced: every ratio finite), the ratio ``R / C``, the row totals (``None`` without ``normalise``)
-    and the ``(..., rows)`` bool of rows with an inexact entry (``None`` when ``needed`` is: not
-    flagged). ``inplace`` (no autograd): the ``C`` used is ``C`` itself, and the weights are normalised
-    in place. ``b (R / C)``, not ``R (b / C)``: ``R_tj <= C_tj``, so a backward's ``(R / C) / C`` stays
-    finite where ``b / C^2`` would not."""
-    info = torch.finfo(C.dtype)
-    small = C.detach() < terms * info.tiny / info.eps  # every entry off `needed` (C = 0 there), and the inexact
+    off them (``R`` is 0 there). Returns the weights, the ``C`` used (:func:`safe_sums`), the ratio
+    ``R / C``, the row totals (``None`` without ``normalise``) and the ``(..., rows)`` bool of rows with
+    an inexact entry (``None`` when ``needed`` is: not flagged). ``inplace`` (no autograd): the ``C``
+    used is ``C`` itself, and the weights are normalised in place."""
+    safe_C, inexact_rows = safe_sums(C, needed, terms, inplace)
+    A, ratio, total = scaled_by_sums(R, safe_C, b, normalise, inplace)
+    return A, safe_C, ratio, total, inexact_rows
+
+
+def small_sums_below(dtype: torch.dtype, terms: int) -> float:
+    """The column sum below which an entry of :func:`scaled_rows` is inexact: ``terms * tiny / eps``
+    (terms lost to underflow could then exceed its rounding)."""
+    info = torch.finfo(dtype)
+    return terms * info.tiny / info.eps
+
+
+def safe_sums(C: Tensor, needed: Tensor | None, terms: int, inplace: bool = False) -> tuple[Tensor, Tensor | None]:
+    """The cumulative column sums ``C`` with 1 added where they are below :func:`small_sums_below`: off
+    ``needed``, where they are 0, and on inexact entries, whose row is replaced (every ratio of
+    :func:`scaled_by_sums` then finite); and the ``(..., rows)`` bool of rows with an inexact entry
+    (``None`` when ``needed`` is). ``inplace``: added in ``C`` itself."""
+    small = C.detach() < small_sums_below(C.dtype, terms)  # every entry off `needed` (C = 0 there), and the inexact
     inexact_rows = None if needed is None else (needed & small).any(-1)
-    safe_C = C.add_(small) if inplace else C + small
-    ratio = R / safe_C
-    A = b * ratio
+    return (C.add_(small) if inplace else C + small), inexact_rows
+
+
+def scaled_by_sums(R: Tensor, safe_C: Tensor, b: Tensor, normalise: bool, inplace: bool = False,
+                   ratio_in_R: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    r""":math:`A = b \odot (R / C)` and, when ``normalise``, :math:`A / A\mathbf 1` (the total 1 where it is
+    0), from ``safe_C`` (no zero entry, :func:`safe_sums`): the weights, the ratio ``R / C`` and the row
+    totals ``(..., rows, 1)`` (``None`` without ``normalise``). ``inplace``: the weights normalised in place;
+    ``ratio_in_R`` (no autograd): the ratio and then the weights are formed in ``R``'s buffer, and the ratio
+    is not returned. ``b (R / C)``, not ``R (b / C)``: ``R_tj <= C_tj``, so a backward's ``(R / C) / C``
+    stays finite where ``b / C^2`` would not."""
+    ratio = R.div_(safe_C) if ratio_in_R else R / safe_C
+    A = ratio.mul_(b) if ratio_in_R else b * ratio
     if not normalise:
-        return A, safe_C, ratio, None, inexact_rows
+        return A, None if ratio_in_R else ratio, None
     total = A.sum(-1, keepdim=True)
     total = torch.where(total > 0, total, 1.0)
-    return A.div_(total) if inplace else A / total, safe_C, ratio, total, inexact_rows
+    return (A.div_(total) if inplace or ratio_in_R else A / total), None if ratio_in_R else ratio, total
 
 
 #: Rows per triangular product of cumsum_rows: fewer rows, fewer products by zero. Informal timings, one
