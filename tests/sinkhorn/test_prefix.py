@@ -347,6 +347,20 @@ def test_cumsum_rows_is_torch_cumsum_over_rows_with_two_derivatives(shape):
     assert torch.autograd.gradgradcheck(cumsum_rows, (x,))
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("shape", [(3, 1, 5), (2, 3, 7, 4), (1, 64, 9), (1, 130, 2), (2, 65, 2)])
+def test_cumsum_rows_in_place_is_cumsum_rows_bit_for_bit(shape, reverse):
+    """cumsum_rows_ writes into its input the very sums of cumsum_rows (each block's product reads rows
+    not yet overwritten), forwards and in reverse."""
+    from sinkformer.sinkhorn.prefix import cumsum_rows, cumsum_rows_
+
+    x = torch.randn(*shape, dtype=torch.float64)
+    want = cumsum_rows(x, reverse)
+    torch.testing.assert_close(want, x.flip(-2).cumsum(-2).flip(-2) if reverse else x.cumsum(-2))
+    got = cumsum_rows_(x, reverse)
+    assert got.data_ptr() == x.data_ptr() and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("start", ["rows", "columns"])
 @pytest.mark.parametrize("mask", ["none", "keys", "any"])
 def test_the_log_domain_of_the_later_prefixes_equals_those_rows_of_every_prefix(start, mask):

@@ -8,7 +8,7 @@ carrying the column sums of the rows before the block, and writes ``out = P v`` 
 It saves its inputs and the carried sums at each block start (``O(n^2 / rows)`` per slice). The
 backward visits the blocks in reverse order, carrying the column sums of :math:`dC` of the rows
 after the block (:math:`\partial C_{tj}/\partial R_{ij} = 1` for :math:`i \le t`), and recomputes
-each block's scores:
+each block's scores (:math:`(dP\odot P)\mathbf 1 = (dO\odot \mathrm{out})\mathbf 1`, read off the saved output):
 
 .. math::
 
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from .._capture import capturing
-from .prefix import cumsum_rows, inverse_count_sums, safe_sums, scaled_by_sums, small_sums_below
+from .prefix import cumsum_rows, cumsum_rows_, inverse_count_sums, safe_sums, scaled_by_sums, small_sums_below
 from .problem import Problem
 
 __all__ = ["causal_block_attention", "key_mask", "BLOCK_SCORES", "BLOCK_ROWS"]
@@ -157,13 +157,13 @@ class _CausalBlocks(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         q, k, v, keep, scale, n_iters, rows = inputs
-        ctx.save_for_backward(q, k, v, keep, output[2])
+        ctx.save_for_backward(q, k, v, keep, output[2], output[0])
         ctx.args = (scale, n_iters, rows)
         ctx.mark_non_differentiable(output[1], output[2])
 
     @staticmethod
     def backward(ctx, d_out: Tensor, *unused):
-        q, k, v, keep, carries = ctx.saved_tensors
+        q, k, v, keep, carries, out = ctx.saved_tensors
         scale, n_iters, rows = ctx.args
         if torch.is_grad_enabled():  # create_graph=True: second derivatives through the weights
             return _grads_with_graph(d_out, q, k, v, keep, scale, n_iters) + (None,) * 4
@@ -178,11 +178,14 @@ class _CausalBlocks(torch.autograd.Function):
             dv[:, :end].baddbmm_(blk["P"].transpose(1, 2), dO)
             dA = torch.bmm(dO, v[:, :end].transpose(1, 2))
             if n_iters == 3:
-                dA.sub_((dA * blk["P"]).sum(-1, keepdim=True)).div_(blk["total"])
+                # (dA ⊙ P) 1 = dO ⊙ (P v) 1: the block's output rows, not a pass over its (B, r, end) tile
+                dA.sub_((dO * out[:, start:end]).sum(-1, keepdim=True)).div_(blk["total"])
             dR = dA.mul_(blk["b"]).div_(blk["safe_C"])
-            minus_dC = dR * blk["ratio"]  # dC = -b dA (R / C) / C
-            suffix = cumsum_rows(minus_dC, reverse=True).add_(later[:, :end].unsqueeze(-2))
-            later[:, :end] += minus_dC.sum(-2)
+            minus_dC = blk["ratio"].mul_(dR)  # dC = -b dA (R / C) / C, in the ratio's buffer
+            suffix = cumsum_rows_(minus_dC, reverse=True)  # ... and its sums over the rows >= t, in place
+            whole = suffix[:, 0].clone()  # the block's column sums of -dC
+            suffix.add_(later[:, :end].unsqueeze(-2))
+            later[:, :end] += whole
             dR.sub_(suffix)
             R = blk["R"]
             dS = dR.sub_((dR * R).sum(-1, keepdim=True)).mul_(R)  # R (dR - (dR R) 1), in dR's buffer

@@ -59,7 +59,7 @@ from .._capture import capturing, exact_path, patched
 from .._validation import _skip_data_checks, broadcastable, check_positive_int, check_tensor, compute_dtype
 from .problem import log_marginal, trusted_scalings
 
-__all__ = ["MARGINALS", "prefix_sinkhorn", "prefix_column_marginals", "log_matmul", "log_cumsum_exp", "cumsum_rows", "scaled_rows",
+__all__ = ["MARGINALS", "prefix_sinkhorn", "prefix_column_marginals", "log_matmul", "log_cumsum_exp", "cumsum_rows", "cumsum_rows_", "scaled_rows",
            "safe_sums", "scaled_by_sums", "small_sums_below", "inverse_count_sums"]
 
 MARGINALS = ("causal", "uniform")
@@ -370,13 +370,24 @@ class _CumsumRows(torch.autograd.Function):
         return _CumsumRows.apply(grad, not ctx.reverse), None
 
 
-def _blocked_cumsum(x: Tensor, reverse: bool) -> Tensor:
-    """Sums over rows ``<= t`` (``reverse``: ``>= t``) by triangular products of ``_CUMSUM_BLOCK`` rows."""
+def cumsum_rows_(x: Tensor, reverse: bool = False) -> Tensor:
+    """:func:`cumsum_rows` in ``x``'s own buffer (no autograd), with the same sums: each block's product
+    reads rows not yet overwritten."""
+    if x.shape[-2] <= 1:
+        return x
+    if x.device.type != "cpu":
+        return x.copy_(cumsum_rows(x, reverse))
+    return _blocked_cumsum(x, reverse, out=x)
+
+
+def _blocked_cumsum(x: Tensor, reverse: bool, out: Tensor | None = None) -> Tensor:
+    """Sums over rows ``<= t`` (``reverse``: ``>= t``) by triangular products of ``_CUMSUM_BLOCK`` rows, in
+    ``out`` (a new tensor by default; ``x`` itself works)."""
     n = x.shape[-2]
     size = min(_CUMSUM_BLOCK, n)
     ones = torch.ones(size, size, dtype=x.dtype, device=x.device)
     triangle = ones.triu() if reverse else ones.tril()
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if out is None else out
     carry = None
     starts = range(0, n, size)
     for start in reversed(starts) if reverse else starts:
