@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import sinkformer
-from sinkformer.sinkhorn import causal_blocks
+from sinkformer.sinkhorn import causal_blocks, prefix
 from sinkformer.sinkhorn.causal_blocks import causal_block_attention
 from sinkformer.sinkhorn.problem import Problem
 from sinkformer.sinkhorn.prefix import prefix_sinkhorn
@@ -34,8 +34,10 @@ def inputs(B=3, n=13, d=5, e=4, dtype=torch.float64, seed=0):
 @pytest.mark.parametrize("n_iters", [2, 3])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("block_scores", [1, 3 * 37 * 20, 1 << 22])  # 16 rows per block (the least), 20, all 37
-def test_equals_prefix_sinkhorn_forward_and_gradients(monkeypatch, n_iters, padded, block_scores):
+@pytest.mark.parametrize("row_by_row", [False, True])  # the running sums by products, or added row by row
+def test_equals_prefix_sinkhorn_forward_and_gradients(monkeypatch, n_iters, padded, block_scores, row_by_row):
     monkeypatch.setattr(causal_blocks, "BLOCK_SCORES", block_scores)
+    monkeypatch.setattr(prefix, "ROW_BY_ROW_FROM", 1 if row_by_row else 1 << 40)
     q, k, v, keep = inputs(n=37)
     keep = keep if padded else None
     out, inexact = blocks(q, k, v, keep, 0.6, n_iters)

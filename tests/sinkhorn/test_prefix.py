@@ -361,6 +361,29 @@ def test_cumsum_rows_in_place_is_cumsum_rows_bit_for_bit(shape, reverse):
     assert got.data_ptr() == x.data_ptr() and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("row_by_row", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("shape", [(3, 1, 5), (2, 3, 7, 4), (1, 64, 9), (2, 65, 2)])
+def test_running_sums_are_a_total_carried_in_plus_cumulative_sums(monkeypatch, shape, reverse, inplace, row_by_row):
+    """running_sums, by products or row by row: initial + the sums over rows <= t (reverse: >= t), in x's
+    buffer when inplace; row t unchanged bit for bit when rows on the other side change."""
+    monkeypatch.setattr(prefix, "ROW_BY_ROW_FROM", 1 if row_by_row else 1 << 40)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(*shape, dtype=torch.float64, generator=g)
+    initial = torch.randn(*shape[:-2], shape[-1], dtype=torch.float64, generator=g)
+    want = initial.unsqueeze(-2) + (x.flip(-2).cumsum(-2).flip(-2) if reverse else x.cumsum(-2))
+    y = x.clone()
+    got = prefix.running_sums(y, initial, reverse=reverse, inplace=inplace)
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+    assert (got.data_ptr() == y.data_ptr()) == inplace and (inplace or torch.equal(y, x))
+    t = shape[-2] // 2
+    other = x.clone()
+    (other[..., :t, :] if reverse else other[..., t + 1:, :]).normal_(generator=g)  # the rows beyond t
+    again = prefix.running_sums(other, initial, reverse=reverse)
+    assert torch.equal(again[..., t, :], got[..., t, :])
+
+
 @pytest.mark.parametrize("start", ["rows", "columns"])
 @pytest.mark.parametrize("mask", ["none", "keys", "any"])
 def test_the_log_domain_of_the_later_prefixes_equals_those_rows_of_every_prefix(start, mask):

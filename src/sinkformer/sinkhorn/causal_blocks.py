@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from .._capture import capturing
-from .prefix import cumsum_rows, cumsum_rows_, inverse_count_sums, safe_sums, scaled_by_sums, small_sums_below
+from .prefix import inverse_count_sums, running_sums, safe_sums, scaled_by_sums, small_sums_below
 from .problem import Problem
 
 __all__ = ["causal_block_attention", "key_mask", "BLOCK_SCORES", "BLOCK_ROWS"]
@@ -108,7 +108,7 @@ class _RowBlocks:
         R = torch.softmax(S, dim=-1)
         if self.row_valid is not None:  # a row without a kept key: NaN from the softmax, no mass
             R = torch.where(self.row_valid[:, start:end].unsqueeze(-1), R, 0.0)
-        C = cumsum_rows(R).add_(carry[:, :end].unsqueeze(-2))
+        C = running_sums(R, carry[:, :end])
         last = C[:, -1].clone() if flags else None  # the forward's next carry, before 1 is added to small sums
         b = (self.H[:, start:end].unsqueeze(-1) - self.H_before[:, :end].unsqueeze(-2)).to(R.dtype)
         safe_C, inexact = self._safe_sums(C, start, allowed if flags else None)
@@ -182,10 +182,9 @@ class _CausalBlocks(torch.autograd.Function):
                 dA.sub_((dO * out[:, start:end]).sum(-1, keepdim=True)).div_(blk["total"])
             dR = dA.mul_(blk["b"]).div_(blk["safe_C"])
             minus_dC = blk["ratio"].mul_(dR)  # dC = -b dA (R / C) / C, in the ratio's buffer
-            suffix = cumsum_rows_(minus_dC, reverse=True)  # ... and its sums over the rows >= t, in place
-            whole = suffix[:, 0].clone()  # the block's column sums of -dC
-            suffix.add_(later[:, :end].unsqueeze(-2))
-            later[:, :end] += whole
+            # ... and its sums over the rows >= t, in place, with the rows after the block: the next carry
+            suffix = running_sums(minus_dC, later[:, :end], reverse=True, inplace=True)
+            later[:, :end] = suffix[:, 0]
             dR.sub_(suffix)
             R = blk["R"]
             dS = dR.sub_((dR * R).sum(-1, keepdim=True)).mul_(R)  # R (dR - (dR R) 1), in dR's buffer

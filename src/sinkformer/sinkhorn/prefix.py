@@ -59,7 +59,7 @@ from .._capture import capturing, exact_path, patched
 from .._validation import _skip_data_checks, broadcastable, check_positive_int, check_tensor, compute_dtype
 from .problem import log_marginal, trusted_scalings
 
-__all__ = ["MARGINALS", "prefix_sinkhorn", "prefix_column_marginals", "log_matmul", "log_cumsum_exp", "cumsum_rows", "cumsum_rows_", "scaled_rows",
+__all__ = ["MARGINALS", "prefix_sinkhorn", "prefix_column_marginals", "log_matmul", "log_cumsum_exp", "cumsum_rows", "cumsum_rows_", "running_sums", "scaled_rows",
            "safe_sums", "scaled_by_sums", "small_sums_below", "inverse_count_sums"]
 
 MARGINALS = ("causal", "uniform")
@@ -378,6 +378,34 @@ def cumsum_rows_(x: Tensor, reverse: bool = False) -> Tensor:
     if x.device.type != "cpu":
         return x.copy_(cumsum_rows(x, reverse))
     return _blocked_cumsum(x, reverse, out=x)
+
+
+#: Entries per row from which :func:`running_sums` adds row by row on the CPU (one in-place addition per row,
+#: every entry read and written once) rather than by :func:`cumsum_rows` (triangular products, copied into
+#: place). Informal timings, one thread, this Xeon, milliseconds row by row / by products for (slices, rows,
+#: entries per row): 0.60 / 0.56 at (32, 64, 256), 1.09 / 1.53 at (32, 64, 512), 1.6 / 2.1 at (8, 64, 4096),
+#: 0.81 / 0.98 at (8, 32, 4096); 0.71 / 0.34 at (32, 64, 128) and 0.41 / 0.24 at (1, 64, 4096).
+ROW_BY_ROW_FROM = 1 << 14
+
+
+def running_sums(x: Tensor, initial: Tensor, *, reverse: bool = False, inplace: bool = False) -> Tensor:
+    r""":math:`\text{initial} + \sum_{i \le t} x_{i\cdot}` (``reverse``: :math:`\sum_{i \ge t}`) for every row
+    :math:`t`: ``(..., n, m)`` and ``(..., m)`` → ``(..., n, m)``, the cumulative sums of :func:`cumsum_rows`
+    plus a running total carried in (no autograd; ``inplace``: in ``x``'s buffer).
+
+    From :data:`ROW_BY_ROW_FROM` entries per row (CPU, eager) the rows are added one by one onto the total
+    carried in; below, by :func:`cumsum_rows` and one addition of the total. Row :math:`t` reads rows
+    :math:`\le t` only (``reverse``: :math:`\ge t`) either way."""
+    n = x.shape[-2]
+    if not (x.device.type == "cpu" and n > 1 and x.numel() // n >= ROW_BY_ROW_FROM and not capturing()):
+        sums = cumsum_rows_(x, reverse) if inplace else cumsum_rows(x, reverse)
+        return sums.add_(initial.unsqueeze(-2))
+    sums = x if inplace else x.clone()
+    sums[..., n - 1 if reverse else 0, :].add_(initial)
+    step = 1 if reverse else -1
+    for i in range(n - 2, -1, -1) if reverse else range(1, n):
+        sums[..., i, :].add_(sums[..., i + step, :])
+    return sums
 
 
 def _blocked_cumsum(x: Tensor, reverse: bool, out: Tensor | None = None) -> Tensor:
