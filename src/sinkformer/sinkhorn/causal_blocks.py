@@ -1,18 +1,21 @@
 r"""Causal Sinkhorn attention with 2 or 3 iterations in row blocks: never an n × n matrix.
 
 For rows first and the causal marginals (:mod:`.prefix`), row :math:`t` of prefix :math:`t` is
-:math:`A_{tj} = b^{(t)}_j R_{tj} / C_{tj}` after 2 normalisations and :math:`A_{tj}/\sum_{j'}A_{tj'}`
-after 3, with :math:`R` the causal row SoftMax and :math:`C_{tj} = \sum_{i\le t} R_{ij}`. Row
-:math:`t` needs only the rows :math:`\le t`: the forward visits blocks of query rows in order,
-carrying the column sums of the rows before the block, and writes ``out = P v`` block by block.
-It saves its inputs and the carried sums at each block start (``O(n^2 / rows)`` per slice). The
-backward visits the blocks in reverse order, carrying the column sums of :math:`dC` of the rows
+:math:`A_{tj} = b^{(t)}_j R_{tj} / C_{tj}` after 2 normalisations and :math:`P_{tj} = A_{tj}/s_t`,
+:math:`s_t = \sum_{j'}A_{tj'}`, after 3, with :math:`R` the causal row SoftMax and
+:math:`C_{tj} = \sum_{i\le t} R_{ij}` (the division by :math:`s` is applied to the block's rows of
+``A v`` and of ``dO``, never to a block of weights). Row :math:`t` needs only the rows :math:`\le t`:
+the forward visits blocks of query rows in order, carrying the column sums of the rows before the
+block, and writes ``out = P v`` block by block. It saves its inputs, ``out`` and the carried sums at
+each block start (``O(n^2 / rows)`` per slice). The backward visits the blocks in reverse order,
+carrying the column sums of :math:`dC` of the rows
 after the block (:math:`\partial C_{tj}/\partial R_{ij} = 1` for :math:`i \le t`), and recomputes
-each block's scores (:math:`(dP\odot P)\mathbf 1 = (dO\odot \mathrm{out})\mathbf 1`, read off the saved output):
+each block's scores:
 
 .. math::
 
-    dA = \big(dP - (dP\odot P)\mathbf 1\big)/s\ \ (3\text{ iterations}),\quad
+    dA = \big(dP - (dP\odot P)\mathbf 1\big)/s = (dO/s)\,V^\top - (dO\odot\mathrm{out})\mathbf 1/s
+    \ \ (3\text{ iterations}),\quad
     dR = b\,dA/C + \sum_{t\ge i} dC_{t\cdot},\quad dC = -b\,dA\,(R/C)/C,\quad
     dS = R\odot\big(dR - (dR\odot R)\mathbf 1\big).
 
@@ -28,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .._capture import capturing
-from .prefix import inverse_count_sums, running_sums, safe_sums, scaled_by_sums, small_sums_below
+from .prefix import inverse_count_sums, row_totals, running_sums, safe_sums, scaled_by_sums, small_sums_below
 from .problem import Problem
 
 __all__ = ["causal_block_attention", "key_mask", "BLOCK_SCORES", "BLOCK_ROWS"]
@@ -93,9 +96,11 @@ class _RowBlocks:
     def block(self, start: int, end: int, carry: Tensor, flags: bool = True) -> dict:
         """Rows ``[start, end)`` against keys ``[0, end)``: ``R``, the last row of ``C`` (with ``carry``, the
         column sums of the rows before: the next block's carry), ``b`` and what :func:`~.prefix.scaled_rows`
-        makes of them, in place of ``C``. ``flags`` (the forward): with the rows to replace, and the weights
-        ``P`` formed in ``R``'s buffer (``R`` and ``ratio`` are then ``None``); the backward needs all but
-        the flags."""
+        makes of them, in place of ``C``: the weights ``A`` after 2 normalisations, and for 3 their row totals
+        ``total`` (the weights are ``A / total``, a division the callers apply to the block's ``(B, r, e)``
+        rows of ``out`` or ``dO`` rather than to ``A``). ``flags`` (the forward): with the rows to replace,
+        and ``A`` formed in ``R``'s buffer (``R`` and ``ratio`` are then ``None``); the backward needs all
+        but the flags."""
         q, k = self.q[:, start:end], self.k[:, :end]
         S = torch.baddbmm(q.new_empty(()), q, k.transpose(1, 2), beta=0.0, alpha=self.scale)
         t = torch.arange(start, end, device=q.device).unsqueeze(-1)
@@ -113,8 +118,9 @@ class _RowBlocks:
         b = (self.H[:, start:end].unsqueeze(-1) - self.H_before[:, :end].unsqueeze(-2)).to(R.dtype)
         safe_C, inexact = self._safe_sums(C, start, allowed if flags else None)
         # the forward needs the weights only: the ratio R / C and then the weights in R's buffer
-        P, ratio, total = scaled_by_sums(R, safe_C, b, self.n_iters == 3, inplace=True, ratio_in_R=flags)
-        return dict(R=None if flags else R, last=last, safe_C=safe_C, ratio=ratio, b=b, P=P, total=total,
+        A, ratio, _ = scaled_by_sums(R, safe_C, b, False, ratio_in_R=flags)
+        total = row_totals(A) if self.n_iters == 3 else None
+        return dict(R=None if flags else R, last=last, safe_C=safe_C, ratio=ratio, b=b, A=A, total=total,
                     inexact=inexact)
 
     def _safe_sums(self, C: Tensor, start: int, needed: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -148,7 +154,8 @@ class _CausalBlocks(torch.autograd.Function):
         for start, end in problem.blocks():
             carries.append(carry.clone())
             blk = problem.block(start, end, carry)
-            out[:, start:end] = torch.bmm(blk["P"], v[:, :end])  # (not out=: torch.export refuses it)
+            rows_out = torch.bmm(blk["A"], v[:, :end])  # (not out=: torch.export refuses it)
+            out[:, start:end] = rows_out if blk["total"] is None else rows_out.div_(blk["total"])
             if blk["inexact"] is not None:
                 inexact[:, start:end] = blk["inexact"]
             carry[:, :end] = blk["last"]
@@ -174,20 +181,22 @@ class _CausalBlocks(torch.autograd.Function):
         later = q.new_zeros(q.shape[0], q.shape[1])  # column sums of -dC over the rows after the block
         for index, (start, end) in reversed(list(enumerate(problem.blocks()))):
             blk = problem.block(start, end, carries[index], flags=False)
-            dO = d_out[:, start:end]
-            dv[:, :end].baddbmm_(blk["P"].transpose(1, 2), dO)
-            dA = torch.bmm(dO, v[:, :end].transpose(1, 2))
-            if n_iters == 3:
-                # (dA ⊙ P) 1 = dO ⊙ (P v) 1: the block's output rows, not a pass over its (B, r, end) tile
-                dA.sub_((dO * out[:, start:end]).sum(-1, keepdim=True)).div_(blk["total"])
+            dO, total, vT = d_out[:, start:end], blk["total"], v[:, :end].transpose(1, 2)
+            if total is None:  # 2 normalisations: P = A
+                dv[:, :end].baddbmm_(blk["A"].transpose(1, 2), dO)
+                dA = torch.bmm(dO, vT)
+            else:  # P = A / s: dA = (dP - (dP ⊙ P) 1) / s = (dO / s) vᵀ - (dO ⊙ out) 1 / s, one product
+                dO_s = dO / total
+                dv[:, :end].baddbmm_(blk["A"].transpose(1, 2), dO_s)
+                dA = torch.baddbmm((dO * out[:, start:end]).sum(-1, keepdim=True).div_(total).neg_(), dO_s, vT)
             dR = dA.mul_(blk["b"]).div_(blk["safe_C"])
             minus_dC = blk["ratio"].mul_(dR)  # dC = -b dA (R / C) / C, in the ratio's buffer
             # ... and its sums over the rows >= t, in place, with the rows after the block: the next carry
             suffix = running_sums(minus_dC, later[:, :end], reverse=True, inplace=True)
             later[:, :end] = suffix[:, 0]
-            dR.sub_(suffix)
             R = blk["R"]
-            dS = dR.sub_((dR * R).sum(-1, keepdim=True)).mul_(R)  # R (dR - (dR R) 1), in dR's buffer
+            dS = dR.sub_(suffix).mul_(R)  # dS = R ⊙ dR - R (R ⊙ dR) 1, in dR's buffer
+            dS.addcmul_(R, dS.sum(-1, keepdim=True), value=-1.0)
             dq[:, start:end] = torch.bmm(dS, k[:, :end]).mul_(scale)
             dk[:, :end].baddbmm_(dS.transpose(1, 2), q[:, start:end], alpha=scale)
         return dq, dk, dv, None, None, None, None

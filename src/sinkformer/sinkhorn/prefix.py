@@ -60,7 +60,7 @@ from .._validation import _skip_data_checks, broadcastable, check_positive_int, 
 from .problem import log_marginal, trusted_scalings
 
 __all__ = ["MARGINALS", "prefix_sinkhorn", "prefix_column_marginals", "log_matmul", "log_cumsum_exp", "cumsum_rows", "cumsum_rows_", "running_sums", "scaled_rows",
-           "safe_sums", "scaled_by_sums", "small_sums_below", "inverse_count_sums"]
+           "safe_sums", "scaled_by_sums", "row_totals", "small_sums_below", "inverse_count_sums"]
 
 MARGINALS = ("causal", "uniform")
 #: Fewest rows for which the scaling domain divides by :class:`_Quotient`, whose memory matters for long
@@ -325,9 +325,15 @@ def scaled_by_sums(R: Tensor, safe_C: Tensor, b: Tensor, normalise: bool, inplac
     A = ratio.mul_(b) if ratio_in_R else b * ratio
     if not normalise:
         return A, None if ratio_in_R else ratio, None
-    total = A.sum(-1, keepdim=True)
-    total = torch.where(total > 0, total, 1.0)
+    total = row_totals(A)
     return (A.div_(total) if inplace or ratio_in_R else A / total), None if ratio_in_R else ratio, total
+
+
+def row_totals(A: Tensor) -> Tensor:
+    """The row sums ``(..., rows, 1)`` of the weights ``A`` ``(..., rows, m)`` by which the third normalisation
+    divides them: 1 where a row has no mass."""
+    total = A.sum(-1, keepdim=True)
+    return torch.where(total > 0, total, 1.0)
 
 
 #: Rows per triangular product of cumsum_rows: fewer rows, fewer products by zero. Informal timings, one
