@@ -387,31 +387,39 @@ def cumsum_rows_(x: Tensor, reverse: bool = False) -> Tensor:
 
 
 #: Entries per row from which :func:`running_sums` adds row by row on the CPU (one in-place addition per row,
-#: every entry read and written once) rather than by :func:`cumsum_rows` (triangular products, copied into
-#: place). Informal timings, one thread, this Xeon, milliseconds row by row / by products for (slices, rows,
-#: entries per row): 0.60 / 0.56 at (32, 64, 256), 1.09 / 1.53 at (32, 64, 512), 1.6 / 2.1 at (8, 64, 4096),
-#: 0.81 / 0.98 at (8, 32, 4096); 0.71 / 0.34 at (32, 64, 128) and 0.41 / 0.24 at (1, 64, 4096).
+#: every entry read and written once) rather than by one triangular product. Informal timings, one thread,
+#: this Xeon, milliseconds row by row / by one product / by :func:`cumsum_rows` and an addition, for (slices,
+#: rows, entries per row): 0.68 / 0.60 / 0.78 at (8, 64, 1024), 1.01 / 0.76 / 0.92 at (32, 64, 256);
+#: 1.08 / 1.25 / 1.58 at (8, 64, 2048), 1.02 / 1.19 / 1.78 at (32, 64, 512), 2.14 / 3.08 / 3.59 at
+#: (8, 64, 4096).
 ROW_BY_ROW_FROM = 1 << 14
+#: Most rows that :func:`running_sums` sums by one product with a triangle of ones (``rows² · m`` multiply-adds);
+#: more rows take :func:`cumsum_rows`.
+TRIANGLE_ROWS = 64
 
 
 def running_sums(x: Tensor, initial: Tensor, *, reverse: bool = False, inplace: bool = False) -> Tensor:
     r""":math:`\text{initial} + \sum_{i \le t} x_{i\cdot}` (``reverse``: :math:`\sum_{i \ge t}`) for every row
     :math:`t`: ``(..., n, m)`` and ``(..., m)`` → ``(..., n, m)``, the cumulative sums of :func:`cumsum_rows`
-    plus a running total carried in (no autograd; ``inplace``: in ``x``'s buffer).
+    plus a running total carried in (no autograd; ``inplace``: ``x``'s buffer may hold the result).
 
     From :data:`ROW_BY_ROW_FROM` entries per row (CPU, eager) the rows are added one by one onto the total
-    carried in; below, by :func:`cumsum_rows` and one addition of the total. Row :math:`t` reads rows
-    :math:`\le t` only (``reverse``: :math:`\ge t`) either way."""
+    carried in; below, up to :data:`TRIANGLE_ROWS` rows are one product with a triangle of ones, and more
+    rows :func:`cumsum_rows` and one addition of the total. Row :math:`t` reads rows :math:`\le t` only
+    (``reverse``: :math:`\ge t`; the triangle's zeros are exact) in every case."""
     n = x.shape[-2]
-    if not (x.device.type == "cpu" and n > 1 and x.numel() // n >= ROW_BY_ROW_FROM and not capturing()):
-        sums = cumsum_rows_(x, reverse) if inplace else cumsum_rows(x, reverse)
-        return sums.add_(initial.unsqueeze(-2))
-    sums = x if inplace else x.clone()
-    sums[..., n - 1 if reverse else 0, :].add_(initial)
-    step = 1 if reverse else -1
-    for i in range(n - 2, -1, -1) if reverse else range(1, n):
-        sums[..., i, :].add_(sums[..., i + step, :])
-    return sums
+    if x.device.type == "cpu" and n > 1 and x.numel() // n >= ROW_BY_ROW_FROM and not capturing():
+        sums = x if inplace else x.clone()
+        sums[..., n - 1 if reverse else 0, :].add_(initial)
+        step = 1 if reverse else -1
+        for i in range(n - 2, -1, -1) if reverse else range(1, n):
+            sums[..., i, :].add_(sums[..., i + step, :])
+        return sums
+    if n <= TRIANGLE_ROWS:
+        ones = torch.ones(n, n, dtype=x.dtype, device=x.device)
+        return torch.matmul(ones.triu_() if reverse else ones.tril_(), x).add_(initial.unsqueeze(-2))
+    sums = cumsum_rows_(x, reverse) if inplace else cumsum_rows(x, reverse)
+    return sums.add_(initial.unsqueeze(-2))
 
 
 def _blocked_cumsum(x: Tensor, reverse: bool, out: Tensor | None = None) -> Tensor:
