@@ -206,3 +206,20 @@ def test_the_dropout_masks_paragraph_is_the_committed_run():
             f"{rows[64]['ratio']:.3f}× and {rows[1024]['ratio']:.3f}× at n = 64 and 1024 (rounds on both sides of 1)"
             ) in text
     assert rows[256]["ratio_max"] < 1 and all(rows[n]["ratio_min"] < 1 < rows[n]["ratio_max"] for n in (64, 1024))
+
+
+def test_the_causal_row_blocks_paragraph_is_the_committed_run():
+    """docs/speed.md's figures for the causal row blocks' fewer passes are those of the committed ab run
+    (b752213 -> 09a2867, the four commits of the change), causal, 3 iterations, every round below 1."""
+    run = json.loads((ROOT / "benchmarks" / "results" / "ab_issue26_causal_blocks.json").read_text())
+    text = " ".join((ROOT / "docs" / "speed.md").read_text().split())
+    rows = {row["n"]: row for row in run["rows"]}
+    assert run["before"][:12] == "b752213319bc" and run["after"][:12] == "09a286791553"
+    assert all(row["clock"] == "cpu" and row["rounds"] == 7 for row in run["rows"])
+    assert "`python -m benchmarks ab --causal --iters 3`, one thread, CPU time, 7 interleaved rounds" in text
+    assert all(row["ratio_max"] < 1 for row in run["rows"])
+    assert (f"Every round was faster at every size: the median ratio is {rows[64]['ratio']:.3f}× at n = 64, "
+            f"{rows[256]['ratio']:.3f}× at 256, {rows[1024]['ratio']:.3f}× at 1024 and {rows[4096]['ratio']:.3f}× "
+            "at 4096") in text
+    worst = max(row["max_difference"] for row in run["rows"])
+    assert f"at most {worst:.1e} here" in text

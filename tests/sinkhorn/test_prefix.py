@@ -379,6 +379,9 @@ def test_running_sums_are_a_total_carried_in_plus_cumulative_sums(monkeypatch, s
     torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
     assert inplace or (torch.equal(y, x) and got.data_ptr() != y.data_ptr())  # x overwritten only when allowed
     assert not (inplace and row_by_row and shape[-2] > 1) or got.data_ptr() == y.data_ptr()  # ... row by row it is
+    buffer = torch.empty_like(x)
+    into = prefix.running_sums(x.clone(), initial, reverse=reverse, inplace=inplace, out=buffer)
+    assert torch.equal(into, got)  # an out= buffer: the same sums
     t = shape[-2] // 2
     other = x.clone()
     (other[..., :t, :] if reverse else other[..., t + 1:, :]).normal_(generator=g)  # the rows beyond t

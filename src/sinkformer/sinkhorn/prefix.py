@@ -314,15 +314,23 @@ def safe_sums(C: Tensor, needed: Tensor | None, terms: int, inplace: bool = Fals
 
 
 def scaled_by_sums(R: Tensor, safe_C: Tensor, b: Tensor, normalise: bool, inplace: bool = False,
-                   ratio_in_R: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                   ratio_in_R: bool = False, out: tuple[Tensor, Tensor] | None = None,
+                   ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     r""":math:`A = b \odot (R / C)` and, when ``normalise``, :math:`A / A\mathbf 1` (the total 1 where it is
     0), from ``safe_C`` (no zero entry, :func:`safe_sums`): the weights, the ratio ``R / C`` and the row
     totals ``(..., rows, 1)`` (``None`` without ``normalise``). ``inplace``: the weights normalised in place;
     ``ratio_in_R`` (no autograd): the ratio and then the weights are formed in ``R``'s buffer, and the ratio
-    is not returned. ``b (R / C)``, not ``R (b / C)``: ``R_tj <= C_tj``, so a backward's ``(R / C) / C``
-    stays finite where ``b / C^2`` would not."""
-    ratio = R.div_(safe_C) if ratio_in_R else R / safe_C
-    A = ratio.mul_(b) if ratio_in_R else b * ratio
+    is not returned; ``out`` (no autograd, without ``ratio_in_R``): the buffers of the ratio and the weights.
+    ``b (R / C)``, not ``R (b / C)``: ``R_tj <= C_tj``, so a backward's ``(R / C) / C`` stays finite where
+    ``b / C^2`` would not."""
+    if ratio_in_R:
+        ratio = A = R.div_(safe_C).mul_(b)
+    elif out is not None:
+        ratio = torch.div(R, safe_C, out=out[0])
+        A = torch.mul(ratio, b, out=out[1])
+    else:
+        ratio = R / safe_C
+        A = b * ratio
     if not normalise:
         return A, None if ratio_in_R else ratio, None
     total = row_totals(A)
@@ -398,26 +406,31 @@ ROW_BY_ROW_FROM = 1 << 14
 TRIANGLE_ROWS = 64
 
 
-def running_sums(x: Tensor, initial: Tensor, *, reverse: bool = False, inplace: bool = False) -> Tensor:
+def running_sums(x: Tensor, initial: Tensor, *, reverse: bool = False, inplace: bool = False,
+                 out: Tensor | None = None) -> Tensor:
     r""":math:`\text{initial} + \sum_{i \le t} x_{i\cdot}` (``reverse``: :math:`\sum_{i \ge t}`) for every row
     :math:`t`: ``(..., n, m)`` and ``(..., m)`` → ``(..., n, m)``, the cumulative sums of :func:`cumsum_rows`
-    plus a running total carried in (no autograd; ``inplace``: ``x``'s buffer may hold the result).
+    plus a running total carried in (no autograd; ``inplace``: ``x``'s buffer may hold the result; ``out``, the
+    shape of ``x``, contiguous: may hold it, eagerly).
 
     From :data:`ROW_BY_ROW_FROM` entries per row (CPU, eager) the rows are added one by one onto the total
     carried in; below, up to :data:`TRIANGLE_ROWS` rows are one product with a triangle of ones, and more
     rows :func:`cumsum_rows` and one addition of the total. Row :math:`t` reads rows :math:`\le t` only
     (``reverse``: :math:`\ge t`; the triangle's zeros are exact) in every case."""
     n = x.shape[-2]
-    if x.device.type == "cpu" and n > 1 and x.numel() // n >= ROW_BY_ROW_FROM and not capturing():
-        sums = x if inplace else x.clone()
-        sums[..., n - 1 if reverse else 0, :].add_(initial)
-        step = 1 if reverse else -1
+    eager = not capturing()
+    if x.device.type == "cpu" and n > 1 and x.numel() // n >= ROW_BY_ROW_FROM and eager:
+        sums = x if inplace else torch.empty_like(x) if out is None else out
+        first, step = (n - 1, 1) if reverse else (0, -1)
+        torch.add(x[..., first, :], initial, out=sums[..., first, :])
         for i in range(n - 2, -1, -1) if reverse else range(1, n):
-            sums[..., i, :].add_(sums[..., i + step, :])
+            torch.add(sums[..., i + step, :], x[..., i, :], out=sums[..., i, :])
         return sums
     if n <= TRIANGLE_ROWS:
         ones = torch.ones(n, n, dtype=x.dtype, device=x.device)
-        return torch.matmul(ones.triu_() if reverse else ones.tril_(), x).add_(initial.unsqueeze(-2))
+        triangle = ones.triu_() if reverse else ones.tril_()
+        sums = torch.matmul(triangle, x) if out is None or not eager else torch.matmul(triangle, x, out=out)
+        return sums.add_(initial.unsqueeze(-2))
     sums = cumsum_rows_(x, reverse) if inplace else cumsum_rows(x, reverse)
     return sums.add_(initial.unsqueeze(-2))
 
