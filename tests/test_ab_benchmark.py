@@ -223,3 +223,21 @@ def test_the_causal_row_blocks_paragraph_is_the_committed_run():
             "at 4096") in text
     worst = max(row["max_difference"] for row in run["rows"])
     assert f"at most {worst:.1e} here" in text
+
+
+def test_the_causal_buffers_paragraph_is_the_committed_run():
+    """docs/speed.md's figures for the causal row blocks' buffers: the committed ab run (09a2867 -> e3d8b78,
+    identical results) and the causal table's peak memory at n = 4096."""
+    run = json.loads((ROOT / "benchmarks" / "results" / "ab_issue26_causal_scratch.json").read_text())
+    causal = json.loads((ROOT / "benchmarks" / "results" / "causal.json").read_text())
+    text = " ".join((ROOT / "docs" / "speed.md").read_text().split())
+    rows = {row["n"]: row for row in run["rows"]}
+    assert run["before"][:12] == "09a286791553" and run["after"][:12] == "e3d8b784bea3"
+    assert all(row["clock"] == "cpu" and row["rounds"] == 7 and row["max_difference"] == 0 for row in run["rows"])
+    assert rows[256]["ratio_max"] < 1 and rows[4096]["ratio_max"] < 1
+    assert all(rows[n]["ratio_min"] < 1 < rows[n]["ratio_max"] for n in (64, 1024))
+    assert (f"The median ratio is {rows[256]['ratio']:.3f}× at n = 256 and {rows[4096]['ratio']:.3f}× at 4096 "
+            f"(every round below 1), {rows[1024]['ratio']:.3f}× at 1024 and {rows[64]['ratio']:.3f}× at 64 (rounds "
+            "on both sides of 1)") in text
+    peak = next(r["peak_mib"] for r in causal["rows"] if r["method"] == "causal" and r["n"] == 4096 and r["n_iters"] == 3)
+    assert f"fell from 148 to {peak:.0f} MiB at n = 4096" in text
