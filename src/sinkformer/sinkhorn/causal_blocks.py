@@ -93,8 +93,8 @@ class _RowBlocks:
     def tile(self, name: str, rows: int, end: int) -> Tensor | None:
         """A ``(B, rows, end)`` view of the call's flat buffer ``name``, for an ``out=`` (``None`` under graph
         capture, which refuses ``out=``). Every block reuses the buffers, sized for the largest: a block's
-        new arrays of a few MiB would each page-fault on some virtual machines (on this project's Xeon the
-        calls ran up to 9 % faster when glibc kept freed memory)."""
+        new arrays of a few MiB would each page-fault on some virtual machines (the change's before and after:
+        ``benchmarks/results/ab_issue26_causal_scratch.md``)."""
         if self.buffers is None:
             return None
         B = self.q.shape[0]
@@ -133,8 +133,8 @@ class _RowBlocks:
         b = (self.H[:, start:end].unsqueeze(-1) - self.H_before[:, :end].unsqueeze(-2)).to(R.dtype)
         safe_C, inexact = self._safe_sums(C, start, allowed if flags else None)
         # the forward needs the weights only: the ratio R / C and then the weights in R's buffer
-        out = None if flags or self.buffers is None else (self.tile("S", r, end), self.tile("A", r, end))
-        A, ratio, _ = scaled_by_sums(R, safe_C, b, False, ratio_in_R=flags, out=out)  # (S is spent: the ratio)
+        into = None if flags or self.buffers is None else (self.tile("S", r, end), self.tile("A", r, end))
+        A, ratio, _ = scaled_by_sums(R, safe_C, b, False, ratio_in_R=flags, out=into)  # (S is spent: the ratio)
         total = row_totals(A) if self.n_iters == 3 else None
         return dict(R=None if flags else R, last=last, safe_C=safe_C, ratio=ratio, b=b, A=A, total=total,
                     inexact=inexact)
