@@ -59,8 +59,9 @@ from .._capture import capturing, exact_path, patched
 from .._validation import _skip_data_checks, broadcastable, check_positive_int, check_tensor, compute_dtype
 from .problem import log_marginal, trusted_scalings
 
-__all__ = ["MARGINALS", "prefix_sinkhorn", "prefix_column_marginals", "log_matmul", "log_cumsum_exp", "cumsum_rows", "cumsum_rows_", "running_sums", "scaled_rows",
-           "safe_sums", "scaled_by_sums", "row_totals", "small_sums_below", "inverse_count_sums"]
+__all__ = ["MARGINALS", "prefix_sinkhorn", "prefix_column_marginals", "log_matmul", "log_cumsum_exp", "cumsum_rows",
+           "cumsum_rows_", "running_sums", "scaled_rows", "safe_sums", "scaled_by_sums", "row_totals",
+           "small_sums_below", "inverse_count_sums"]
 
 MARGINALS = ("causal", "uniform")
 #: Fewest rows for which the scaling domain divides by :class:`_Quotient`, whose memory matters for long
@@ -398,7 +399,7 @@ def cumsum_rows_(x: Tensor, reverse: bool = False) -> Tensor:
 #: every entry read and written once) rather than by one triangular product. Informal timings, one thread,
 #: this Xeon, milliseconds row by row / by one product / by :func:`cumsum_rows` and an addition, for (slices,
 #: rows, entries per row): 0.68 / 0.60 / 0.78 at (8, 64, 1024), 1.01 / 0.76 / 0.92 at (32, 64, 256);
-#: 1.08 / 1.25 / 1.58 at (8, 64, 2048), 1.02 / 1.19 / 1.78 at (32, 64, 512), 2.14 / 3.08 / 3.59 at
+#: 1.08 / 1.28 / 1.58 at (8, 64, 2048), 1.02 / 1.19 / 1.78 at (32, 64, 512), 2.14 / 3.08 / 3.59 at
 #: (8, 64, 4096).
 ROW_BY_ROW_FROM = 1 << 14
 #: Most rows that :func:`running_sums` sums by one product with a triangle of ones (``rows² · m`` multiply-adds);
