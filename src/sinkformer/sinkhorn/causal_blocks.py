@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .._capture import capturing
+from .cpu_parallel import scratch_buffer
 from .prefix import inverse_count_sums, row_totals, running_sums, safe_sums, scaled_by_sums, small_sums_below
 from .problem import Problem
 
@@ -97,10 +98,8 @@ class _RowBlocks:
         ``benchmarks/results/ab_issue26_causal_scratch.md``)."""
         if self.buffers is None:
             return None
-        B = self.q.shape[0]
-        if name not in self.buffers:
-            self.buffers[name] = self.q.new_empty(B * self.rows * self.q.shape[1])
-        return self.buffers[name][:B * rows * end].view(B, rows, end)
+        B, n = self.q.shape[0], self.q.shape[1]
+        return scratch_buffer(self.buffers, name, B * self.rows * n, self.q)[:B * rows * end].view(B, rows, end)
 
     def blocks(self):
         n = self.q.shape[1]
