@@ -133,7 +133,7 @@ class _RowBlocks:
         safe_C, inexact = self._safe_sums(C, start, allowed if flags else None)
         # the forward needs the weights only: the ratio R / C and then the weights in R's buffer
         into = None if flags or self.buffers is None else (self.tile("S", r, end), self.tile("A", r, end))
-        A, ratio, _ = scaled_by_sums(R, safe_C, b, False, ratio_in_R=flags, out=into)  # (S is spent: the ratio)
+        A, ratio = scaled_by_sums(R, safe_C, b, ratio_in_R=flags, out=into)  # (S is spent: the ratio)
         total = row_totals(A) if self.n_iters == 3 else None
         return dict(R=None if flags else R, last=last, safe_C=safe_C, ratio=ratio, b=b, A=A, total=total,
                     inexact=inexact)

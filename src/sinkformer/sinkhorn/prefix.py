@@ -283,18 +283,20 @@ def _rows_first_in_scaling_domain(problem: "_Prefix", n_iters: int) -> tuple[Ten
 
 
 def scaled_rows(R: Tensor, C: Tensor, needed: Tensor | None, b: Tensor, normalise: bool, terms: int,
-                inplace: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     r""":math:`A = b \odot R / C`, and :math:`A / A\mathbf 1` when ``normalise``: causal Sinkhorn's rows
     after 2 (3) iterations from the row SoftMax ``R`` and its cumulative column sums ``C``.
 
     ``needed``: bool, the entries with mass (causal and kept), broadcastable to ``C``, which is exactly 0
     off them (``R`` is 0 there). Returns the weights, the ``C`` used (:func:`safe_sums`), the ratio
-    ``R / C``, the row totals (``None`` without ``normalise``) and the ``(..., rows)`` bool of rows with
-    an inexact entry (``None`` when ``needed`` is: not flagged). ``inplace`` (no autograd): the ``C``
-    used is ``C`` itself, and the weights are normalised in place."""
-    safe_C, inexact_rows = safe_sums(C, needed, terms, inplace)
-    A, ratio, total = scaled_by_sums(R, safe_C, b, normalise, inplace)
-    return A, safe_C, ratio, total, inexact_rows
+    ``R / C``, the row totals (:func:`row_totals`; ``None`` without ``normalise``) and the ``(..., rows)``
+    bool of rows with an inexact entry (``None`` when ``needed`` is: not flagged)."""
+    safe_C, inexact_rows = safe_sums(C, needed, terms)
+    A, ratio = scaled_by_sums(R, safe_C, b)
+    if not normalise:
+        return A, safe_C, ratio, None, inexact_rows
+    total = row_totals(A)
+    return A / total, safe_C, ratio, total, inexact_rows
 
 
 def small_sums_below(dtype: torch.dtype, terms: int) -> float:
@@ -314,28 +316,20 @@ def safe_sums(C: Tensor, needed: Tensor | None, terms: int, inplace: bool = Fals
     return (C.add_(small) if inplace else C + small), inexact_rows
 
 
-def scaled_by_sums(R: Tensor, safe_C: Tensor, b: Tensor, normalise: bool, inplace: bool = False,
-                   ratio_in_R: bool = False, out: tuple[Tensor, Tensor] | None = None,
-                   ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    r""":math:`A = b \odot (R / C)` and, when ``normalise``, :math:`A / A\mathbf 1` (the total 1 where it is
-    0), from ``safe_C`` (no zero entry, :func:`safe_sums`): the weights, the ratio ``R / C`` and the row
-    totals ``(..., rows, 1)`` (``None`` without ``normalise``). ``inplace``: the weights normalised in place;
-    ``ratio_in_R`` (no autograd): the ratio and then the weights are formed in ``R``'s buffer, and the ratio
-    is not returned; ``out`` (no autograd, without ``ratio_in_R``): the buffers of the ratio and the weights.
+def scaled_by_sums(R: Tensor, safe_C: Tensor, b: Tensor, ratio_in_R: bool = False,
+                   out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+    r""":math:`A = b \odot (R / C)` from ``safe_C`` (no zero entry, :func:`safe_sums`): the weights and the
+    ratio ``R / C``. ``ratio_in_R`` (no autograd): the ratio and then the weights are formed in ``R``'s
+    buffer, and the ratio is not returned; ``out`` (no autograd): the buffers of the ratio and the weights.
     ``b (R / C)``, not ``R (b / C)``: ``R_tj <= C_tj``, so a backward's ``(R / C) / C`` stays finite where
     ``b / C^2`` would not."""
     if ratio_in_R:
-        ratio = A = R.div_(safe_C).mul_(b)
-    elif out is not None:
+        return R.div_(safe_C).mul_(b), None
+    if out is not None:
         ratio = torch.div(R, safe_C, out=out[0])
-        A = torch.mul(ratio, b, out=out[1])
-    else:
-        ratio = R / safe_C
-        A = b * ratio
-    if not normalise:
-        return A, None if ratio_in_R else ratio, None
-    total = row_totals(A)
-    return (A.div_(total) if inplace or ratio_in_R else A / total), None if ratio_in_R else ratio, total
+        return torch.mul(ratio, b, out=out[1]), ratio
+    ratio = R / safe_C
+    return b * ratio, ratio
 
 
 def row_totals(A: Tensor) -> Tensor:
