@@ -490,3 +490,27 @@ def test_finite_inputs_whose_norms_overflow_are_refused_for_their_scores_not_as_
     huge_v = v.clone()
     huge_v[..., :3, :] = 3e38  # finite values whose sum overflows: accepted (no score involves v)
     assert attention(q, k, huge_v, n_iters=3).isfinite().sum() > 0
+
+
+def test_scores_within_the_row_norm_bound_pass_where_the_whole_norms_do_not(monkeypatch):
+    """The one-read check bounds the scores by the norms of all of q and k; where that bound exceeds the limit
+    but the row norms' does not, the exact checks run and accept the call: the same output as with the limit
+    of the one-read check never reached."""
+    from sinkformer import _validation
+
+    q, k, v = qkv(n=6, batch=(2,), dtype=torch.float64)
+    row_bound = (torch.linalg.vector_norm(q, dim=-1).amax() * torch.linalg.vector_norm(k, dim=-1).amax()).item()
+    whole_bound = (torch.linalg.vector_norm(q) * torch.linalg.vector_norm(k)).item()
+    assert whole_bound > 2 * row_bound
+    expected = attention(q, k, v, n_iters=3)
+    calls = []
+    exact = _validation.check_scores_fit
+    monkeypatch.setattr(_validation, "check_scores_fit", lambda *a, **kw: calls.append(1) or exact(*a, **kw))
+    # a limit between the two bounds (scale 1/sqrt(d) <= 1: the bounds as computed by the checks)
+    monkeypatch.setattr(_validation, "SCORE_HEADROOM", torch.finfo(torch.float64).max / (1.5 * row_bound))
+    assert torch.equal(attention(q, k, v, n_iters=3), expected)
+    assert calls, "the exact checks did not run"
+    largest = (q @ k.transpose(-1, -2)).abs().amax().item() / math.sqrt(q.shape[-1])
+    monkeypatch.setattr(_validation, "SCORE_HEADROOM", torch.finfo(torch.float64).max / (0.5 * largest))
+    with pytest.raises(ValueError, match="scores overflow torch.float64"):
+        attention(q, k, v, n_iters=3)
