@@ -18,6 +18,13 @@ lower decile of the repeats (the least disturbed ones) instead of the median wal
 with other virtual machines moves wall times by tens of percent from round to round, which hides the
 few percent of a change to the cost per call at short sequences.
 
+``--paired P`` times call against call instead of round against round: one worker process per tree
+serves timed calls on request, and the parent alternates them (before, after, then after, before, ...)
+``P`` times per n, so that each pair of calls sees nearly the same machine: a virtual machine whose speed
+moves within a second blurs rounds of several seconds each, not two calls in a row. It reports, per n, the
+median over pairs of the ratio after/before and a 95 % interval for that median (distribution-free: order
+statistics of the pairs' ratios, :func:`median_interval`).
+
 ``--dropout P`` times the attention with ``dropout_p = P`` (training's weight dropout); the results are then
 compared from the same seed, so they are equal only when both trees draw the same masks.
 
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -55,25 +63,26 @@ shapes, what, workload, cpu = json.loads(sys.argv[4]), sys.argv[5], sys.argv[6],
 dropout = float(sys.argv[9])
 clock = time.thread_time if cpu else time.perf_counter
 count_ops = what == "ops"
-torch.manual_seed(0)
-out = {}
-for n in ns:
-    b, h, repeats = shapes[str(n)]
+def workload_of(n, b, h):  # (inputs, forward, step) of size n: each n's closures over its own tensors
     if workload == "sort":
         from sinkformer.attention.sparse import sort_matrix
         x, w = (3 * torch.randn(b, h, n, n)).requires_grad_(), torch.randn(b, h, n, n)
-        inputs = (x,)
         def forward():
             return sort_matrix(x, sort_iters=n_iters, temperature=0.75, causal=causal)
         def step():
             (forward() * w).sum().backward()
-    else:
-        q, k, v = (torch.randn(b, h, n, 64, requires_grad=True) for _ in range(3))
-        inputs = (q, k, v)
-        def forward():
-            return sinkformer.attention(q, k, v, n_iters=n_iters, is_causal=causal, dropout_p=dropout)
-        def step():
-            forward().sum().backward()
+        return (x,), forward, step
+    q, k, v = (torch.randn(b, h, n, 64, requires_grad=True) for _ in range(3))
+    def forward():
+        return sinkformer.attention(q, k, v, n_iters=n_iters, is_causal=causal, dropout_p=dropout)
+    def step():
+        forward().sum().backward()
+    return (q, k, v), forward, step
+torch.manual_seed(0)
+out = {}
+for n in ns:
+    b, h, repeats = shapes[str(n)]
+    inputs, forward, step = workload_of(n, b, h)
     if what == "results":  # the output and the gradients of a seeded cotangent, saved for the parent
         torch.manual_seed(1)
         result = forward()
@@ -83,6 +92,9 @@ for n in ns:
         out[n] = path
         continue
     step()
+    if what == "serve":  # timed calls on request (--paired): the steps of every n, kept for the requests below
+        out[n] = step
+        continue
     if count_ops:  # the aten calls of one step (profiler events, nested ones included): no noise
         torch.set_num_threads(1)  # every call on this thread, where the profiler sees it
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -93,7 +105,13 @@ for n in ns:
     for _ in range(repeats):
         t = clock(); step(); times.append(clock() - t)
     out[n] = sorted(times)[len(times) // 10 if cpu else len(times) // 2] * 1e3
-print(json.dumps(out))
+if what == "serve":
+    print("ready", flush=True)
+    for line in sys.stdin:  # one n per line: one timed forward+backward, its milliseconds on one line
+        t = clock(); out[int(line)](); elapsed = clock() - t
+        print(elapsed * 1e3, flush=True)
+else:
+    print(json.dumps(out))
 """
 
 
@@ -113,15 +131,69 @@ def measure(tree: Path, ns: list[int], n_iters: int, causal: bool, threads: int 
     repeats (``what="time"``; ``clock="cpu"``: the lower decile of their CPU times), the aten calls of
     one forward+backward (``what="ops"``), or the path of a file in ``folder`` holding the output and
     gradients of one seeded forward+backward (``what="results"``)."""
+    command, env = _worker(tree, ns, n_iters, causal, threads, what, heads, workload, folder, clock, dropout)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    return {int(n): value for n, value in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+
+
+def _worker(tree: Path, ns: list[int], n_iters: int, causal: bool, threads: int | None, what: str,
+            heads: int | None, workload: str, folder: Path | None, clock: str, dropout: float):
+    """The command line and environment of a worker process on ``tree`` (:data:`_WORKER`)."""
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     shapes_json = json.dumps({str(n): shape for n, shape in shapes(ns, heads, workload).items()})
-    done = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(ns), str(n_iters), "1" if causal else "0",
-                           shapes_json, what, workload, str(folder or ""), clock, str(dropout)], env=env,
-                          capture_output=True,
-                          text=True, check=True)
-    return {int(n): value for n, value in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+    return ([sys.executable, "-c", _WORKER, json.dumps(ns), str(n_iters), "1" if causal else "0", shapes_json, what,
+             workload, str(folder or ""), clock, str(dropout)], env)
+
+
+class Server:
+    """A worker process on one tree that times one forward+backward of size ``n`` per :meth:`time` call
+    (``--paired``); a context manager that ends the process."""
+
+    def __init__(self, tree: Path, ns: list[int], n_iters: int, causal: bool, threads: int | None,
+                 heads: int | None = None, workload: str = "attention", clock: str = "wall", dropout: float = 0.0):
+        command, env = _worker(tree, ns, n_iters, causal, threads, "serve", heads, workload, None, clock, dropout)
+        self.process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self.process.stdout.readline().strip() != "ready":
+            self.close()
+            raise RuntimeError(f"the worker on {tree} did not start (exit code {self.process.returncode})")
+
+    def time(self, n: int) -> float:
+        """Milliseconds of one forward+backward of size ``n``."""
+        self.process.stdin.write(f"{n}\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the worker ended (exit code {self.process.wait()})")
+        return float(line)
+
+    def close(self) -> None:
+        if self.process.stdin and not self.process.stdin.closed:
+            self.process.stdin.close()
+        self.process.wait()
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free ``level`` interval for the median of the population ``values`` were drawn from:
+    order statistics ``(x_(j), x_(N+1-j))`` with the largest ``j`` such that ``P(Binomial(N, 1/2) < j)`` is at
+    most ``(1 - level) / 2``; the whole range when ``N`` is too small for ``level``."""
+    x = sorted(values)
+    N = len(x)
+    j, below = 0, 0.0  # below: P(Binomial(N, 1/2) < j + 1)
+    while True:
+        below += math.comb(N, j) / 2**N
+        if below > (1 - level) / 2:
+            break
+        j += 1
+    j = max(j, 1)
+    return x[j - 1], x[N - j]
 
 
 def difference(before: str | Path, after: str | Path) -> float:
@@ -156,6 +228,20 @@ def compare(before: Path, after: Path, ns: list[int], n_iters: int, causal: bool
             times[name].append(measure(tree, ns, n_iters, causal, threads, heads=heads, workload=workload,
                                        clock=clock, dropout=dropout))
         progress(f"round {r + 1}/{rounds} done")
+    rows = []
+    for row in _calls_and_results(before, after, ns, n_iters, causal, threads, heads, workload, clock, dropout):
+        n = row["n"]
+        ratios = [a[n] / b[n] for a, b in zip(times["after"], times["before"])]
+        rows.append(dict(row, before_ms=statistics.median(t[n] for t in times["before"]),
+                         after_ms=statistics.median(t[n] for t in times["after"]), ratio=statistics.median(ratios),
+                         ratio_min=min(ratios), ratio_max=max(ratios), rounds=rounds))
+    return rows
+
+
+def _calls_and_results(before: Path, after: Path, ns: list[int], n_iters: int, causal: bool, threads: int | None,
+                       heads: int | None, workload: str, clock: str, dropout: float) -> list[dict]:
+    """Per n, what does not need timing: the shape, the aten calls of one forward+backward in each tree
+    (counted once: they do not vary) and the largest difference between their results."""
     ops = {name: measure(tree, ns, n_iters, causal, threads, what="ops", heads=heads, workload=workload,
                          dropout=dropout)
            for name, tree in (("before", before), ("after", after))}
@@ -167,14 +253,40 @@ def compare(before: Path, after: Path, ns: list[int], n_iters: int, causal: bool
                                   workload=workload, folder=Path(folder) / name, dropout=dropout)
         differences = {n: difference(saved["before"][n], saved["after"][n]) for n in ns}
     sizes = shapes(ns, heads, workload)
+    return [{"n": n, "batch_heads": sizes[n][:2], "before_ops": ops["before"][n], "after_ops": ops["after"][n],
+             "max_difference": differences[n], "clock": clock, "dropout": dropout} for n in ns]
+
+
+def compare_paired(before: Path, after: Path, ns: list[int], n_iters: int, causal: bool, pairs: int,
+                   threads: int | None = None, progress=print, heads: int | None = None,
+                   workload: str = "attention", clock: str = "wall", dropout: float = 0.0,
+                   warmup: int = 3) -> list[dict]:
+    """:func:`compare` call against call: a :class:`Server` per tree, ``pairs`` pairs of calls per n (before
+    then after, then after then before, ...) after ``warmup`` calls of each. Per n: each tree's median call
+    (ms), the median over pairs of the ratio after/before and its 95 % interval (:func:`median_interval`);
+    the aten calls and the results as in :func:`compare`."""
+    ratios: dict[int, list[float]] = {n: [] for n in ns}
+    times: dict[str, dict[int, list[float]]] = {"before": {n: [] for n in ns}, "after": {n: [] for n in ns}}
+    with Server(before, ns, n_iters, causal, threads, heads, workload, clock, dropout) as first, \
+            Server(after, ns, n_iters, causal, threads, heads, workload, clock, dropout) as second:
+        servers = {"before": first, "after": second}
+        for n in ns:
+            for _ in range(warmup):
+                first.time(n), second.time(n)
+            for i in range(pairs):
+                order = ("before", "after") if i % 2 == 0 else ("after", "before")
+                pair = {name: servers[name].time(n) for name in order}
+                for name, ms in pair.items():
+                    times[name][n].append(ms)
+                ratios[n].append(pair["after"] / pair["before"])
+            progress(f"n = {n}: {pairs} pairs done")
     rows = []
-    for n in ns:
-        ratios = [a[n] / b[n] for a, b in zip(times["after"], times["before"])]
-        rows.append({"n": n, "batch_heads": sizes[n][:2], "before_ms": statistics.median(t[n] for t in times["before"]),
-                     "after_ms": statistics.median(t[n] for t in times["after"]), "ratio": statistics.median(ratios),
-                     "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": rounds,
-                     "before_ops": ops["before"][n], "after_ops": ops["after"][n],
-                     "max_difference": differences[n], "clock": clock, "dropout": dropout})
+    for row in _calls_and_results(before, after, ns, n_iters, causal, threads, heads, workload, clock, dropout):
+        n = row["n"]
+        low, high = median_interval(ratios[n])
+        rows.append(dict(row, before_ms=statistics.median(times["before"][n]),
+                         after_ms=statistics.median(times["after"][n]), ratio=statistics.median(ratios[n]),
+                         ratio_low=low, ratio_high=high, pairs=pairs))
     return rows
 
 
@@ -196,18 +308,25 @@ def table(rows: list[dict], n_iters: int, causal: bool, trees: tuple[str, str] |
             f"{f', dropout_p={dropout:g}' if dropout else ''}, forward+backward, float32, d=64"
             if workload == "attention" else f"{'causal ' if causal else ''}block sorting (sort_matrix), "
             f"sort_iters={n_iters}, forward+backward, float32 logits, n = N_B")
-    clock = ("; each round: the lower decile of its repeats' CPU times, one thread"
-             if rows[0].get("clock") == "cpu" else "")
-    lines = [f"{what}; medians over {rows[0]['rounds']} interleaved rounds{clock}"
-             + (f"; before = {trees[0]}, after = {trees[1]}" if trees else ""), "",
-             "| n | b × h | before (ms) | after (ms) | after / before (range over rounds) "
-             "| aten calls before → after | results |",
+    paired = "pairs" in rows[0]
+    cpu = rows[0].get("clock") == "cpu"
+    if paired:
+        design = (f"medians over {rows[0]['pairs']} pairs of calls, the trees alternating call by call"
+                  + ("; CPU time of the calling thread, one thread" if cpu else ""))
+        spread = "after / before (95 % interval of the median)"
+    else:
+        design = (f"medians over {rows[0]['rounds']} interleaved rounds"
+                  + ("; each round: the lower decile of its repeats' CPU times, one thread" if cpu else ""))
+        spread = "after / before (range over rounds)"
+    lines = [f"{what}; {design}" + (f"; before = {trees[0]}, after = {trees[1]}" if trees else ""), "",
+             f"| n | b × h | before (ms) | after (ms) | {spread} | aten calls before → after | results |",
              "|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         b, h = r["batch_heads"]
         ops = f"{r['before_ops']} → {r['after_ops']}" if "before_ops" in r else "—"
+        low, high = (r["ratio_low"], r["ratio_high"]) if paired else (r["ratio_min"], r["ratio_max"])
         lines.append(f"| {r['n']} | {b} × {h} | {r['before_ms']:.2f} | {r['after_ms']:.2f} | "
-                     f"{r['ratio']:.3f} ({r['ratio_min']:.3f}–{r['ratio_max']:.3f}) | {ops} | "
+                     f"{r['ratio']:.3f} ({low:.3f}–{high:.3f}) | {ops} | "
                      f"{_results(r.get('max_difference'))} |")
     return "\n".join(lines)
 
@@ -232,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--causal", action="store_true", help="is_causal=True")
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout_p of the attention workload (default 0)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--paired", type=int, metavar="P",
+                        help="time call against call: P pairs of calls per n, the trees alternating (instead of "
+                        "--rounds)")
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS of the workers (default: torch's)")
     parser.add_argument("--heads", type=int, help="heads of every n (default: the table's, e.g. 8)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -254,9 +376,16 @@ def main(argv: list[str] | None = None) -> int:
         tree = getattr(args, name)
         if not (tree / "src" / "sinkformer" / "__init__.py").is_file():
             parser.error(f"--{name} must be a source tree with src/sinkformer, got {str(tree)!r}")
-    rows = compare(args.before.resolve(), args.after.resolve(), args.n, args.iters, args.causal, args.rounds,
-                   args.threads, progress=lambda s: print(s, file=sys.stderr), heads=args.heads,
-                   workload=args.workload, clock=args.clock, dropout=args.dropout)
+    if args.paired is not None and args.paired < 1:
+        parser.error(f"--paired must be >= 1, got {args.paired}")
+    common = dict(progress=lambda s: print(s, file=sys.stderr), heads=args.heads, workload=args.workload,
+                  clock=args.clock, dropout=args.dropout)
+    if args.paired is not None:
+        rows = compare_paired(args.before.resolve(), args.after.resolve(), args.n, args.iters, args.causal,
+                              args.paired, args.threads, **common)
+    else:
+        rows = compare(args.before.resolve(), args.after.resolve(), args.n, args.iters, args.causal, args.rounds,
+                       args.threads, **common)
     trees = (source(args.before), source(args.after))
     text = table(rows, args.iters, args.causal, trees, args.workload)
     print(text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,70 @@ def test_one_measurement_runs_the_tree_it_is_given():
     assert set(got) == {16} and 0 < got[16] < 10_000
     ops = ab.measure(ROOT, [16], 3, False, threads=1, what="ops")
     assert set(ops) == {16} and isinstance(ops[16], int) and ops[16] > 10  # a forward+backward is many aten calls
+
+
+def test_a_server_times_calls_of_its_tree_on_request_until_closed():
+    """``--paired``: one worker per tree, a timed forward+backward per request, each n on its own tensors."""
+    with ab.Server(ROOT, [16, 64], 3, False, threads=1, clock="cpu") as server:
+        small, large, again = server.time(16), server.time(64), server.time(16)
+        assert 0 < small < 10_000 and 0 < again < 10_000 and 0 < large < 10_000
+        process = server.process
+    assert process.poll() == 0  # closing stdin ends the worker
+
+
+def _binomial_below(N: int, j: int) -> float:
+    """P(Binomial(N, 1/2) < j), exactly."""
+    return sum(math.comb(N, i) for i in range(j)) / 2**N
+
+
+@pytest.mark.parametrize("N", [5, 6, 7, 9, 20, 51, 200])
+def test_the_median_interval_is_the_order_statistics_of_the_binomial_rule(N):
+    values = [float(i) for i in range(N, 0, -1)]  # N, ..., 1 (sorted inside)
+    low, high = ab.median_interval(values)
+    j = int(low)  # values are 1..N: x_(j) = j
+    assert high == N + 1 - j
+    if _binomial_below(N, 1) > 0.025:  # too few for 95 %: the whole range
+        assert (low, high) == (1.0, float(N))
+    else:  # the largest j whose two tails hold at most 2.5 % each
+        assert _binomial_below(N, j) <= 0.025 < _binomial_below(N, j + 1)
+
+
+def test_pairs_alternate_the_trees_call_by_call_and_ratios_are_per_pair(monkeypatch):
+    calls, clock = [], [0]
+
+    class FakeServer:
+        def __init__(self, tree, *args, **kwargs):
+            self.name = tree.name
+
+        def time(self, n):
+            clock[0] += 1
+            calls.append(self.name)
+            slow = 2.0 if self.name == "after" else 1.0
+            return slow * n * (1 + clock[0] / 100)  # the machine slows down call by call
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    def fake_rest(before, after, ns, *args):
+        return [{"n": n, "batch_heads": (4, 8), "before_ops": 1, "after_ops": 1, "max_difference": 0.0,
+                 "clock": "wall", "dropout": 0.0} for n in ns]
+
+    monkeypatch.setattr(ab, "Server", FakeServer)
+    monkeypatch.setattr(ab, "_calls_and_results", fake_rest)
+    rows = ab.compare_paired(Path("/x/before"), Path("/x/after"), [16, 64], 5, False, pairs=9,
+                             progress=lambda s: None, warmup=1)
+    per_n = 2 * (1 + 9)
+    assert calls[:per_n] == ["before", "after"] + ["before", "after", "after", "before"] * 4 + ["before", "after"]
+    assert len(calls) == 2 * per_n
+    for row in rows:  # each pair's drift nearly cancels: every ratio within 2 % of the true 2
+        assert 1.98 < row["ratio_low"] <= row["ratio"] <= row["ratio_high"] < 2.02 and row["pairs"] == 9
+    text = ab.table(rows, 5, False)
+    assert "9 pairs of calls" in text and "95 % interval of the median" in text
+    with pytest.raises(SystemExit):
+        ab.main(["--before", str(ROOT), "--paired", "0"])
 
 
 @pytest.mark.slow  # the default suite stays under 15 minutes on 2 cores
