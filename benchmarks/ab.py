@@ -18,12 +18,14 @@ lower decile of the repeats (the least disturbed ones) instead of the median wal
 with other virtual machines moves wall times by tens of percent from round to round, which hides the
 few percent of a change to the cost per call at short sequences.
 
-``--paired P`` times call against call instead of round against round: one worker process per tree
-serves timed calls on request, and the parent alternates them (before, after, then after, before, ...)
-``P`` times per n, so that each pair of calls sees nearly the same machine: a virtual machine whose speed
-moves within a second blurs rounds of several seconds each, not two calls in a row. It reports, per n, the
-median over pairs of the ratio after/before and a 95 % interval for that median (distribution-free: order
-statistics of the pairs' ratios, :func:`median_interval`).
+``--paired P`` times call against call within each round: one worker process per tree serves timed calls
+on request, and the parent alternates them (before, after, then after, before, ...) ``P`` times per n, so
+that each pair of calls sees nearly the same machine: a virtual machine whose speed moves within a second
+blurs the repeats of a round, not two calls in a row. A round's ratio is the median of its pairs'; the
+rounds, each with fresh processes, average out what belongs to one process for its whole life (its place
+in memory: one pair of processes can read a few percent off 1 on the same tree). It reports,
+per n, the median of the rounds' ratios and a 95 % interval for it (distribution-free: order statistics,
+:func:`median_interval`).
 
 ``--dropout P`` times the attention with ``dropout_p = P`` (training's weight dropout); the results are then
 compared from the same seed, so they are equal only when both trees draw the same masks.
@@ -149,12 +151,17 @@ def _worker(tree: Path, ns: list[int], n_iters: int, causal: bool, threads: int 
 
 class Server:
     """A worker process on one tree that times one forward+backward of size ``n`` per :meth:`time` call
-    (``--paired``); a context manager that ends the process."""
+    (``--paired``); a context manager that ends the process. With one thread, every server runs on the same
+    core (the first this process may use)."""
 
     def __init__(self, tree: Path, ns: list[int], n_iters: int, causal: bool, threads: int | None,
                  heads: int | None = None, workload: str = "attention", clock: str = "wall", dropout: float = 0.0):
         command, env = _worker(tree, ns, n_iters, causal, threads, "serve", heads, workload, None, clock, dropout)
         self.process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if threads == 1 and hasattr(os, "sched_setaffinity"):
+            # both trees' workers on one core: on a virtual machine each core's speed moves on its own, and two
+            # workers left on two cores would compare the cores as much as the trees
+            os.sched_setaffinity(self.process.pid, {min(os.sched_getaffinity(0))})
         if self.process.stdout.readline().strip() != "ready":
             self.close()
             raise RuntimeError(f"the worker on {tree} did not start (exit code {self.process.returncode})")
@@ -258,35 +265,42 @@ def _calls_and_results(before: Path, after: Path, ns: list[int], n_iters: int, c
 
 
 def compare_paired(before: Path, after: Path, ns: list[int], n_iters: int, causal: bool, pairs: int,
-                   threads: int | None = None, progress=print, heads: int | None = None,
+                   rounds: int, threads: int | None = None, progress=print, heads: int | None = None,
                    workload: str = "attention", clock: str = "wall", dropout: float = 0.0,
                    warmup: int = 3) -> list[dict]:
-    """:func:`compare` call against call: a :class:`Server` per tree, ``pairs`` pairs of calls per n (before
-    then after, then after then before, ...) after ``warmup`` calls of each. Per n: each tree's median call
-    (ms), the median over pairs of the ratio after/before and its 95 % interval (:func:`median_interval`);
-    the aten calls and the results as in :func:`compare`."""
-    ratios: dict[int, list[float]] = {n: [] for n in ns}
+    """:func:`compare` call against call: ``rounds`` rounds, each with a fresh :class:`Server` per tree (started
+    in alternating order) and ``pairs`` pairs of calls per n (before then after, then after then before, ...)
+    after ``warmup`` calls of each. A round's ratio is the median of its pairs' ratios after/before: within a
+    round the machine's drift cancels pair by pair, and across rounds each process's own placement in memory
+    (a worker that is a few percent faster for its whole life, even against the same tree) averages out.
+    Per n: each tree's median call (ms), the median of the rounds' ratios and its 95 % interval
+    (:func:`median_interval` over the rounds); the aten calls and the results as in :func:`compare`."""
+    round_ratios: dict[int, list[float]] = {n: [] for n in ns}
     times: dict[str, dict[int, list[float]]] = {"before": {n: [] for n in ns}, "after": {n: [] for n in ns}}
-    with Server(before, ns, n_iters, causal, threads, heads, workload, clock, dropout) as first, \
-            Server(after, ns, n_iters, causal, threads, heads, workload, clock, dropout) as second:
-        servers = {"before": first, "after": second}
-        for n in ns:
-            for _ in range(warmup):
-                first.time(n), second.time(n)
-            for i in range(pairs):
-                order = ("before", "after") if i % 2 == 0 else ("after", "before")
-                pair = {name: servers[name].time(n) for name in order}
-                for name, ms in pair.items():
-                    times[name][n].append(ms)
-                ratios[n].append(pair["after"] / pair["before"])
-            progress(f"n = {n}: {pairs} pairs done")
+    for r in range(rounds):
+        trees = [("before", before), ("after", after)][::1 if r % 2 == 0 else -1]
+        with Server(trees[0][1], ns, n_iters, causal, threads, heads, workload, clock, dropout) as first, \
+                Server(trees[1][1], ns, n_iters, causal, threads, heads, workload, clock, dropout) as second:
+            servers = {trees[0][0]: first, trees[1][0]: second}
+            for n in ns:
+                for _ in range(warmup):
+                    first.time(n), second.time(n)
+                ratios = []
+                for i in range(pairs):
+                    order = ("before", "after") if i % 2 == 0 else ("after", "before")
+                    pair = {name: servers[name].time(n) for name in order}
+                    for name, ms in pair.items():
+                        times[name][n].append(ms)
+                    ratios.append(pair["after"] / pair["before"])
+                round_ratios[n].append(statistics.median(ratios))
+        progress(f"round {r + 1}/{rounds} done")
     rows = []
     for row in _calls_and_results(before, after, ns, n_iters, causal, threads, heads, workload, clock, dropout):
         n = row["n"]
-        low, high = median_interval(ratios[n])
+        low, high = median_interval(round_ratios[n])
         rows.append(dict(row, before_ms=statistics.median(times["before"][n]),
-                         after_ms=statistics.median(times["after"][n]), ratio=statistics.median(ratios[n]),
-                         ratio_low=low, ratio_high=high, pairs=pairs))
+                         after_ms=statistics.median(times["after"][n]), ratio=statistics.median(round_ratios[n]),
+                         ratio_low=low, ratio_high=high, round_ratios=round_ratios[n], pairs=pairs, rounds=rounds))
     return rows
 
 
@@ -311,9 +325,10 @@ def table(rows: list[dict], n_iters: int, causal: bool, trees: tuple[str, str] |
     paired = "pairs" in rows[0]
     cpu = rows[0].get("clock") == "cpu"
     if paired:
-        design = (f"medians over {rows[0]['pairs']} pairs of calls, the trees alternating call by call"
-                  + ("; CPU time of the calling thread, one thread" if cpu else ""))
-        spread = "after / before (95 % interval of the median)"
+        design = (f"{rows[0]['rounds']} rounds of fresh processes, each the median of {rows[0]['pairs']} pairs of "
+                  "calls, the trees alternating call by call" + ("; CPU time of the calling thread, one thread, "
+                                                                 "both trees on one core" if cpu else ""))
+        spread = "after / before: median of the rounds (95 % interval)"
     else:
         design = (f"medians over {rows[0]['rounds']} interleaved rounds"
                   + ("; each round: the lower decile of its repeats' CPU times, one thread" if cpu else ""))
@@ -352,8 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout_p of the attention workload (default 0)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--paired", type=int, metavar="P",
-                        help="time call against call: P pairs of calls per n, the trees alternating (instead of "
-                        "--rounds)")
+                        help="time call against call: in each round, P pairs of calls per n, the trees alternating")
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS of the workers (default: torch's)")
     parser.add_argument("--heads", type=int, help="heads of every n (default: the table's, e.g. 8)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -382,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                   clock=args.clock, dropout=args.dropout)
     if args.paired is not None:
         rows = compare_paired(args.before.resolve(), args.after.resolve(), args.n, args.iters, args.causal,
-                              args.paired, args.threads, **common)
+                              args.paired, args.rounds, args.threads, **common)
     else:
         rows = compare(args.before.resolve(), args.after.resolve(), args.n, args.iters, args.causal, args.rounds,
                        args.threads, **common)

@@ -162,15 +162,26 @@ def test_pairs_alternate_the_trees_call_by_call_and_ratios_are_per_pair(monkeypa
 
     monkeypatch.setattr(ab, "Server", FakeServer)
     monkeypatch.setattr(ab, "_calls_and_results", fake_rest)
-    rows = ab.compare_paired(Path("/x/before"), Path("/x/after"), [16, 64], 5, False, pairs=9,
+    started = []
+    original = FakeServer.__init__
+
+    def start(self, tree, *args, **kwargs):
+        started.append(tree.name)
+        original(self, tree, *args, **kwargs)
+
+    monkeypatch.setattr(FakeServer, "__init__", start)
+    rows = ab.compare_paired(Path("/x/before"), Path("/x/after"), [16, 64], 5, False, pairs=9, rounds=3,
                              progress=lambda s: None, warmup=1)
+    assert started == ["before", "after", "after", "before", "before", "after"]  # fresh processes each round
     per_n = 2 * (1 + 9)
-    assert calls[:per_n] == ["before", "after"] + ["before", "after", "after", "before"] * 4 + ["before", "after"]
-    assert len(calls) == 2 * per_n
+    assert calls[:per_n][2:] == ["before", "after", "after", "before"] * 4 + ["before", "after"]
+    assert len(calls) == 3 * 2 * per_n
     for row in rows:  # each pair's drift nearly cancels: every ratio within 2 % of the true 2
-        assert 1.98 < row["ratio_low"] <= row["ratio"] <= row["ratio_high"] < 2.02 and row["pairs"] == 9
+        assert 1.98 < row["ratio_low"] <= row["ratio"] <= row["ratio_high"] < 2.02
+        assert row["pairs"] == 9 and row["rounds"] == 3 and len(row["round_ratios"]) == 3
     text = ab.table(rows, 5, False)
-    assert "9 pairs of calls" in text and "95 % interval of the median" in text
+    assert "3 rounds of fresh processes, each the median of 9 pairs of calls" in text
+    assert "median of the rounds (95 % interval)" in text
     with pytest.raises(SystemExit):
         ab.main(["--before", str(ROOT), "--paired", "0"])
 
