@@ -317,3 +317,23 @@ def test_the_causal_buffers_paragraph_is_the_committed_run():
             "on both sides of 1)") in text
     peak = next(r["peak_mib"] for r in causal["rows"] if r["method"] == "causal" and r["n"] == 4096 and r["n_iters"] == 3)
     assert f"fell from 148 to {peak:.0f} MiB at n = 4096" in text
+
+
+def test_the_paired_runs_paragraph_is_the_committed_runs():
+    """docs/speed.md's figures for ``--paired``: the null run (4c788b8 against itself) and the run of the
+    whole-norm check (4c788b8 -> 2a1a214), 7 rounds of 21 pairs, CPU time; every interval contains 1."""
+    null = json.loads((ROOT / "benchmarks" / "results" / "ab_issue26_paired_null.json").read_text())
+    check = json.loads((ROOT / "benchmarks" / "results" / "ab_issue26_validation.json").read_text())
+    text = " ".join((ROOT / "docs" / "speed.md").read_text().split())
+    assert null["before"] == null["after"] == check["before"] == "4c788b85e506" and check["after"] == "2a1a2148a0eb"
+    for run in (null, check):
+        for row in run["rows"]:
+            assert row["clock"] == "cpu" and row["rounds"] == 7 and row["pairs"] == 21 and row["max_difference"] == 0
+            assert row["ratio_low"] == min(row["round_ratios"]) and row["ratio_high"] == max(row["round_ratios"])
+            assert row["ratio_low"] < 1 < row["ratio_high"]  # "every interval contains 1"
+    rows = {row["n"]: row for row in null["rows"]}
+    spans = [f"from {rows[n]['ratio_low']:.3f} to {rows[n]['ratio_high']:.3f} at {'n = ' if n == 256 else ''}{n}"
+             for n in (256, 1024, 64)]
+    assert f"They run {spans[0]}, {spans[1]} and {spans[2]}," in text
+    assert all(row["before_ops"] - row["after_ops"] == 6 for row in check["rows"])
+    assert "Six fewer aten calls and identical results; no change in time is resolved at any n" in text
