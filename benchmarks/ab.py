@@ -23,7 +23,7 @@ on request, and the parent alternates them (before, after, then after, before, .
 that each pair of calls sees nearly the same machine: a virtual machine whose speed moves within a second
 blurs the repeats of a round, not two calls in a row. A round's ratio is the median of its pairs'; the
 rounds, each with fresh processes, average out what belongs to one process for its whole life (its place
-in memory: one pair of processes can read a few percent off 1 on the same tree). It reports,
+in memory: a bias even against the same tree). It reports,
 per n, the median of the rounds' ratios and a 95 % interval for it (distribution-free: order statistics,
 :func:`median_interval`).
 
@@ -271,8 +271,8 @@ def compare_paired(before: Path, after: Path, ns: list[int], n_iters: int, causa
     """:func:`compare` call against call: ``rounds`` rounds, each with a fresh :class:`Server` per tree (started
     in alternating order) and ``pairs`` pairs of calls per n (before then after, then after then before, ...)
     after ``warmup`` calls of each. A round's ratio is the median of its pairs' ratios after/before: within a
-    round the machine's drift cancels pair by pair, and across rounds each process's own placement in memory
-    (a worker that is a few percent faster for its whole life, even against the same tree) averages out.
+    round the machine's drift cancels pair by pair, and across rounds what belongs to one process for its
+    whole life (its place in memory: a bias even against the same tree) averages out.
     Per n: each tree's median call (ms), the median of the rounds' ratios and its 95 % interval
     (:func:`median_interval` over the rounds); the aten calls and the results as in :func:`compare`."""
     round_ratios: dict[int, list[float]] = {n: [] for n in ns}
@@ -392,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name} must be a source tree with src/sinkformer, got {str(tree)!r}")
     if args.paired is not None and args.paired < 1:
         parser.error(f"--paired must be >= 1, got {args.paired}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     common = dict(progress=lambda s: print(s, file=sys.stderr), heads=args.heads, workload=args.workload,
                   clock=args.clock, dropout=args.dropout)
     if args.paired is not None:

@@ -182,8 +182,9 @@ def test_pairs_alternate_the_trees_call_by_call_and_ratios_are_per_pair(monkeypa
     text = ab.table(rows, 5, False)
     assert "3 rounds of fresh processes, each the median of 9 pairs of calls" in text
     assert "median of the rounds (95 % interval)" in text
-    with pytest.raises(SystemExit):
-        ab.main(["--before", str(ROOT), "--paired", "0"])
+    for bad in (["--paired", "0"], ["--paired", "5", "--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            ab.main(["--before", str(ROOT), *bad])
 
 
 @pytest.mark.slow  # the default suite stays under 15 minutes on 2 cores
