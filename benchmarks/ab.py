@@ -20,8 +20,8 @@ few percent of a change to the cost per call at short sequences.
 
 ``--paired P`` times call against call within each round: one worker process per tree serves timed calls
 on request, and the parent alternates them (before, after, then after, before, ...) ``P`` times per n, so
-that each pair of calls sees nearly the same machine: a virtual machine whose speed moves within a second
-blurs the repeats of a round, not two calls in a row. A round's ratio is the median of its pairs'; the
+that each pair of calls sees nearly the same machine: a shared virtual machine's load moves between the
+seconds of two rounds more than between two calls in a row. A round's ratio is the median of its pairs'; the
 rounds, each with fresh processes, average out what belongs to one process for its whole life (its place
 in memory: a bias even against the same tree). It reports,
 per n, the median of the rounds' ratios and a 95 % interval for it (distribution-free: order statistics,
@@ -159,8 +159,7 @@ class Server:
         command, env = _worker(tree, ns, n_iters, causal, threads, "serve", heads, workload, None, clock, dropout)
         self.process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if threads == 1 and hasattr(os, "sched_setaffinity"):
-            # both trees' workers on one core: on a virtual machine each core's speed moves on its own, and two
-            # workers left on two cores would compare the cores as much as the trees
+            # both trees' workers on one core: left on two cores, they would compare the cores as much as the trees
             os.sched_setaffinity(self.process.pid, {min(os.sched_getaffinity(0))})
         if self.process.stdout.readline().strip() != "ready":
             self.close()
