@@ -3,7 +3,8 @@
 ``cpu_parallel.map_groups`` runs the groups of slices of a call either on one Python thread per
 core, each computing single-threaded (``threads``), or in order on the calling thread, each PyTorch
 operation split over the cores by its intra-op threads (``intra-op``). ``PARALLEL_ABOVE`` (scores per
-call) chooses. This benchmark times both for calls of several sizes (forward+backward, 5 iterations,
+call) chooses; ``NATIVE_PARALLEL_ABOVE`` for calls whose groups run the native passes (slices of at most
+``CACHE_BLOCK_ELEMENTS`` scores, where those are compiled), which then also split the call into a group per core. This benchmark times both for calls of several sizes (forward+backward, 5 iterations,
 ``backend="tiled"``, float32, d = 64), in one process, the two modes alternating round by round, and
 prints per size the median over rounds of the per-round ratio threads / intra-op with its range,
 and the mode that ``PARALLEL_ABOVE`` picks for that size.
@@ -25,7 +26,7 @@ from pathlib import Path
 #: same size with fewer slices
 CALLS = [(4, 8, 64), (4, 8, 128), (4, 8, 256), (4, 8, 512), (1, 8, 1024), (2, 8, 1024), (4, 8, 1024),
          (1, 8, 2048), (1, 8, 4096)]
-#: the two modes: the value of PARALLEL_ABOVE that forces each
+#: the two modes: the value of PARALLEL_ABOVE (and NATIVE_PARALLEL_ABOVE) that forces each
 MODES = {"threads": 0, "intra-op": 1 << 62}
 
 
@@ -36,7 +37,9 @@ def measure(calls: list[tuple[int, int, int]], rounds: int, progress=print) -> l
     import sinkformer
     from sinkformer.sinkhorn import cpu_parallel
 
-    threshold = cpu_parallel.PARALLEL_ABOVE
+    from sinkformer.sinkhorn import native, sizes
+
+    threshold, native_threshold = cpu_parallel.PARALLEL_ABOVE, cpu_parallel.NATIVE_PARALLEL_ABOVE
     rows = []
     try:
         for b, h, n in calls:
@@ -49,7 +52,7 @@ def measure(calls: list[tuple[int, int, int]], rounds: int, progress=print) -> l
             times: dict[str, list[float]] = {mode: [] for mode in MODES}
             for r in range(rounds):
                 for mode in (list(MODES) if r % 2 == 0 else list(MODES)[::-1]):
-                    cpu_parallel.PARALLEL_ABOVE = MODES[mode]
+                    cpu_parallel.PARALLEL_ABOVE = cpu_parallel.NATIVE_PARALLEL_ABOVE = MODES[mode]
                     step()  # warm-up: the first call of a mode pays its allocations
                     runs = []
                     for _ in range(repeats):
@@ -59,14 +62,16 @@ def measure(calls: list[tuple[int, int, int]], rounds: int, progress=print) -> l
                     times[mode].append(statistics.median(runs) * 1e3)
             ratios = [t / i for t, i in zip(times["threads"], times["intra-op"])]
             scores = b * h * n * n
+            natively = native.ENABLED and n * n <= sizes.CACHE_BLOCK_ELEMENTS and native.library()[0] is not None
             rows.append({"batch": b, "heads": h, "n": n, "scores": scores,
                          "threads_ms": statistics.median(times["threads"]),
                          "intra_op_ms": statistics.median(times["intra-op"]), "ratio": statistics.median(ratios),
                          "ratio_min": min(ratios), "ratio_max": max(ratios),
-                         "picked": "intra-op" if scores < threshold else "threads"})
+                         "native": natively,
+                         "picked": "intra-op" if scores < (native_threshold if natively else threshold) else "threads"})
             progress(f"b={b} h={h} n={n}: threads / intra-op {rows[-1]['ratio']:.2f}")
     finally:
-        cpu_parallel.PARALLEL_ABOVE = threshold
+        cpu_parallel.PARALLEL_ABOVE, cpu_parallel.NATIVE_PARALLEL_ABOVE = threshold, native_threshold
     return rows
 
 
@@ -83,15 +88,23 @@ def render(rows: list[dict], meta: dict) -> str:
     lines = [f"The tiled engine's groups on one Python thread per core (`threads`) or on PyTorch's intra-op threads, "
              f"forward+backward, 5 iterations, float32, d = 64; measured {meta['when']} on {meta['machine']} with "
              f"{meta['cores']} CPU cores ({meta['threads']} torch threads), torch {meta['torch']}; medians over "
-             f"{meta['rounds']} rounds alternating the modes in one process. `PARALLEL_ABOVE` = {meta['threshold']} scores.", "",
+             f"{meta['rounds']} rounds alternating the modes in one process. `PARALLEL_ABOVE` = {meta['threshold']} scores"
+             + (f"; `NATIVE_PARALLEL_ABOVE` = {meta['native_threshold']} for the calls that run the native passes (native: yes)"
+                if "native_threshold" in meta else "") + ".", "",
              "| b × h | n | scores | threads (ms) | intra-op (ms) | threads / intra-op (range) | faster in every round "
              "| PARALLEL_ABOVE picks |", "|---:|---:|---:|---:|---:|---:|---|---|"]
+    natives = "native_threshold" in meta
+    if natives:
+        lines[-2] = lines[-2].replace("| b × h |", "| b × h | native |")
+        lines[-1] = "|---|" + lines[-1][1:]
     for r in rows:
-        lines.append(f"| {r['batch']} × {r['heads']} | {r['n']} | {r['scores'] / 1e6:.1f}M | {r['threads_ms']:.1f} | "
+        lines.append(f"| {r['batch']} × {r['heads']} | " + (f"{'yes' if r['native'] else 'no'} | " if natives else "")
+                     + f"{r['n']} | {r['scores'] / 1e6:.1f}M | {r['threads_ms']:.1f} | "
                      f"{r['intra_op_ms']:.1f} | {r['ratio']:.2f} ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) | "
                      f"{faster(r) or '—'} | {r['picked']} |")
     wrong = [r for r in rows if faster(r) not in (None, r["picked"])]
-    lines += ["", "Sizes where `PARALLEL_ABOVE` picks the mode that was slower in every round: "
+    picker = "the thresholds pick" if natives else "`PARALLEL_ABOVE` picks"
+    lines += ["", f"Sizes where {picker} the mode that was slower in every round: "
               + (", ".join(f"b × h = {r['batch']} × {r['heads']}, n = {r['n']}" for r in wrong) if wrong else "none")
               + "."]
     return "\n".join(lines) + "\n"
@@ -110,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "rounds": args.rounds, "threshold": cpu_parallel.PARALLEL_ABOVE,
+            "native_threshold": cpu_parallel.NATIVE_PARALLEL_ABOVE,
             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -19,16 +19,18 @@ import torch
 import sinkformer
 from sinkformer import SinkhornConvergenceWarning, attention
 from sinkformer.attention import backends
-from sinkformer.sinkhorn import flash, tiled, sizes
+from sinkformer.sinkhorn import flash, native, tiled, sizes
 
 #: engine name -> keyword arguments of ``attention`` that select it. "tiled-log" is the tiled
-#: engine in the log domain that GPUs use, run here on the CPU.
+#: engine in the log domain that GPUs use, run here on the CPU; "tiled-composed" the tiled engine's scaling
+#: domain of PyTorch operations only (no native passes: what a machine without a C compiler runs).
 ENGINES = {
     "auto": {},
     "sdpa": {"backend": "sdpa"},
     "dense": {"backend": "dense"},
     "tiled": {"backend": "tiled"},
     "tiled-log": {"backend": "tiled"},
+    "tiled-composed": {"backend": "tiled"},
     "streamed": {"backend": "streamed", "chunk_size": 4},
     "flash": {"backend": "flash"},
     "causal": {"backend": "causal"},
@@ -53,6 +55,7 @@ assert UNSERVED == {
     "dense": {"implicit"},
     "tiled": {"return_weights", "measure", "bias_grad"},
     "tiled-log": {"return_weights", "measure", "bias_grad"},
+    "tiled-composed": {"return_weights", "measure", "bias_grad"},
     "streamed": {"return_weights", "measure", "bias_grad", "implicit"},
     "flash": {"return_weights", "measure", "bias_grad"},
     "causal": {"noncausal", "measure", "implicit"},
@@ -73,6 +76,8 @@ TOLERANCE = {
 def engine(request, monkeypatch):
     if request.param == "tiled-log":
         monkeypatch.setattr(tiled, "DOMAIN", "log")
+    if request.param == "tiled-composed":
+        monkeypatch.setattr(native, "ENABLED", False)
     if request.param == "flash" and flash.unavailable("cpu") is not None:
         pytest.skip(f"flash engine on CPU tensors: {flash.unavailable('cpu')}")
     return request.param

@@ -34,7 +34,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-__all__ = ["map_groups", "PARALLEL_ABOVE", "SCRATCH_KEPT_BYTES", "scratch_buffer", "release_scratch",
+__all__ = ["map_groups", "PARALLEL_ABOVE", "NATIVE_PARALLEL_ABOVE", "SCRATCH_KEPT_BYTES", "scratch_buffer", "release_scratch",
            "single_threaded_here"]
 
 T = TypeVar("T")
@@ -47,6 +47,11 @@ T = TypeVar("T")
 #: workers, which costs most in calls of tens of milliseconds. The conformance suite sets 0 to test
 #: the threads.
 PARALLEL_ABOVE = 1 << 24
+
+#: Fewest scores in a call whose groups run :mod:`.native`'s passes for :func:`map_groups` to use threads (the
+#: passes are single-threaded C, so intra-op threads leave a core idle during them; in small calls the threads'
+#: start and the GIL cost more than that). ``python -m benchmarks parallel`` times both modes at each size.
+NATIVE_PARALLEL_ABOVE = 1 << 23
 
 #: Bytes of CPU scratch memory (the workers' tile buffers) kept between calls for the next one: a fresh
 #: 64 MiB tile (one 4096 x 4096 float32 slice) is page faults on every call, which made a 5-iteration
@@ -140,16 +145,18 @@ def single_threaded_here() -> bool:
     return torch.get_num_threads() == 1 and (mkl_max is None or mkl_max() == 1)
 
 
-def map_groups(starts: list[int], work: Callable[[int, dict], T], device: torch.device, scores: int) -> list[T]:
+def map_groups(starts: list[int], work: Callable[[int, dict], T], device: torch.device, scores: int,
+               native: bool = False) -> list[T]:
     """``[work(start, scratch) for start in starts]``, on the CPU in parallel when worthwhile.
 
     ``scores``: the call's total number of scores (``B·n·m``). Threads are used on the CPU when
-    there are at least two groups, at least two intra-op threads, ``scores >= PARALLEL_ABOVE``,
-    and the workers can be made single-threaded without touching other threads
-    (:func:`single_threaded_here`); otherwise the groups run in order on the calling thread.
+    there are at least two groups, at least two intra-op threads, ``scores >= PARALLEL_ABOVE`` (``native``:
+    the groups run :mod:`.native`'s single-threaded passes, ``>= NATIVE_PARALLEL_ABOVE``), and the workers
+    can be made single-threaded without touching other threads (:func:`single_threaded_here`); otherwise
+    the groups run in order on the calling thread.
     """
     workers = min(len(starts), torch.get_num_threads()) if device.type == "cpu" else 1
-    if workers <= 1 or scores < PARALLEL_ABOVE or _runtime() is None:
+    if workers <= 1 or scores < (NATIVE_PARALLEL_ABOVE if native else PARALLEL_ABOVE) or _runtime() is None:
         scratch = _take_scratch(device)
         results = [work(start, scratch) for start in starts]
         _keep_scratch(scratch, device)

@@ -48,7 +48,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import sizes
+from . import native, sizes
 from .cpu_parallel import map_groups, scratch_buffer
 from .problem import (
     Problem,
@@ -65,7 +65,7 @@ from .loop import sinkhorn_loop
 from .sizes import CacheBlocks, cache_blocks
 
 __all__ = ["Options", "Tile", "GroupState", "run_forward", "run_backward", "scaling_forward", "scaling_backward",
-           "dropout_mask", "implicit_duals_of"]
+           "dropout_mask", "implicit_duals_of", "uses_native"]
 
 @dataclass(frozen=True)
 class Options:
@@ -145,11 +145,20 @@ def run_forward(problem: Problem, seed: Tensor | None, options: Options, log_for
                 torch.zeros(0, dtype=torch.int64, device=q.device), torch.zeros(0, dtype=torch.bool, device=q.device),
                 tiles)
     scaling = options.starts_in_scaling(q.device)
+    native_passes = uses_native(problem, options)
 
     def run(start: int, scratch: dict) -> GroupState:
         sl = slice(start, min(B, start + options.group))
         group = problem.group(sl.start, sl.stop)
-        if scaling:
+        if native_passes:
+            c = sl.stop - sl.start
+            memory = tiles[sl] if tiles.numel() else scratch_buffer(scratch, "memory", c * n * m, q).view(c, n, m)
+            row_shift, col_shift, us, vs = native.forward(memory, group.q, group.k, group.v, group.scale,
+                                                          group.n_iters, out[sl])
+            if _trustworthy(us, vs):
+                counts = torch.full((sl.stop - sl.start,), group.n_iters, dtype=torch.int64, device=q.device)
+                return GroupState(row_shift, col_shift, us, vs, counts, False)
+        if scaling:  # (and a native group whose scalings are not to be trusted: the passes below, then the log domain)
             memory = tiles[sl].view(-1) if tiles.numel() else Tile.memory(problem, options, scratch)
             tile = Tile(group, options, memory)
             state = scaling_forward(tile, seed, out[sl], options)
@@ -158,7 +167,7 @@ def run_forward(problem: Problem, seed: Tensor | None, options: Options, log_for
             return log_forward(group, options, seed, out[sl], tile.row_shift, tile.col_shift)
         return log_forward(group, options, seed, out[sl], None, None)
 
-    states = map_groups(list(range(0, B, options.group)), run, q.device, B * n * m)
+    states = map_groups(list(range(0, B, options.group)), run, q.device, B * n * m, native=native_passes)
     implicit = options.backward == "implicit"
     warn_if_unconverged([s.stop for s in states if s.stop is not None], implicit=implicit)
     col_errors = [s.col_error for s in states if s.col_error is not None]
@@ -179,6 +188,7 @@ def run_backward(grad_out: Tensor, problem: Problem, out: Tensor, seed: Tensor |
     grad_out = grad_out.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     logs = log_domain.tolist()
+    native_passes = uses_native(problem, options)
 
     def run(start: int, scratch: dict) -> None:
         sl = slice(start, min(B, start + options.group))
@@ -188,13 +198,34 @@ def run_backward(grad_out: Tensor, problem: Problem, out: Tensor, seed: Tensor |
             log_backward(grad_out[sl], group, out[sl], options, seed, row_shift[sl], col_shift[sl], us[sl], vs[sl],
                          counts[sl], grads)
             return
+        if native_passes:  # a kept tile holds K̃, whichever passes the forward ran; else K̃ again from the shifts
+            c = sl.stop - sl.start
+            tile = tiles[sl] if tiles.numel() else native.recompute(
+                scratch_buffer(scratch, "memory", c * n * m, q).view(c, n, m), group.q, group.k, group.scale,
+                row_shift[sl], col_shift[sl])
+            work = scratch_buffer(scratch, "dS", c * n * m, dq)
+            native.backward(tile, group.q, group.k, group.v, us[sl], vs[sl], grad_out[sl], group.scale, group.n_iters,
+                            grads, work)
+            return
         kept = tiles.numel() > 0
         memory = tiles[sl].view(-1) if kept else Tile.memory(problem, options, scratch)
         tile = Tile(group, options, memory, shifts=(row_shift[sl], col_shift[sl]), ready=kept)
         scaling_backward(tile, seed, us[sl], vs[sl], counts[sl], grad_out[sl], out[sl], options, grads, scratch)
 
-    map_groups(list(range(0, B, options.group)), run, q.device, B * n * m)
+    map_groups(list(range(0, B, options.group)), run, q.device, B * n * m, native=native_passes)
     return dq, dk, dv
+
+
+def uses_native(problem: Problem, options: Options) -> bool:
+    """Whether the call's scaling-domain groups run :mod:`.native`'s passes: the tiled engine on the CPU, float32
+    or float64, no mask, a fixed ``n_iters >= 2``, no dropout, ``backward="unrolled"``, slices of at most
+    :data:`~.sizes.CACHE_BLOCK_ELEMENTS` scores (whole slices in cache), and the passes compiled here
+    (:func:`.native.status`)."""
+    p = problem
+    return (native.ENABLED and options.stored and options.starts_in_scaling(p.q.device) and p.q.device.type == "cpu"
+            and p.q.dtype in (torch.float32, torch.float64) and not p.masked and p.tol is None and p.n_iters >= 2
+            and not options.dropout_p and options.backward == "unrolled" and p.n * p.m <= sizes.CACHE_BLOCK_ELEMENTS
+            and native.library()[0] is not None)
 
 
 def _cat(parts: list[Tensor]) -> Tensor:

@@ -39,12 +39,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import sizes
+from . import cpu_parallel, sizes
 from .problem import Problem, column_error, double_shift, log_marginal
 from .ops import refuse_implicit_second_derivatives, register_engine_autograd
 from .sizes import group_size
 from .loop import reverse_schedule, sinkhorn_loop
-from .scaling import GroupState, Options, dropout_mask, implicit_duals_of, run_backward, run_forward
+from .scaling import GroupState, Options, dropout_mask, implicit_duals_of, run_backward, run_forward, uses_native
 
 __all__ = ["tiled_attention"]
 
@@ -64,6 +64,10 @@ def tiled_attention(problem: Problem, *, backward: str = "unrolled", dropout_p: 
     domain = DOMAIN if domain is None else domain
     seed = torch.randint(0, 2**62, (1,)) if dropout_p > 0 else None
     group = group_size(problem.B, problem.n, problem.m, problem.q.device)
+    scores = problem.B * problem.n * problem.m
+    if (scores >= cpu_parallel.NATIVE_PARALLEL_ABOVE
+            and uses_native(problem, _options(backward, dropout_p, domain, group, sizes.CACHE_BLOCK_ELEMENTS))):
+        group = min(group, -(-problem.B // torch.get_num_threads()))  # a group per core at least (map_groups)
     return _forward_autograd(*problem.fields(), seed, backward, dropout_p, domain, group,
                              sizes.CACHE_BLOCK_ELEMENTS)[0]
 

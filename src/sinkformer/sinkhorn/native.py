@@ -1,0 +1,153 @@
+r"""Native CPU passes of the scaling domain: a group of whole slices without masks, in one C call per direction.
+
+The tiled engine's scaling domain (:mod:`.scaling`) composes PyTorch operations: a few dozen per group and
+direction, each a pass over the group's tile. Where a group is whole slices that fit a cache block and has
+no mask, no dropout, a fixed ``n_iters`` and a kept tile (:meth:`~.scaling.Options.saves_tile`), this module
+runs the same arithmetic with the matrix products still PyTorch's and everything between them in C
+(``native_scaling.c``), every slice visited while it sits in a core's cache:
+
+* **forward**: :math:`S = \mathrm{scale}\,QK^\top` (``baddbmm``), then in C the double shift
+  (:func:`~.problem.double_shift`), :math:`\tilde K = e^{S - r_i - c_j}` in place and the ``n_iters``
+  normalisations :math:`u \leftarrow a \oslash \tilde K\tilde v`, :math:`\tilde v \leftarrow b \oslash
+  \tilde K^\top u` from :math:`\tilde v = e^{c}` (a row normalisation and the next column sums in one pass);
+  then :math:`\mathrm{out} = u \odot \tilde K(\tilde v \odot V)` (``bmm``). It returns the shifts and the
+  iterates in :class:`~.scaling.GroupState`'s layout, so either backward can follow it.
+* **backward**: :math:`dV = \tilde v \odot \tilde K^\top(u \odot dO)` and :math:`G = \mathrm{diag}(u)\,dO\,V^\top
+  \mathrm{diag}(\tilde v)` (``bmm``), then in C the reverse recursion through the scalings and
+  :math:`dS = \mathrm{scale}\,\tilde K \odot (G + XY^\top)` in ``G``'s memory (the formula of
+  :func:`~.scaling.scaling_backward`); then :math:`dQ = dS\,K`, :math:`dK = dS^\top Q` (``bmm``).
+
+Marginals: every row ``a = 1``, every column ``b = n/m`` (no mask). The float32 exponential is a polynomial
+(Cephes' ``expf``, within 2 ulp; 0 below :math:`e^{-87.3}`), float64 uses the C library's ``exp``.
+
+The C source is compiled at first use with the machine's C compiler (``$CC``, else ``cc`` or ``gcc``;
+``-O3 -march=native``) into ``$SINKFORMER_CACHE`` (default ``~/.cache/sinkformer``), once per source,
+compiler and CPU. Without a compiler, or with ``SINKFORMER_NATIVE=0`` in the environment, the engine
+composes PyTorch operations as before (the same results to rounding, slower at short sequences);
+:func:`status` says which and why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..provenance import cpu_model
+
+__all__ = ["ENABLED", "FLAGS", "status", "library", "forward", "recompute", "backward"]
+
+SOURCE = Path(__file__).with_name("native_scaling.c")
+#: compiler flags: optimised for this CPU; the loops vectorise through ``omp simd`` (no OpenMP runtime)
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=fast", "-shared", "-fPIC")
+#: whether the engine may use the native passes (``SINKFORMER_NATIVE=0``: never; tests switch it)
+ENABLED = os.environ.get("SINKFORMER_NATIVE", "1") != "0"
+
+_lock = threading.Lock()
+_DTYPES = {torch.float32: ("f32", ctypes.c_float), torch.float64: ("f64", ctypes.c_double)}
+
+
+def status() -> str:
+    """One line: whether the native passes are in use here, and if not, why."""
+    if not ENABLED:
+        return "native passes off (SINKFORMER_NATIVE=0)"
+    lib, reason = library()
+    return f"native passes on: {lib._name}" if lib is not None else f"native passes unavailable: {reason}"
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> tuple[ctypes.CDLL | None, str]:
+    """The compiled passes (built on first call, then cached on disk) and ``""``; or ``None`` and the reason."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        return None, "no C compiler found (set CC, or install gcc)"
+    try:
+        source = SOURCE.read_bytes()
+    except OSError as error:
+        return None, f"the C source is missing ({error})"
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), cpu_model().encode(),
+                                     platform.machine().encode()])).hexdigest()[:16]
+    folder = Path(os.environ.get("SINKFORMER_CACHE") or Path.home() / ".cache" / "sinkformer") / "native"
+    path = folder / f"sinkhorn-{key}.so"
+    with _lock:
+        if not path.exists():
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryDirectory(dir=folder) as tmp:
+                    built = Path(tmp) / path.name
+                    run = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                                         capture_output=True, text=True)
+                    if run.returncode != 0:
+                        return None, f"{compiler} failed: {run.stderr.strip()[-300:]}"
+                    os.replace(built, path)  # atomic: a concurrent process loads one whole library or builds its own
+            except OSError as error:
+                return None, f"could not build in {folder}: {error}"
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as error:
+            return None, f"could not load {path}: {error}"
+    P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for suffix, real in _DTYPES.values():
+        getattr(lib, f"sinkhorn_forward_{suffix}").argtypes = [P, I64, I64, I64, INT, real, real, P, P, P, P, P]
+        getattr(lib, f"sinkhorn_backward_{suffix}").argtypes = [P, P, I64, I64, I64, INT, real, real, P, P, real, P]
+        getattr(lib, f"sinkhorn_kernel_{suffix}").argtypes = [P, I64, I64, I64, P, P]
+    return lib, ""
+
+
+def _function(direction: str, dtype: torch.dtype):
+    return getattr(library()[0], f"sinkhorn_{direction}_{_DTYPES[dtype][0]}")
+
+
+def forward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, n_iters: int,
+            out: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The forward of one group: ``tile (c, n, m)`` (contiguous) ends holding :math:`\\tilde K`; writes ``out
+    (c, n, e)``; returns the shifts ``(c, n)``, ``(c, m)`` and the iterates ``us (c, n, Lu)`` ``[u1, u3, ..]``,
+    ``vs (c, m, Lv)`` ``[v0, v2, ..]`` (``q (c, n, d)``, ``k (c, m, d)``, ``v (c, m, e)``; ``n_iters >= 2``)."""
+    c, n, m = tile.shape
+    tile.baddbmm_(q, k.transpose(1, 2), beta=0.0, alpha=scale)
+    us, vs = tile.new_empty(c, n, (n_iters + 1) // 2), tile.new_empty(c, m, n_iters // 2 + 1)
+    row_shift, col_shift, work = tile.new_empty(c, n), tile.new_empty(c, m), tile.new_empty(2 * m)
+    _function("forward", tile.dtype)(tile.data_ptr(), c, n, m, n_iters, 1.0, n / m, us.data_ptr(), vs.data_ptr(),
+                                     row_shift.data_ptr(), col_shift.data_ptr(), work.data_ptr())
+    torch.bmm(tile, vs[..., -1:] * v, out=out).mul_(us[..., -1:])
+    return row_shift, col_shift, us, vs
+
+
+def recompute(tile: Tensor, q: Tensor, k: Tensor, scale: float, row_shift: Tensor, col_shift: Tensor) -> Tensor:
+    """:math:`\\tilde K = e^{S - r_i - c_j}` of one group into ``tile (c, n, m)`` (returned) from the forward's
+    shifts ``(c, n)``, ``(c, m)``: the forward's values, bit for bit (the same product and operations)."""
+    c, n, m = tile.shape
+    tile.baddbmm_(q, k.transpose(1, 2), beta=0.0, alpha=scale)
+    row_shift, col_shift = row_shift.contiguous(), col_shift.contiguous()  # named: their memory must outlive the call
+    _function("kernel", tile.dtype)(tile.data_ptr(), c, n, m, row_shift.data_ptr(), col_shift.data_ptr())
+    return tile
+
+
+def backward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, us: Tensor, vs: Tensor, dO: Tensor, scale: float,
+             n_iters: int, grads: tuple[Tensor, Tensor, Tensor], work: Tensor) -> None:
+    """Gradients of one group written into ``grads = (dq, dk, dv)``, from the forward's :math:`\\tilde K`
+    (``tile (c, n, m)``), iterates and ``dO (c, n, e)``; ``work``: at least ``c n m`` elements (``G``, then
+    ``dS``)."""
+    c, n, m = tile.shape
+    dq, dk, dv = grads
+    u, vt = us[..., -1:], vs[..., -1:]
+    uO = dO * u
+    torch.bmm(tile.transpose(1, 2), uO, out=dv).mul_(vt)
+    G = work[:c * n * m].view(c, n, m)
+    torch.bmm(uO, (vt * v).transpose(1, 2), out=G)
+    scratch = tile.new_empty((n_iters + 1) * (n + m))
+    us, vs = us.contiguous(), vs.contiguous()  # named: their memory must outlive the call
+    _function("backward", tile.dtype)(tile.data_ptr(), G.data_ptr(), c, n, m, n_iters, 1.0, n / m, us.data_ptr(),
+                                      vs.data_ptr(), scale, scratch.data_ptr())
+    torch.bmm(G, k, out=dq)
+    torch.bmm(G.transpose(1, 2), q, out=dk)

@@ -1,0 +1,183 @@
+/* The scaling domain's passes over a group of whole slices, in C: what sinkformer.sinkhorn.native runs on
+ * the CPU for a group without masks (see that module's docstring for the mathematics and the layouts).
+ *
+ * For each slice (n x m, row-major, in cache): the double shift of the scores and K~ = exp(S - r_i - c_j)
+ * in place, the iterations u <- a / (K~ v), v <- b / (K~^T u) from v = exp(c) (a row normalisation and the
+ * column sums of the next one in one pass over the slice); and the exact gradient of the n_iters map,
+ * dS = scale K~ (G + X Y^T), with G = diag(u) dP diag(v) given and the rank-n_iters correction X Y^T from
+ * the reverse recursion through the scalings.
+ *
+ * Compiled at first use by sinkformer.sinkhorn.native with the C compiler of the machine (-O3
+ * -march=native); the loops vectorise through "omp simd" (no OpenMP runtime is used). Each function is
+ * single-threaded: the engine gives each core its own groups. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* e^x for x <= 0 in float32: Cody-Waite reduction by ln 2 (round to nearest by the 1.5 * 2^23 trick),
+ * the degree-6 polynomial of Cephes' expf on [-ln2/2, ln2/2], scaled by 2^k through the exponent bits;
+ * exactly 0 below -87.3 (where e^x is below float32's smallest normal number). */
+static inline float exp_nonpositive_f32(float x) {
+    const int under = x < -87.3f;
+    x = under ? -87.3f : x;
+    float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - k * 0.693359375f;
+    r = r + k * 2.12194440e-4f;
+    float p = 1.9875691500E-4f;
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return under ? 0.0f : p * scale;
+}
+
+static inline double exp_nonpositive_f64(double x) { return exp(x); }
+
+/* One definition per dtype: T the element type, SFX the suffix of the exported names. */
+#define DEFINE_PASSES(T, SFX, EXP)                                                                            \
+                                                                                                              \
+/* Forward of c slices. X (c, n, m): the scores in, K~ out. us (c, n, Lu), vs (c, m, Lv): the iterates          \
+ * [u1, u3, ..] and [v0 = e^c, v2, ..] (Lu = ceil(T / 2), Lv = floor(T / 2) + 1); row_shift (c, n),             \
+ * col_shift (c, m); work: 2 m elements. a, b: the marginals (every row a, every column b). */                \
+void sinkhorn_forward_##SFX(T *X, int64_t c, int64_t n, int64_t m, int T_, T a, T b, T *us, T *vs,           \
+                            T *row_shift, T *col_shift, T *work) {                                            \
+    const int64_t Lu = (T_ + 1) / 2, Lv = T_ / 2 + 1;                                                         \
+    T *col = work, *vc = work + m; /* the column sums, and the current v contiguous */                      \
+    for (int64_t s = 0; s < c; s++) {                                                                         \
+        T *K = X + s * n * m, *u = us + s * n * Lu, *v = vs + s * m * Lv;                                     \
+        T *rs = row_shift + s * n, *cs = col_shift + s * m;                                                   \
+        for (int64_t j = 0; j < m; j++) cs[j] = -INFINITY;                                                    \
+        for (int64_t i = 0; i < n; i++) { /* row maxima, then the column maxima of S - r_i */                 \
+            T *x = K + i * m, top = -INFINITY;                                                                \
+            _Pragma("omp simd reduction(max:top)")                                                            \
+            for (int64_t j = 0; j < m; j++) top = x[j] > top ? x[j] : top;                                    \
+            rs[i] = top;                                                                                      \
+            _Pragma("omp simd")                                                                               \
+            for (int64_t j = 0; j < m; j++) {                                                                 \
+                T y = x[j] - top;                                                                             \
+                x[j] = y;                                                                                     \
+                cs[j] = y > cs[j] ? y : cs[j];                                                                \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int64_t j = 0; j < m; j++) { col[j] = 0; vc[j] = EXP(cs[j]); v[j * Lv] = vc[j]; }                 \
+        for (int64_t i = 0; i < n; i++) { /* K~ = e^{x - c}; normalisation 1 and the sums of 2 */            \
+            T *x = K + i * m, total = 0;                                                                      \
+            _Pragma("omp simd reduction(+:total)")                                                            \
+            for (int64_t j = 0; j < m; j++) {                                                                 \
+                T e = EXP(x[j] - cs[j]);                                                                      \
+                x[j] = e;                                                                                     \
+                total += e * vc[j];                                                                           \
+            }                                                                                                 \
+            T ui = a / total;                                                                                 \
+            u[i * Lu] = ui;                                                                                   \
+            _Pragma("omp simd")                                                                               \
+            for (int64_t j = 0; j < m; j++) col[j] += x[j] * ui;                                              \
+        }                                                                                                     \
+        for (int t = 2, lu = 0, lv = 0; t <= T_; t += 2) {                                                    \
+            lv++; /* normalisation t (columns), then t + 1 (rows) with the sums of t + 2 if it follows */    \
+            for (int64_t j = 0; j < m; j++) { vc[j] = b / col[j]; v[j * Lv + lv] = vc[j]; col[j] = 0; }      \
+            if (t == T_) break;                                                                               \
+            lu++;                                                                                             \
+            const int more = t + 2 <= T_;                                                                     \
+            for (int64_t i = 0; i < n; i++) {                                                                 \
+                T *x = K + i * m, total = 0;                                                                  \
+                _Pragma("omp simd reduction(+:total)")                                                        \
+                for (int64_t j = 0; j < m; j++) total += x[j] * vc[j];                                        \
+                T ui = a / total;                                                                             \
+                u[i * Lu + lu] = ui;                                                                          \
+                if (more) {                                                                                   \
+                    _Pragma("omp simd")                                                                       \
+                    for (int64_t j = 0; j < m; j++) col[j] += x[j] * ui;                                      \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+}                                                                                                             \
+                                                                                                              \
+/* K~ = e^{S - r_i - c_j} of c slices in place, from the forward's shifts: the values its pass computed, bit \
+ * for bit, for a backward that did not keep them. */                                                          \
+void sinkhorn_kernel_##SFX(T *X, int64_t c, int64_t n, int64_t m, const T *row_shift, const T *col_shift) {   \
+    for (int64_t s = 0; s < c; s++)                                                                           \
+        for (int64_t i = 0; i < n; i++) {                                                                     \
+            T *x = X + (s * n + i) * m;                                                                       \
+            const T *cs = col_shift + s * m, r = row_shift[s * n + i];                                        \
+            _Pragma("omp simd")                                                                               \
+            for (int64_t j = 0; j < m; j++) { T y = x[j] - r; x[j] = EXP(y - cs[j]); }                        \
+        }                                                                                                     \
+}                                                                                                             \
+                                                                                                              \
+/* Backward of c slices: K (c, n, m) = K~; G (c, n, m) = diag(u) dP diag(v) in, dS out; us, vs as the forward  \
+ * wrote them; work: (T + 1) (n + m) elements. The reverse recursion: a row step u_t = a / (K v) turns the     \
+ * gradient du into x = -du u_t^2 / a (then dv += K^T x), a column step v_t = b / (K^T u) turns dv into        \
+ * y = -dv v_t^2 / b (then du += K y); each adds the rank-one term x v_{t-1}^T or u_{t-1} y^T. */            \
+void sinkhorn_backward_##SFX(const T *Kt, T *G, int64_t c, int64_t n, int64_t m, int T_, T a, T b,           \
+                             const T *us, const T *vs, T scale, T *work) {                                    \
+    const int64_t Lu = (T_ + 1) / 2, Lv = T_ / 2 + 1;                                                         \
+    T *du = work, *dv = du + n, *X = dv + m, *Y = X + (int64_t)T_ * n;                                        \
+    for (int64_t s = 0; s < c; s++) {                                                                         \
+        const T *K = Kt + s * n * m, *u = us + s * n * Lu, *v = vs + s * m * Lv;                              \
+        T *g = G + s * n * m;                                                                                 \
+        for (int64_t j = 0; j < m; j++) dv[j] = 0;                                                            \
+        for (int64_t i = 0; i < n; i++) { /* the gradients of the final scalings: (P dP) 1 / u, 1^T (P dP) / v */ \
+            const T *k = K + i * m;                                                                           \
+            T *gi = g + i * m, total = 0;                                                                     \
+            _Pragma("omp simd reduction(+:total)")                                                            \
+            for (int64_t j = 0; j < m; j++) { T p = k[j] * gi[j]; total += p; dv[j] += p; }                   \
+            du[i] = total / u[i * Lu + Lu - 1];                                                               \
+        }                                                                                                     \
+        for (int64_t j = 0; j < m; j++) dv[j] /= v[j * Lv + Lv - 1];                                          \
+        for (int t = T_, l = 0; t >= 1; t--, l++) {                                                           \
+            T *x = X + (int64_t)l * n, *y = Y + (int64_t)l * m;                                               \
+            if (t % 2) { /* row step: u_{(t+1)/2} from v_{(t-1)/2} */                                         \
+                const int64_t iu = (t - 1) / 2, iv = (t - 1) / 2;                                             \
+                for (int64_t i = 0; i < n; i++) {                                                             \
+                    T ui = u[i * Lu + iu];                                                                    \
+                    x[i] = -du[i] * ui * ui / a;                                                              \
+                    du[i] = 0;                                                                                \
+                }                                                                                             \
+                for (int64_t j = 0; j < m; j++) y[j] = v[j * Lv + iv];                                        \
+                if (t > 1)                                                                                    \
+                    for (int64_t i = 0; i < n; i++) {                                                         \
+                        const T *k = K + i * m;                                                               \
+                        const T xi = x[i];                                                                    \
+                        _Pragma("omp simd")                                                                   \
+                        for (int64_t j = 0; j < m; j++) dv[j] += k[j] * xi;                                   \
+                    }                                                                                         \
+            } else { /* column step: v_{t/2} from u_{t/2} */                                                 \
+                const int64_t iv = t / 2, iu = t / 2 - 1;                                                     \
+                for (int64_t j = 0; j < m; j++) {                                                             \
+                    T vj = v[j * Lv + iv];                                                                    \
+                    y[j] = -dv[j] * vj * vj / b;                                                              \
+                    dv[j] = 0;                                                                                \
+                }                                                                                             \
+                for (int64_t i = 0; i < n; i++) {                                                             \
+                    const T *k = K + i * m;                                                                   \
+                    T total = 0;                                                                              \
+                    _Pragma("omp simd reduction(+:total)")                                                    \
+                    for (int64_t j = 0; j < m; j++) total += k[j] * y[j];                                     \
+                    x[i] = u[i * Lu + iu];                                                                    \
+                    du[i] += total;                                                                           \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int64_t i = 0; i < n; i++) { /* dS = scale K~ (G + X Y^T), row by row */                         \
+            const T *k = K + i * m;                                                                           \
+            T *gi = g + i * m;                                                                                \
+            for (int l = 0; l < T_; l++) {                                                                    \
+                const T xi = X[(int64_t)l * n + i], *y = Y + (int64_t)l * m;                                  \
+                _Pragma("omp simd")                                                                           \
+                for (int64_t j = 0; j < m; j++) gi[j] += xi * y[j];                                           \
+            }                                                                                                 \
+            _Pragma("omp simd")                                                                               \
+            for (int64_t j = 0; j < m; j++) gi[j] *= scale * k[j];                                            \
+        }                                                                                                     \
+    }                                                                                                         \
+}
+
+DEFINE_PASSES(float, f32, exp_nonpositive_f32)
+DEFINE_PASSES(double, f64, exp_nonpositive_f64)

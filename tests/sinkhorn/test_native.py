@@ -1,0 +1,177 @@
+"""The native CPU passes of the scaling domain (sinkformer.sinkhorn.native): when the tiled engine takes them,
+that they compute what the composed PyTorch passes and the dense reference compute (forward, gradients,
+kept and recomputed tiles, scalings not to be trusted, threads), and what happens without a compiler."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import sinkformer
+from sinkformer.sinkhorn import cpu_parallel, native, scaling
+
+pytestmark = pytest.mark.skipif(native.library()[0] is None, reason=f"{native.status()} (no C compiler here)")
+
+
+def _inputs(b, h, n, m, dtype, d=16, e=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, length, width, generator=g, dtype=dtype).requires_grad_()
+            for length, width in ((n, d), (m, d), (m, e))]
+
+
+def _run(q, k, v, n_iters, backend="tiled", **kwargs):
+    out = sinkformer.attention(q, k, v, n_iters=n_iters, backend=backend, **kwargs)
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(out.dtype)
+    return (out, *torch.autograd.grad((out * cotangent).sum(), (q, k, v)))
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the native forward and backward calls of the groups."""
+    counted = {"forward": 0, "backward": 0}
+    for name in counted:
+        original = getattr(native, name)
+
+        def wrapper(*args, _name=name, _original=original, **kwargs):
+            counted[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(native, name, wrapper)
+    return counted
+
+
+@pytest.mark.parametrize("n_iters", [2, 3, 4, 5, 21])
+@pytest.mark.parametrize("shape", [(2, 3, 7, 7), (1, 4, 6, 9), (3, 2, 40, 33), (1, 2, 1, 5), (2, 1, 5, 1)])
+def test_native_passes_equal_the_dense_reference_in_float64(shape, n_iters, calls):
+    q, k, v = _inputs(*shape, torch.float64)
+    got, want = _run(q, k, v, n_iters), _run(q, k, v, n_iters, backend="dense")
+    assert calls == {"forward": 1, "backward": 1}
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(4, 8, 64, 64), (4, 8, 300, 260)])  # tiles kept; recomputed (> SAVED_TILE_SCORES)
+def test_native_passes_equal_the_composed_passes(shape, dtype, monkeypatch, calls):
+    q, k, v = _inputs(*shape, dtype)
+    got = _run(q, k, v, 5)
+    assert calls["forward"] >= 1 and calls["backward"] >= 1
+    monkeypatch.setattr(native, "ENABLED", False)
+    want = _run(q, k, v, 5)
+    tol = {torch.float32: (2e-5, 1e-6), torch.float64: (1e-12, 1e-14)}[dtype]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=tol[0], atol=tol[1])
+
+
+def test_gradients_through_the_native_passes_are_finite_differences():
+    q, k, v = (t.detach()[:, :, :5].requires_grad_() for t in _inputs(1, 2, 6, 6, torch.float64))
+    assert torch.autograd.gradcheck(lambda q, k, v: sinkformer.attention(q, k, v, n_iters=5, backend="tiled"),
+                                    (q, k, v))
+
+
+def test_float32_tiles_match_pytorchs_exponential():
+    """The polynomial e^x of the float32 passes: K̃ as torch.exp gives it, to 2 ulp, and 0 where e^x underflows."""
+    g = torch.Generator().manual_seed(0)
+    S = torch.randn(3, 21, 30, generator=g) * 30
+    tile = S.clone()
+    us, vs, rs, cs, work = (S.new_empty(3, 21, 1), S.new_empty(3, 30, 2), S.new_empty(3, 21), S.new_empty(3, 30),
+                            S.new_empty(60))
+    native._function("forward", torch.float32)(tile.data_ptr(), 3, 21, 30, 2, 1.0, 21 / 30, us.data_ptr(),
+                                                vs.data_ptr(), rs.data_ptr(), cs.data_ptr(), work.data_ptr())
+    torch.testing.assert_close(rs, S.amax(-1))
+    want = torch.exp(S - rs[..., None] - cs[:, None, :])
+    torch.testing.assert_close(tile, want, rtol=2.5e-7, atol=torch.finfo(torch.float32).tiny)
+    underflow = want < torch.finfo(torch.float32).tiny
+    assert underflow.sum() > 100 and (tile[underflow] == 0).all() and (tile[~underflow] > 0).all()
+
+
+def test_scalings_not_to_be_trusted_fall_back_to_the_log_domain(calls, monkeypatch):
+    """A group whose scalings fail the trust test (:func:`~sinkformer.sinkhorn.scaling._trustworthy`, here made to
+    fail: without masks the double shift keeps them moderate) runs the composed passes, then the log domain:
+    exactly what the call gives without the native passes."""
+    monkeypatch.setattr(scaling, "_trustworthy", lambda us, vs: False)
+    q, k, v = _inputs(2, 2, 8, 8, torch.float32, d=4)
+    got = _run(q, k, v, 5)
+    assert calls == {"forward": 1, "backward": 0}
+    monkeypatch.setattr(native, "ENABLED", False)
+    want = _run(q, k, v, 5)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    reference = _run(*(t.detach().double().requires_grad_() for t in (q, k, v)), 5, backend="dense")
+    for a, b in zip(got, reference):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"key_padding_mask": torch.tensor([[False] * 5 + [True]])},
+    {"dropout_p": 0.1},
+    {"n_iters": None, "tol": 1e-4},
+    {"backward": "implicit", "n_iters": 30},
+])
+def test_calls_the_native_passes_do_not_serve_take_the_composed_passes(kwargs, calls):
+    q, k, v = _inputs(1, 2, 6, 6, torch.float32)
+    kwargs = {"n_iters": 5, **kwargs}
+    sinkformer.attention(q, k, v, backend="tiled", **kwargs).sum().backward()
+    assert calls == {"forward": 0, "backward": 0}
+
+
+def test_slices_beyond_a_cache_block_take_the_composed_passes(calls):
+    q, k, v = _inputs(1, 1, 1024, 1024, torch.float32)  # 2^20 scores > CACHE_BLOCK_ELEMENTS
+    sinkformer.attention(q, k, v, n_iters=3, backend="tiled").sum().backward()
+    assert calls == {"forward": 0, "backward": 0}
+
+
+def test_groups_on_threads_give_the_same_results(monkeypatch, calls):
+    if torch.get_num_threads() < 2:
+        pytest.skip("one intra-op thread: map_groups runs the groups in order")
+    q, k, v = _inputs(4, 2, 40, 40, torch.float32)
+    alone = _run(q, k, v, 5)
+    monkeypatch.setattr(cpu_parallel, "NATIVE_PARALLEL_ABOVE", 0)
+    threaded = _run(q, k, v, 5)
+    assert calls["forward"] >= 3  # one group, then one per core
+    for a, b in zip(threaded, alone):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
+
+
+def test_without_a_compiler_the_engine_says_why_and_composes(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("SINKFORMER_CACHE", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        assert native.library()[0] is None
+        assert "native passes unavailable" in native.status() and "no-such-compiler" in native.status()
+        q, k, v = _inputs(1, 2, 6, 6, torch.float64)
+        got, want = _run(q, k, v, 5), _run(q, k, v, 5, backend="dense")
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+    assert native.library()[0] is not None
+
+
+def test_the_library_is_built_once_per_source_and_cpu(monkeypatch, tmp_path):
+    monkeypatch.setenv("SINKFORMER_CACHE", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        lib, reason = native.library()
+        assert lib is not None and reason == ""
+        built = list((tmp_path / "native").glob("sinkhorn-*.so"))
+        assert len(built) == 1 and os.path.samefile(lib._name, built[0])
+        assert not [p for p in (tmp_path / "native").iterdir() if p.is_dir()]  # no build folder left behind
+        assert native.status().startswith("native passes on")
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+
+
+def test_uses_native_reads_the_switch(monkeypatch):
+    q, k, v = (t.detach().flatten(0, 1) for t in _inputs(1, 2, 6, 6, torch.float32))
+    from sinkformer.sinkhorn.problem import Problem
+    problem = Problem(q, k, v, None, None, (2,), 0.25, 5)
+    options = scaling.Options("unrolled", 0.0, "auto", 2, block=1 << 19)
+    assert scaling.uses_native(problem, options)
+    monkeypatch.setattr(native, "ENABLED", False)
+    assert not scaling.uses_native(problem, options)
