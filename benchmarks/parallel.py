@@ -95,7 +95,7 @@ def render(rows: list[dict], meta: dict) -> str:
              "| PARALLEL_ABOVE picks |", "|---:|---:|---:|---:|---:|---:|---|---|"]
     natives = "native_threshold" in meta
     if natives:
-        lines[-2] = lines[-2].replace("| b × h |", "| b × h | native |")
+        lines[-2] = lines[-2].replace("| b × h |", "| b × h | native |").replace("PARALLEL_ABOVE picks", "threshold picks")
         lines[-1] = "|---|" + lines[-1][1:]
     for r in rows:
         lines.append(f"| {r['batch']} × {r['heads']} | " + (f"{'yes' if r['native'] else 'no'} | " if natives else "")

@@ -338,3 +338,21 @@ def test_the_paired_runs_paragraph_is_the_committed_runs():
     assert f"They run {spans[0]}, {spans[1]} and {spans[2]}," in text
     assert all(row["before_ops"] - row["after_ops"] == 6 for row in check["rows"])
     assert "Six fewer aten calls and identical results; no change in time is resolved at any n" in text
+
+
+def test_the_native_passes_paragraph_is_their_committed_run():
+    """docs/speed.md's figures for the native passes: the paired run 8d35569 -> b0b46e8 (7 rounds of 21 pairs, CPU
+    time): every interval below 1 from n = 16 to 512, the quoted medians, a third of the aten calls or fewer; at
+    n = 1024 (the composed passes) identical results and an interval containing 1."""
+    run = json.loads((ROOT / "benchmarks" / "results" / "ab_issue26_native.json").read_text())
+    text = " ".join((ROOT / "docs" / "speed.md").read_text().split())
+    assert run["before"] == "8d35569a3b57" and run["after"] == "b0b46e85d153"
+    rows = {row["n"]: row for row in run["rows"]}
+    for row in rows.values():
+        assert row["clock"] == "cpu" and row["rounds"] == 7 and row["pairs"] == 21
+    for n in (16, 64, 128, 256, 512):
+        assert rows[n]["ratio_high"] < 1 and 3 * rows[n]["after_ops"] <= rows[n]["before_ops"]
+    assert rows[1024]["max_difference"] == 0 and rows[1024]["ratio_low"] < 1 < rows[1024]["ratio_high"]
+    ratio = {n: f"{rows[n]['ratio']:.2f}" for n in rows}
+    assert (f"a forward+backward takes {ratio[16]}× its time before at n = 16, {ratio[64]}× at 64, {ratio[128]}× at "
+            f"128, {ratio[256]}× at 256 and {ratio[512]}× at 512, with a third of the aten calls or fewer") in text

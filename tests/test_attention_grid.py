@@ -169,3 +169,18 @@ def test_the_quick_grids_paragraph_quotes_its_run_and_the_one_before():
     text = " ".join((root / "docs" / "speed.md").read_text().split())
     assert (f"where this one reads {quick['time_ours_over_sdpa']:.2f}× and {quick['speedup_over_paper']:.2f}×"
             in text)
+
+
+def test_the_grid_before_the_native_passes_is_quoted_from_its_committed_run():
+    """docs/speed.md quotes the grid at 8d35569 (the commit before the native passes, same machine) beside the
+    committed one: its 5-iteration ratios at n = 64..4096 and its causal 3-iteration ratios."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    before = json.loads((root / "benchmarks" / "results" / "attention_grid_8d35569.json").read_text())
+    text = " ".join((root / "docs" / "speed.md").read_text().split())
+    ratio = {(r["n"], r["n_iters"], r["causal"]): r["forward_backward_ratio"] for r in before["rows"]
+             if r["method"] == "ours"}
+    five = [f"{ratio[(n, 5, False)]:.2f}×" for n in (64, 128, 256, 512, 1024, 4096)]
+    assert f"at 8d35569 on the same machine (`benchmarks/results/attention_grid_8d35569.md`), read {', '.join(five[:5])} and {five[5]}:" in text
+    assert f"the run at 8d35569, with the same causal engine, {ratio[(1024, 3, True)]:.2f}× and {ratio[(4096, 3, True)]:.2f}×" in text

@@ -36,3 +36,19 @@ def test_a_measurement_runs_and_restores_the_threads():
     rows = overhead.measure(ns=(8,), rounds=1, progress=lambda s: None)
     assert torch.get_num_threads() == threads
     assert all(rows[0][key] > 0 for key in rows[0] if key.endswith("forward") or key.endswith("backward"))
+
+
+def test_the_docs_paragraph_quotes_the_committed_run():
+    """docs/speed.md's reading of the committed overhead run (b0b46e8, native passes): ours / SDPA at n = 64 and
+    128, a call below the floor there, and the cost around the arithmetic about a third of a call at n = 16."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    rows = {r["n"]: r for r in json.loads((root / "benchmarks" / "results" / "overhead.json").read_text())["rows"]}
+    text = " ".join((root / "docs" / "speed.md").read_text().split())
+    ratio = {n: r["ours forward+backward"] / r["sdpa forward+backward"] for n, r in rows.items()}
+    beyond = {n: r["ours forward+backward"] - r["floor forward+backward"] for n, r in rows.items()}
+    assert f"ours / SDPA reads {ratio[64]:.2f} and {ratio[128]:.2f} on one thread" in text
+    assert beyond[64] < 0 and beyond[128] < 0 and "(`ours − floor` negative)" in text
+    assert 0.25 < beyond[16] / rows[16]["ours forward+backward"] < 0.42 and "about a third of a call" in text

@@ -33,3 +33,32 @@ def test_a_measurement_restores_the_threshold():
     rows = parallel.measure([(1, 2, 8)], rounds=2, progress=lambda s: None)
     assert cpu_parallel.PARALLEL_ABOVE == before
     assert rows[0]["threads_ms"] > 0 and rows[0]["intra_op_ms"] > 0 and rows[0]["picked"] == "intra-op"
+
+
+def test_the_table_says_which_calls_run_the_native_passes_and_their_threshold():
+    rows = [dict(row(16, [1.4, 1.5, 1.6], "intra-op"), native=True), dict(row(64, [0.9, 1.1, 1.0], "threads"),
+                                                                          native=False)]
+    text = parallel.render(rows, {**META, "native_threshold": 500})
+    assert "`NATIVE_PARALLEL_ABOVE` = 500 for the calls that run the native passes" in text
+    assert "| b × h | native | n |" in text and "| threshold picks |" in text
+    assert "| 1 × 1 | yes | 16 | 0.0M | 1.0 | 1.0 | 1.50 (1.40–1.60) | intra-op | intra-op |" in text
+    assert "| 1 × 1 | no | 64 |" in text and "Sizes where the thresholds pick the mode" in text
+
+
+def test_the_docs_paragraph_reads_the_committed_run():
+    """docs/speed.md's reading of benchmarks/results/parallel.json: the native calls up to 2^21 scores slower on
+    threads in every round (the medians' range), n = 512 neither, 2^25 scores threads in every round."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    run = json.loads((root / "benchmarks" / "results" / "parallel.json").read_text())
+    text = " ".join((root / "docs" / "speed.md").read_text().split())
+    rows = {(r["batch"], r["heads"], r["n"]): r for r in run["rows"]}
+    small = [rows[(4, 8, n)] for n in (64, 128, 256)]
+    assert all(r["native"] and parallel.faster(r) == "intra-op" for r in small)
+    low, high = min(r["ratio"] for r in small), max(r["ratio"] for r in small)
+    assert f"by a median of {low:.1f}× to {high:.1f}×" in text
+    assert parallel.faster(rows[(4, 8, 512)]) is None and f"neither mode won every round ({rows[(4, 8, 512)]['ratio']:.2f})" in text
+    assert parallel.faster(rows[(4, 8, 1024)]) == parallel.faster(rows[(1, 8, 2048)]) == "threads"
+    assert all(parallel.faster(rows[key]) is None for key in ((1, 8, 4096), (2, 8, 1024), (1, 8, 1024)))
