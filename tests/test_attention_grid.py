@@ -141,17 +141,23 @@ def test_what_the_targets_say_is_the_two_committed_grids():
     assert f"here it runs at {low}–{high}× SDPA" in text
 
 
-def test_the_xeon_paragraphs_quote_the_committed_grid():
-    """docs/speed.md's paragraph on the Intel Xeon and the causal engine's quote the committed grid's ratios
-    (5 iterations, forward+backward, n = 64..4096; causal, 3 iterations, at n = 1024 and 4096)."""
+def _committed_grid(name: str):
+    """A committed grid's JSON, its forward+backward ratios of ours by (n, n_iters, causal), the 5-iteration ones
+    at n = 64..4096 as docs/speed.md writes them, and that page's text (whitespace collapsed)."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    grid = json.loads((root / "benchmarks" / "results" / "attention_grid.json").read_text())
-    text = " ".join((root / "docs" / "speed.md").read_text().split())
+    grid = json.loads((root / "benchmarks" / "results" / name).read_text())
     ratio = {(r["n"], r["n_iters"], r["causal"]): r["forward_backward_ratio"] for r in grid["rows"]
              if r["method"] == "ours"}
     five = [f"{ratio[(n, 5, False)]:.2f}×" for n in (64, 128, 256, 512, 1024, 4096)]
+    return grid, ratio, five, " ".join((root / "docs" / "speed.md").read_text().split())
+
+
+def test_the_xeon_paragraphs_quote_the_committed_grid():
+    """docs/speed.md's paragraph on the Intel Xeon and the causal engine's quote the committed grid's ratios
+    (5 iterations, forward+backward, n = 64..4096; causal, 3 iterations, at n = 1024 and 4096)."""
+    grid, ratio, five, text = _committed_grid("attention_grid.json")
     assert (f"(5 iterations, forward+backward: {five[0]} at n = 64, {five[1]} at 128, {five[2]} at 256, {five[3]} "
             f"at 512, {five[4]} at 1024, {five[5]} at 4096,") in text
     causal = [f"{ratio[(n, 3, True)]:.2f}×" for n in (1024, 4096)]
@@ -174,13 +180,7 @@ def test_the_quick_grids_paragraph_quotes_its_run_and_the_one_before():
 def test_the_grid_before_the_native_passes_is_quoted_from_its_committed_run():
     """docs/speed.md quotes the grid at 8d35569 (the commit before the native passes, same machine) beside the
     committed one: its 5-iteration ratios at n = 64..4096 and its causal 3-iteration ratios."""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    before = json.loads((root / "benchmarks" / "results" / "attention_grid_8d35569.json").read_text())
-    text = " ".join((root / "docs" / "speed.md").read_text().split())
-    ratio = {(r["n"], r["n_iters"], r["causal"]): r["forward_backward_ratio"] for r in before["rows"]
-             if r["method"] == "ours"}
-    five = [f"{ratio[(n, 5, False)]:.2f}×" for n in (64, 128, 256, 512, 1024, 4096)]
-    assert f"at 8d35569 on the same machine (`benchmarks/results/attention_grid_8d35569.md`), read {', '.join(five[:5])} and {five[5]}:" in text
+    _, ratio, five, text = _committed_grid("attention_grid_8d35569.json")
+    assert (f"at 8d35569 on the same machine (`benchmarks/results/attention_grid_8d35569.md`), read "
+            f"{', '.join(five[:5])} and {five[5]}:") in text
     assert f"the run at 8d35569, with the same causal engine, {ratio[(1024, 3, True)]:.2f}× and {ratio[(4096, 3, True)]:.2f}×" in text

@@ -76,7 +76,7 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     except OSError as error:
         return None, f"the C source is missing ({error})"
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), cpu_model().encode(),
-                                     platform.machine().encode()])).hexdigest()[:16]
+                                     platform.machine().encode(), _cpu_flags()])).hexdigest()[:16]
     folder = Path(os.environ.get("SINKFORMER_CACHE") or Path.home() / ".cache" / "sinkformer") / "native"
     path = folder / f"sinkhorn-{key}.so"
     with _lock:
@@ -102,6 +102,17 @@ def library() -> tuple[ctypes.CDLL | None, str]:
         getattr(lib, f"sinkhorn_backward_{suffix}").argtypes = [P, P, I64, I64, I64, INT, real, real, P, P, real, P]
         getattr(lib, f"sinkhorn_kernel_{suffix}").argtypes = [P, I64, I64, I64, P, P]
     return lib, ""
+
+
+def _cpu_flags() -> bytes:
+    """The instruction sets this CPU reports (Linux: the ``flags`` line of ``/proc/cpuinfo``; else empty): part of
+    the library's key, so that machines of one model name whose virtual CPUs offer other instructions (a shared
+    cache folder) never load code built with ``-march=native`` for another."""
+    try:
+        with open("/proc/cpuinfo", "rb") as info:
+            return next((line for line in info if line.startswith(b"flags")), b"")
+    except OSError:
+        return b""
 
 
 def _function(direction: str, dtype: torch.dtype):
