@@ -78,7 +78,7 @@ def test_float32_tiles_match_pytorchs_exponential():
     tile = S.clone()
     us, vs, rs, cs, work = (S.new_empty(3, 21, 1), S.new_empty(3, 30, 2), S.new_empty(3, 21), S.new_empty(3, 30),
                             S.new_empty(60))
-    native._function("forward", torch.float32)(tile.data_ptr(), 3, 21, 30, 2, 1.0, 21 / 30, us.data_ptr(),
+    native._function("forward", tile)(tile.data_ptr(), 3, 21, 30, 2, 1.0, 21 / 30, us.data_ptr(),
                                                 vs.data_ptr(), rs.data_ptr(), cs.data_ptr(), work.data_ptr())
     torch.testing.assert_close(rs, S.amax(-1))
     want = torch.exp(S - rs[..., None] - cs[:, None, :])
@@ -175,3 +175,9 @@ def test_uses_native_reads_the_switch(monkeypatch):
     assert scaling.uses_native(problem, options)
     monkeypatch.setattr(native, "ENABLED", False)
     assert not scaling.uses_native(problem, options)
+
+
+def test_a_tile_that_is_not_contiguous_is_refused():
+    tile = torch.zeros(2, 6, 5).transpose(1, 2)
+    with pytest.raises(ValueError, match="contiguous tile"):
+        native._function("forward", tile)

@@ -115,8 +115,12 @@ def _cpu_flags() -> bytes:
         return b""
 
 
-def _function(direction: str, dtype: torch.dtype):
-    return getattr(library()[0], f"sinkhorn_{direction}_{_DTYPES[dtype][0]}")
+def _function(direction: str, tile: Tensor):
+    """The C function of ``direction`` for ``tile``'s dtype; the C code indexes the tile as a contiguous array."""
+    if not tile.is_contiguous():
+        raise ValueError(f"the native passes need a contiguous tile, got strides {tile.stride()} for shape "
+                         f"{tuple(tile.shape)}")
+    return getattr(library()[0], f"sinkhorn_{direction}_{_DTYPES[tile.dtype][0]}")
 
 
 def forward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, n_iters: int,
@@ -128,7 +132,7 @@ def forward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, n_iters
     tile.baddbmm_(q, k.transpose(1, 2), beta=0.0, alpha=scale)
     us, vs = tile.new_empty(c, n, (n_iters + 1) // 2), tile.new_empty(c, m, n_iters // 2 + 1)
     row_shift, col_shift, work = tile.new_empty(c, n), tile.new_empty(c, m), tile.new_empty(2 * m)
-    _function("forward", tile.dtype)(tile.data_ptr(), c, n, m, n_iters, 1.0, n / m, us.data_ptr(), vs.data_ptr(),
+    _function("forward", tile)(tile.data_ptr(), c, n, m, n_iters, 1.0, n / m, us.data_ptr(), vs.data_ptr(),
                                      row_shift.data_ptr(), col_shift.data_ptr(), work.data_ptr())
     torch.bmm(tile, vs[..., -1:] * v, out=out).mul_(us[..., -1:])
     return row_shift, col_shift, us, vs
@@ -140,7 +144,7 @@ def recompute(tile: Tensor, q: Tensor, k: Tensor, scale: float, row_shift: Tenso
     c, n, m = tile.shape
     tile.baddbmm_(q, k.transpose(1, 2), beta=0.0, alpha=scale)
     row_shift, col_shift = row_shift.contiguous(), col_shift.contiguous()  # named: their memory must outlive the call
-    _function("kernel", tile.dtype)(tile.data_ptr(), c, n, m, row_shift.data_ptr(), col_shift.data_ptr())
+    _function("kernel", tile)(tile.data_ptr(), c, n, m, row_shift.data_ptr(), col_shift.data_ptr())
     return tile
 
 
@@ -158,7 +162,7 @@ def backward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, us: Tensor, vs: Tens
     torch.bmm(uO, (vt * v).transpose(1, 2), out=G)
     scratch = tile.new_empty((n_iters + 1) * (n + m))
     us, vs = us.contiguous(), vs.contiguous()  # named: their memory must outlive the call
-    _function("backward", tile.dtype)(tile.data_ptr(), G.data_ptr(), c, n, m, n_iters, 1.0, n / m, us.data_ptr(),
+    _function("backward", tile)(tile.data_ptr(), G.data_ptr(), c, n, m, n_iters, 1.0, n / m, us.data_ptr(),
                                       vs.data_ptr(), scale, scratch.data_ptr())
     torch.bmm(G, k, out=dq)
     torch.bmm(G.transpose(1, 2), q, out=dk)
