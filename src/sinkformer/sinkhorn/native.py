@@ -22,9 +22,9 @@ Marginals: every row ``a = 1``, every column ``b = n/m`` (no mask). The float32 
 
 The C source is compiled at first use with the machine's C compiler (``$CC``, else ``cc`` or ``gcc``;
 ``-O3 -march=native``) into ``$SINKFORMER_CACHE`` (default ``~/.cache/sinkformer``), once per source,
-compiler and CPU. Without a compiler, or with ``SINKFORMER_NATIVE=0`` in the environment, the engine
-composes PyTorch operations as before (the same results to rounding, slower at short sequences);
-:func:`status` says which and why.
+compiler and CPU. Without a compiler (a ``RuntimeWarning`` says so once), or with ``SINKFORMER_NATIVE=0`` in
+the environment, the engine composes PyTorch operations as before (the same results to rounding, slower at
+short sequences); :func:`status` says which and why.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -67,7 +68,18 @@ def status() -> str:
 
 @functools.lru_cache(maxsize=None)
 def library() -> tuple[ctypes.CDLL | None, str]:
-    """The compiled passes (built on first call, then cached on disk) and ``""``; or ``None`` and the reason."""
+    """The compiled passes (built on first call, then cached on disk) and ``""``; or ``None`` and the reason, which
+    a ``RuntimeWarning`` also gives once (``SINKFORMER_NATIVE=0`` never asks, so never warns)."""
+    lib, reason = _build()
+    if lib is None:
+        warnings.warn(f"sinkformer: the native CPU passes are unavailable ({reason}); Sinkhorn attention on the CPU "
+                      "runs composed PyTorch operations instead: the same results, slower at short sequences. Install "
+                      "a C compiler, or set SINKFORMER_NATIVE=0 to choose the composed passes", RuntimeWarning,
+                      stacklevel=2)
+    return lib, reason
+
+
+def _build() -> tuple[ctypes.CDLL | None, str]:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         return None, "no C compiler found (set CC, or install gcc)"
