@@ -182,3 +182,25 @@ def test_a_tile_that_is_not_contiguous_is_refused():
     tile = torch.zeros(2, 6, 5).transpose(1, 2)
     with pytest.raises(ValueError, match="contiguous tile"):
         native._function("forward", tile)
+
+
+def test_a_compiler_that_refuses_march_native_builds_without_it(monkeypatch, tmp_path):
+    """Some compilers (older Apple clang) refuse ``-march=native``: the build is tried again without it."""
+    import shutil
+
+    real = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    script = tmp_path / "cc"
+    script.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = "-march=native" ] && exit 1; done\nexec {real} "$@"\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("CC", str(script))
+    monkeypatch.setenv("SINKFORMER_CACHE", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        assert native.library()[0] is not None
+        q, k, v = _inputs(1, 2, 6, 6, torch.float64)
+        got, want = _run(q, k, v, 5), _run(q, k, v, 5, backend="dense")
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()

@@ -97,9 +97,12 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
                 folder.mkdir(parents=True, exist_ok=True)
                 with tempfile.TemporaryDirectory(dir=folder) as tmp:
                     built = Path(tmp) / path.name
-                    run = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
-                                         capture_output=True, text=True)
-                    if run.returncode != 0:
+                    for flags in (FLAGS, tuple(f for f in FLAGS if f != "-march=native")):  # some compilers refuse it
+                        run = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
+                                             capture_output=True, text=True)
+                        if run.returncode == 0:
+                            break
+                    else:
                         return None, f"{compiler} failed: {run.stderr.strip()[-300:]}"
                     os.replace(built, path)  # atomic: a concurrent process loads one whole library or builds its own
             except OSError as error:
