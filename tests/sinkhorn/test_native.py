@@ -12,7 +12,7 @@ import torch
 import sinkformer
 from sinkformer.sinkhorn import cpu_parallel, native, scaling
 
-pytestmark = pytest.mark.skipif(native.library()[0] is None, reason=f"{native.status()} (no C compiler here)")
+pytestmark = pytest.mark.skipif(native.library()[0] is None, reason=native.status())  # says why: no compiler, ...
 
 
 def _inputs(b, h, n, m, dtype, d=16, e=8, seed=0):

@@ -156,7 +156,7 @@ def run_forward(problem: Problem, seed: Tensor | None, options: Options, log_for
             row_shift, col_shift, us, vs = native.forward(memory, group.q, group.k, group.v, group.scale,
                                                           group.n_iters, out[sl])
             if _trustworthy(us, vs):
-                counts = torch.full((sl.stop - sl.start,), group.n_iters, dtype=torch.int64, device=q.device)
+                counts = torch.full((c,), group.n_iters, dtype=torch.int64, device=q.device)
                 return GroupState(row_shift, col_shift, us, vs, counts, False)
         if scaling:  # (and a native group whose scalings are not to be trusted: the passes below, then the log domain)
             memory = tiles[sl].view(-1) if tiles.numel() else Tile.memory(problem, options, scratch)
