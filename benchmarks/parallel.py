@@ -3,8 +3,9 @@
 ``cpu_parallel.map_groups`` runs the groups of slices of a call either on one Python thread per
 core, each computing single-threaded (``threads``), or in order on the calling thread, each PyTorch
 operation split over the cores by its intra-op threads (``intra-op``). ``PARALLEL_ABOVE`` (scores per
-call) chooses; ``NATIVE_PARALLEL_ABOVE`` for calls whose groups run the native passes (slices of at most
-``CACHE_BLOCK_ELEMENTS`` scores, where those are compiled), which then also split the call into a group per core. This benchmark times both for calls of several sizes (forward+backward, 5 iterations,
+call) chooses; ``NATIVE_PARALLEL_ABOVE`` for calls whose groups run the native passes (slices the
+engine's cache blocks take whole, ``WHOLE_SLICE_BUDGETS`` x ``CACHE_BLOCK_ELEMENTS`` scores at most, where those
+are compiled), which then also split the call into a group per core. This benchmark times both for calls of several sizes (forward+backward, 5 iterations,
 ``backend="tiled"``, float32, d = 64), in one process, the two modes alternating round by round, and
 prints per size the median over rounds of the per-round ratio threads / intra-op with its range,
 and the mode that ``PARALLEL_ABOVE`` picks for that size.
@@ -62,7 +63,8 @@ def measure(calls: list[tuple[int, int, int]], rounds: int, progress=print) -> l
                     times[mode].append(statistics.median(runs) * 1e3)
             ratios = [t / i for t, i in zip(times["threads"], times["intra-op"])]
             scores = b * h * n * n
-            natively = native.ENABLED and n * n <= sizes.CACHE_BLOCK_ELEMENTS and native.library()[0] is not None
+            natively = (native.ENABLED and sizes.cache_blocks(1, n, n, sizes.CACHE_BLOCK_ELEMENTS).rows is None
+                        and native.library()[0] is not None)
             rows.append({"batch": b, "heads": h, "n": n, "scores": scores,
                          "threads_ms": statistics.median(times["threads"]),
                          "intra_op_ms": statistics.median(times["intra-op"]), "ratio": statistics.median(ratios),

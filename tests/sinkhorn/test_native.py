@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sinkformer
-from sinkformer.sinkhorn import cpu_parallel, native, scaling
+from sinkformer.sinkhorn import cpu_parallel, native, scaling, sizes
 
 pytestmark = pytest.mark.skipif(native.library()[0] is None, reason=native.status())  # says why: no compiler, ...
 
@@ -125,10 +125,23 @@ def test_calls_the_native_passes_do_not_serve_take_the_composed_passes(kwargs, c
     assert calls == {"forward": 0, "backward": 0}
 
 
-def test_slices_beyond_a_cache_block_take_the_composed_passes(calls):
-    q, k, v = _inputs(1, 1, 1024, 1024, torch.float32)  # 2^20 scores > CACHE_BLOCK_ELEMENTS
-    sinkformer.attention(q, k, v, n_iters=3, backend="tiled").sum().backward()
-    assert calls == {"forward": 0, "backward": 0}
+def test_slices_as_large_as_a_whole_slice_block_take_the_native_passes(monkeypatch, calls):
+    """The largest slice the engine's cache blocks take whole (WHOLE_SLICE_BUDGETS x CACHE_BLOCK_ELEMENTS
+    scores, here lowered) runs natively and equals the composed passes; one score more is a block of rows,
+    which the composed passes take."""
+    monkeypatch.setattr(sizes, "CACHE_BLOCK_ELEMENTS", 512)
+    whole = sizes.WHOLE_SLICE_BUDGETS * 512
+    q, k, v = _inputs(2, 1, 32, whole // 32, torch.float64)
+    got = _run(q, k, v, 5)
+    assert calls == {"forward": 1, "backward": 1}
+    monkeypatch.setattr(native, "ENABLED", False)
+    want = _run(q, k, v, 5)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    monkeypatch.setattr(native, "ENABLED", True)
+    q, k, v = _inputs(2, 1, 32, whole // 32 + 1, torch.float64)
+    _run(q, k, v, 5)
+    assert calls == {"forward": 1, "backward": 1}
 
 
 def test_groups_on_threads_give_the_same_results(monkeypatch, calls):

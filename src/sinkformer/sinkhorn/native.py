@@ -1,8 +1,8 @@
 r"""Native CPU passes of the scaling domain: a group of whole slices without masks, in one C call per direction.
 
 The tiled engine's scaling domain (:mod:`.scaling`) composes PyTorch operations: a few dozen per group and
-direction, each a pass over the group's tile. Where a group is whole slices that fit a cache block and has
-no mask, no dropout, a fixed ``n_iters`` and a kept tile (:meth:`~.scaling.Options.saves_tile`), this module
+direction, each a pass over the group's tile. Where a group is whole slices that the engine takes as cache blocks
+(:func:`~.sizes.cache_blocks`) and has no mask, no dropout, a fixed ``n_iters`` and a stored tile, this module
 runs the same arithmetic with the matrix products still PyTorch's and everything between them in C
 (``native_scaling.c``), every slice visited while it sits in a core's cache:
 

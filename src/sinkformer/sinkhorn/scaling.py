@@ -218,14 +218,15 @@ def run_backward(grad_out: Tensor, problem: Problem, out: Tensor, seed: Tensor |
 
 def uses_native(problem: Problem, options: Options) -> bool:
     """Whether the call's scaling-domain groups run :mod:`.native`'s passes: the tiled engine on the CPU, float32
-    or float64, no mask, a fixed ``n_iters >= 2``, no dropout, ``backward="unrolled"``, slices of at most
-    :data:`~.sizes.CACHE_BLOCK_ELEMENTS` scores (whole slices in cache), and the passes compiled here
+    or float64, no mask, a fixed ``n_iters >= 2``, no dropout, ``backward="unrolled"``, cache blocks of whole
+    slices (:func:`~.sizes.cache_blocks`: slices of at most :data:`~.sizes.WHOLE_SLICE_BUDGETS` times
+    :data:`~.sizes.CACHE_BLOCK_ELEMENTS` scores, n <= 1024 when square), and the passes compiled here
     (:func:`.native.status`)."""
     p = problem
     return (native.ENABLED and options.stored and options.starts_in_scaling(p.q.device) and p.q.device.type == "cpu"
             and p.q.dtype in (torch.float32, torch.float64) and not p.masked and p.tol is None and p.n_iters >= 2
-            and not options.dropout_p and options.backward == "unrolled" and p.n * p.m <= sizes.CACHE_BLOCK_ELEMENTS
-            and native.library()[0] is not None)
+            and not options.dropout_p and options.backward == "unrolled"
+            and options.blocks(p.B, p.n, p.m).rows is None and native.library()[0] is not None)
 
 
 def _cat(parts: list[Tensor]) -> Tensor:
