@@ -87,7 +87,7 @@ def test_float32_tiles_match_pytorchs_exponential():
     us, vs, rs, cs, work = (S.new_empty(3, 21, 1), S.new_empty(3, 30, 2), S.new_empty(3, 21), S.new_empty(3, 30),
                             S.new_empty(60))
     native._function("forward", tile)(tile.data_ptr(), 3, 21, 30, 2, 1.0, 21 / 30, us.data_ptr(),
-                                                vs.data_ptr(), rs.data_ptr(), cs.data_ptr(), work.data_ptr())
+                                      vs.data_ptr(), rs.data_ptr(), cs.data_ptr(), work.data_ptr(), 1)
     torch.testing.assert_close(rs, S.amax(-1))
     want = torch.exp(S - rs[..., None] - cs[:, None, :])
     torch.testing.assert_close(tile, want, rtol=2.5e-7, atol=torch.finfo(torch.float32).tiny)
@@ -202,20 +202,69 @@ def test_a_tile_that_is_not_contiguous_is_refused():
         native._function("forward", tile)
 
 
-def test_a_compiler_that_refuses_march_native_builds_without_it(monkeypatch, tmp_path):
-    """Some compilers (older Apple clang) refuse ``-march=native``: the build is tried again without it."""
+@pytest.mark.parametrize("flag", ["-march=native", native.OPENMP])
+def test_a_compiler_that_refuses_a_flag_builds_without_it(flag, monkeypatch, tmp_path):
+    """Some compilers refuse ``-march=native`` (older Apple clang) or ``-fopenmp`` (Apple clang): the build is tried
+    again without it."""
     import shutil
 
     real = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     script = tmp_path / "cc"
-    script.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = "-march=native" ] && exit 1; done\nexec {real} "$@"\n')
+    script.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = "{flag}" ] && exit 1; done\nexec {real} "$@"\n')
     script.chmod(0o755)
     monkeypatch.setenv("CC", str(script))
     monkeypatch.setenv("SINKFORMER_CACHE", str(tmp_path))
     native.library.cache_clear()
     try:
         assert native.library()[0] is not None
+        if flag == native.OPENMP:
+            assert not native.threaded() and "one thread per call" in native.status()
         _assert_equals_dense_in_float64()
     finally:
         monkeypatch.undo()
         native.library.cache_clear()
+
+
+def _needs_threads():
+    if not native.threaded():
+        pytest.skip(f"the native passes run without OpenMP here ({native.status()})")
+    if torch.get_num_threads() < 2:
+        pytest.skip("one intra-op thread")
+
+
+def test_the_passes_give_the_same_values_on_any_number_of_threads():
+    """Slices are independent: the forward, the recomputed tile and the backward of a group split over the
+    threads equal, bit for bit, those of one thread (5 slices: an uneven split)."""
+    _needs_threads()
+    q, k, v = (t.detach().flatten(0, 1) for t in _inputs(5, 1, 24, 19, torch.float32))
+    dO = torch.randn(5, 24, v.shape[-1], generator=torch.Generator().manual_seed(2))
+
+    def passes():
+        tile, out = torch.empty(5, 24, 19), torch.empty(5, 24, v.shape[-1])
+        shifts_and_iterates = native.forward(tile, q, k, v, 0.25, 5, out)
+        again = native.recompute(torch.empty(5, 24, 19), q, k, 0.25, *shifts_and_iterates[:2])
+        grads = tuple(torch.empty_like(t) for t in (q, k, v))
+        native.backward(tile, q, k, v, *shifts_and_iterates[2:], dO, 0.25, 5, grads, torch.empty(tile.numel()))
+        return (tile, out, again, *shifts_and_iterates, *grads)
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = passes()
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(passes(), alone):
+        assert torch.equal(a, b)
+
+
+def test_the_threads_are_pytorchs_own_openmp_runtime():
+    """Built with OpenMP, the library binds to the GNU OpenMP runtime PyTorch loaded: one copy in the process
+    (a second runtime's threads would spin beside PyTorch's), whose thread count here is PyTorch's."""
+    _needs_threads()
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line or "libomp" in line}
+    assert len(runtimes) == 1, runtimes
+    import ctypes
+
+    omp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)
+    assert omp.omp_get_max_threads() == torch.get_num_threads()

@@ -48,9 +48,10 @@ T = TypeVar("T")
 #: the threads.
 PARALLEL_ABOVE = 1 << 24
 
-#: Fewest scores in a call whose groups run :mod:`.native`'s passes for :func:`map_groups` to use threads (the
-#: passes are single-threaded C, so intra-op threads leave a core idle during them; in small calls the threads'
-#: start and the GIL cost more than that). ``python -m benchmarks parallel`` times both modes at each size.
+#: Fewest scores in a call whose groups run :mod:`.native`'s passes for :func:`map_groups` to use threads (a group
+#: of one slice, n = 1024 on the CPU, runs its C passes on one thread, so intra-op threads leave a core idle during
+#: them; in small calls the threads' start and the GIL cost more than that, and a group of several slices splits
+#: them over PyTorch's OpenMP threads where :func:`.native.threaded`). ``python -m benchmarks parallel`` times both modes at each size.
 NATIVE_PARALLEL_ABOVE = 1 << 23
 
 #: Bytes of CPU scratch memory (the workers' tile buffers) kept between calls for the next one: a fresh
@@ -151,7 +152,7 @@ def map_groups(starts: list[int], work: Callable[[int, dict], T], device: torch.
 
     ``scores``: the call's total number of scores (``B·n·m``). Threads are used on the CPU when
     there are at least two groups, at least two intra-op threads, ``scores >= PARALLEL_ABOVE`` (``native``:
-    the groups run :mod:`.native`'s single-threaded passes, ``>= NATIVE_PARALLEL_ABOVE``), and the workers
+    the groups run :mod:`.native`'s passes, ``>= NATIVE_PARALLEL_ABOVE``), and the workers
     can be made single-threaded without touching other threads (:func:`single_threaded_here`); otherwise
     the groups run in order on the calling thread.
     """

@@ -20,8 +20,13 @@ runs the same arithmetic with the matrix products still PyTorch's and everything
 Marginals: every row ``a = 1``, every column ``b = n/m`` (no mask). The float32 exponential is a polynomial
 (Cephes' ``expf``, within 2 ulp; 0 below :math:`e^{-87.3}`), float64 uses the C library's ``exp``.
 
+Each C call splits its group's slices over the calling thread's PyTorch threads where the library is built
+with OpenMP, which it is only where PyTorch's OpenMP runtime is GNU's (``libgomp.so.1``, already loaded: the
+library binds to that copy, so both share one pool of threads); elsewhere it runs the slices in order. Slices
+are independent: the results do not depend on the thread count.
+
 The C source is compiled at first use with the machine's C compiler (``$CC``, else ``cc`` or ``gcc``;
-``-O3 -march=native``) into ``$SINKFORMER_CACHE`` (default ``~/.cache/sinkformer``), once per source,
+``-O3 -march=native``, and ``-fopenmp`` as above) into ``$SINKFORMER_CACHE`` (default ``~/.cache/sinkformer``), once per source,
 compiler and CPU. Without a compiler (a ``RuntimeWarning`` says so once), or with ``SINKFORMER_NATIVE=0`` in
 the environment, the engine composes PyTorch operations as before (the same results to rounding, slower at
 short sequences); :func:`status` says which and why.
@@ -46,11 +51,14 @@ from torch import Tensor
 
 from ..provenance import cpu_model
 
-__all__ = ["ENABLED", "FLAGS", "status", "library", "forward", "recompute", "backward"]
+__all__ = ["ENABLED", "FLAGS", "OPENMP", "status", "library", "threaded", "forward", "recompute", "backward"]
 
 SOURCE = Path(__file__).with_name("native_scaling.c")
-#: compiler flags: optimised for this CPU; the loops vectorise through ``omp simd`` (no OpenMP runtime)
+#: compiler flags: optimised for this CPU; the loops vectorise through ``omp simd``
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=fast", "-shared", "-fPIC")
+#: ... plus this where PyTorch's OpenMP runtime is GNU's (:func:`_shares_pytorchs_openmp`): the passes then split a
+#: group's slices over the calling thread's OpenMP threads, in PyTorch's own pool
+OPENMP = "-fopenmp"
 #: whether the engine may use the native passes (``SINKFORMER_NATIVE=0``: never; tests switch it)
 ENABLED = os.environ.get("SINKFORMER_NATIVE", "1") != "0"
 
@@ -63,7 +71,10 @@ def status() -> str:
     if not ENABLED:
         return "native passes off (SINKFORMER_NATIVE=0)"
     lib, reason = library()
-    return f"native passes on: {lib._name}" if lib is not None else f"native passes unavailable: {reason}"
+    if lib is None:
+        return f"native passes unavailable: {reason}"
+    how = "slices split over PyTorch's OpenMP threads" if lib.sinkhorn_threaded() else "one thread per call"
+    return f"native passes on ({how}): {lib._name}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,7 +98,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         source = SOURCE.read_bytes()
     except OSError as error:
         return None, f"the C source is missing ({error})"
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), cpu_model().encode(),
+    candidates = _flag_sets()
+    key = hashlib.sha256(b"\0".join([source, repr(candidates).encode(), compiler.encode(), cpu_model().encode(),
                                      platform.machine().encode(), _cpu_flags()])).hexdigest()[:16]
     folder = Path(os.environ.get("SINKFORMER_CACHE") or Path.home() / ".cache" / "sinkformer") / "native"
     path = folder / f"sinkhorn-{key}.so"
@@ -97,7 +109,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
                 folder.mkdir(parents=True, exist_ok=True)
                 with tempfile.TemporaryDirectory(dir=folder) as tmp:
                     built = Path(tmp) / path.name
-                    for flags in (FLAGS, tuple(f for f in FLAGS if f != "-march=native")):  # some compilers refuse it
+                    for flags in candidates:
                         run = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
                                              capture_output=True, text=True)
                         if run.returncode == 0:
@@ -113,10 +125,38 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             return None, f"could not load {path}: {error}"
     P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for suffix, real in _DTYPES.values():
-        getattr(lib, f"sinkhorn_forward_{suffix}").argtypes = [P, I64, I64, I64, INT, real, real, P, P, P, P, P]
-        getattr(lib, f"sinkhorn_backward_{suffix}").argtypes = [P, P, I64, I64, I64, INT, real, real, P, P, real, P]
-        getattr(lib, f"sinkhorn_kernel_{suffix}").argtypes = [P, I64, I64, I64, P, P]
+        getattr(lib, f"sinkhorn_forward_{suffix}").argtypes = [P, I64, I64, I64, INT, real, real, P, P, P, P, P, INT]
+        getattr(lib, f"sinkhorn_backward_{suffix}").argtypes = [P, P, I64, I64, I64, INT, real, real, P, P, real, P,
+                                                                INT]
+        getattr(lib, f"sinkhorn_kernel_{suffix}").argtypes = [P, I64, I64, I64, P, P, INT]
     return lib, ""
+
+
+def _flag_sets() -> tuple[tuple[str, ...], ...]:
+    """The flags to try, in order: with OpenMP where it shares PyTorch's runtime, then without; each with
+    ``-march=native``, then without (some compilers refuse it, e.g. older Apple clang)."""
+    generic = tuple(f for f in FLAGS if f != "-march=native")
+    plain = (FLAGS, generic)
+    return tuple((*flags, OPENMP) for flags in plain) + plain if _shares_pytorchs_openmp() else plain
+
+
+def _shares_pytorchs_openmp() -> bool:
+    """Whether a library built with ``-fopenmp`` (GCC: ``libgomp.so.1``) would use PyTorch's own OpenMP runtime:
+    PyTorch parallelises with OpenMP and ``libgomp.so.1`` is already loaded (the loader then binds the library to
+    that copy: one pool of threads, no second runtime spinning beside PyTorch's)."""
+    if "OpenMP" not in torch.__config__.parallel_info() or not hasattr(os, "RTLD_NOLOAD"):
+        return False
+    try:
+        ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)
+    except OSError:
+        return False
+    return True
+
+
+def threaded() -> bool:
+    """Whether the loaded passes split a group's slices over OpenMP threads (else one thread runs them in order)."""
+    lib = library()[0]
+    return lib is not None and bool(lib.sinkhorn_threaded())
 
 
 def _cpu_flags() -> bytes:
@@ -138,6 +178,12 @@ def _function(direction: str, tile: Tensor):
     return getattr(library()[0], f"sinkhorn_{direction}_{_DTYPES[tile.dtype][0]}")
 
 
+def _threads(c: int) -> int:
+    """Threads for a call over ``c`` slices: the calling thread's PyTorch thread count (one in
+    :func:`~.cpu_parallel.map_groups`' workers), at most ``c``; 1 where the library runs without OpenMP."""
+    return max(1, min(c, torch.get_num_threads())) if threaded() else 1
+
+
 def forward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, n_iters: int,
             out: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The forward of one group: ``tile (c, n, m)`` (contiguous) ends holding :math:`\\tilde K`; writes ``out
@@ -146,9 +192,10 @@ def forward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, n_iters
     c, n, m = tile.shape
     tile.baddbmm_(q, k.transpose(1, 2), beta=0.0, alpha=scale)
     us, vs = tile.new_empty(c, n, (n_iters + 1) // 2), tile.new_empty(c, m, n_iters // 2 + 1)
-    row_shift, col_shift, work = tile.new_empty(c, n), tile.new_empty(c, m), tile.new_empty(2 * m)
+    threads = _threads(c)
+    row_shift, col_shift, work = tile.new_empty(c, n), tile.new_empty(c, m), tile.new_empty(threads * 2 * m)
     _function("forward", tile)(tile.data_ptr(), c, n, m, n_iters, 1.0, n / m, us.data_ptr(), vs.data_ptr(),
-                                     row_shift.data_ptr(), col_shift.data_ptr(), work.data_ptr())
+                               row_shift.data_ptr(), col_shift.data_ptr(), work.data_ptr(), threads)
     torch.bmm(tile, vs[..., -1:] * v, out=out).mul_(us[..., -1:])
     return row_shift, col_shift, us, vs
 
@@ -159,7 +206,7 @@ def recompute(tile: Tensor, q: Tensor, k: Tensor, scale: float, row_shift: Tenso
     c, n, m = tile.shape
     tile.baddbmm_(q, k.transpose(1, 2), beta=0.0, alpha=scale)
     row_shift, col_shift = row_shift.contiguous(), col_shift.contiguous()  # named: their memory must outlive the call
-    _function("kernel", tile)(tile.data_ptr(), c, n, m, row_shift.data_ptr(), col_shift.data_ptr())
+    _function("kernel", tile)(tile.data_ptr(), c, n, m, row_shift.data_ptr(), col_shift.data_ptr(), _threads(c))
     return tile
 
 
@@ -175,9 +222,10 @@ def backward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, us: Tensor, vs: Tens
     torch.bmm(tile.transpose(1, 2), uO, out=dv).mul_(vt)
     G = work[:c * n * m].view(c, n, m)
     torch.bmm(uO, (vt * v).transpose(1, 2), out=G)
-    scratch = tile.new_empty((n_iters + 1) * (n + m))
+    threads = _threads(c)
+    scratch = tile.new_empty(threads * (n_iters + 1) * (n + m))
     us, vs = us.contiguous(), vs.contiguous()  # named: their memory must outlive the call
     _function("backward", tile)(tile.data_ptr(), G.data_ptr(), c, n, m, n_iters, 1.0, n / m, us.data_ptr(),
-                                      vs.data_ptr(), scale, scratch.data_ptr())
+                                vs.data_ptr(), scale, scratch.data_ptr(), threads)
     torch.bmm(G, k, out=dq)
     torch.bmm(G.transpose(1, 2), q, out=dk)

@@ -8,11 +8,19 @@
  * the reverse recursion through the scalings.
  *
  * Compiled at first use by sinkformer.sinkhorn.native with the C compiler of the machine (-O3
- * -march=native); the loops vectorise through "omp simd" (no OpenMP runtime is used). Each function is
- * single-threaded: the engine gives each core its own groups. */
+ * -march=native); the loops vectorise through "omp simd". Each exported function splits its slices over
+ * `threads` threads of the OpenMP runtime where built with -fopenmp (only where PyTorch's own runtime,
+ * GNU OpenMP, is the one loaded: one pool of threads for both), else runs them in order. Slices are
+ * independent, so the results do not depend on the thread count. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#define THREAD_INDEX omp_get_thread_num()
+#else
+#define THREAD_INDEX 0
+#endif
 
 /* e^x for x <= 0 in float32: Cody-Waite reduction by ln 2 (round to nearest by the 1.5 * 2^23 trick),
  * the degree-6 polynomial of Cephes' expf on [-ln2/2, ln2/2], scaled by 2^k through the exponent bits;
@@ -41,67 +49,77 @@ static inline double exp_nonpositive_f64(double x) { return exp(x); }
 /* One definition per dtype: T the element type, SFX the suffix of the exported names. */
 #define DEFINE_PASSES(T, SFX, EXP)                                                                            \
                                                                                                               \
-/* Forward of c slices. X (c, n, m): the scores in, K~ out. us (c, n, Lu), vs (c, m, Lv): the iterates          \
+/* Forward of slice s of X (c, n, m): the scores in, K~ out. us (c, n, Lu), vs (c, m, Lv): the iterates       \
  * [u1, u3, ..] and [v0 = e^c, v2, ..] (Lu = ceil(T / 2), Lv = floor(T / 2) + 1); row_shift (c, n),             \
  * col_shift (c, m); work: 2 m elements. a, b: the marginals (every row a, every column b). */                \
-void sinkhorn_forward_##SFX(T *X, int64_t c, int64_t n, int64_t m, int T_, T a, T b, T *us, T *vs,           \
-                            T *row_shift, T *col_shift, T *work) {                                            \
+static void forward_slice_##SFX(T *X, int64_t s, int64_t n, int64_t m, int T_, T a, T b, T *us, T *vs,        \
+                                T *row_shift, T *col_shift, T *work) {                                        \
     const int64_t Lu = (T_ + 1) / 2, Lv = T_ / 2 + 1;                                                         \
     T *col = work, *vc = work + m; /* the column sums, and the current v contiguous */                      \
-    for (int64_t s = 0; s < c; s++) {                                                                         \
-        T *K = X + s * n * m, *u = us + s * n * Lu, *v = vs + s * m * Lv;                                     \
-        T *rs = row_shift + s * n, *cs = col_shift + s * m;                                                   \
-        for (int64_t j = 0; j < m; j++) cs[j] = -INFINITY;                                                    \
-        for (int64_t i = 0; i < n; i++) { /* row maxima, then the column maxima of S - r_i */                 \
-            T *x = K + i * m, top = -INFINITY;                                                                \
-            _Pragma("omp simd reduction(max:top)")                                                            \
-            for (int64_t j = 0; j < m; j++) top = x[j] > top ? x[j] : top;                                    \
-            rs[i] = top;                                                                                      \
-            _Pragma("omp simd")                                                                               \
-            for (int64_t j = 0; j < m; j++) {                                                                 \
-                T y = x[j] - top;                                                                             \
-                x[j] = y;                                                                                     \
-                cs[j] = y > cs[j] ? y : cs[j];                                                                \
-            }                                                                                                 \
+    T *K = X + s * n * m, *u = us + s * n * Lu, *v = vs + s * m * Lv;                                         \
+    T *rs = row_shift + s * n, *cs = col_shift + s * m;                                                       \
+    for (int64_t j = 0; j < m; j++) cs[j] = -INFINITY;                                                        \
+    for (int64_t i = 0; i < n; i++) { /* row maxima, then the column maxima of S - r_i */                     \
+        T *x = K + i * m, top = -INFINITY;                                                                    \
+        _Pragma("omp simd reduction(max:top)")                                                                \
+        for (int64_t j = 0; j < m; j++) top = x[j] > top ? x[j] : top;                                        \
+        rs[i] = top;                                                                                          \
+        _Pragma("omp simd")                                                                                   \
+        for (int64_t j = 0; j < m; j++) {                                                                     \
+            T y = x[j] - top;                                                                                 \
+            x[j] = y;                                                                                         \
+            cs[j] = y > cs[j] ? y : cs[j];                                                                    \
         }                                                                                                     \
-        for (int64_t j = 0; j < m; j++) { col[j] = 0; vc[j] = EXP(cs[j]); v[j * Lv] = vc[j]; }                 \
-        for (int64_t i = 0; i < n; i++) { /* K~ = e^{x - c}; normalisation 1 and the sums of 2 */            \
+    }                                                                                                         \
+    for (int64_t j = 0; j < m; j++) { col[j] = 0; vc[j] = EXP(cs[j]); v[j * Lv] = vc[j]; }                     \
+    for (int64_t i = 0; i < n; i++) { /* K~ = e^{x - c}; normalisation 1 and the sums of 2 */                \
+        T *x = K + i * m, total = 0;                                                                          \
+        _Pragma("omp simd reduction(+:total)")                                                                \
+        for (int64_t j = 0; j < m; j++) {                                                                     \
+            T e = EXP(x[j] - cs[j]);                                                                          \
+            x[j] = e;                                                                                         \
+            total += e * vc[j];                                                                               \
+        }                                                                                                     \
+        T ui = a / total;                                                                                     \
+        u[i * Lu] = ui;                                                                                       \
+        _Pragma("omp simd")                                                                                   \
+        for (int64_t j = 0; j < m; j++) col[j] += x[j] * ui;                                                  \
+    }                                                                                                         \
+    for (int t = 2, lu = 0, lv = 0; t <= T_; t += 2) {                                                        \
+        lv++; /* normalisation t (columns), then t + 1 (rows) with the sums of t + 2 if it follows */        \
+        for (int64_t j = 0; j < m; j++) { vc[j] = b / col[j]; v[j * Lv + lv] = vc[j]; col[j] = 0; }          \
+        if (t == T_) break;                                                                                   \
+        lu++;                                                                                                 \
+        const int more = t + 2 <= T_;                                                                         \
+        for (int64_t i = 0; i < n; i++) {                                                                     \
             T *x = K + i * m, total = 0;                                                                      \
             _Pragma("omp simd reduction(+:total)")                                                            \
-            for (int64_t j = 0; j < m; j++) {                                                                 \
-                T e = EXP(x[j] - cs[j]);                                                                      \
-                x[j] = e;                                                                                     \
-                total += e * vc[j];                                                                           \
-            }                                                                                                 \
+            for (int64_t j = 0; j < m; j++) total += x[j] * vc[j];                                            \
             T ui = a / total;                                                                                 \
-            u[i * Lu] = ui;                                                                                   \
-            _Pragma("omp simd")                                                                               \
-            for (int64_t j = 0; j < m; j++) col[j] += x[j] * ui;                                              \
-        }                                                                                                     \
-        for (int t = 2, lu = 0, lv = 0; t <= T_; t += 2) {                                                    \
-            lv++; /* normalisation t (columns), then t + 1 (rows) with the sums of t + 2 if it follows */    \
-            for (int64_t j = 0; j < m; j++) { vc[j] = b / col[j]; v[j * Lv + lv] = vc[j]; col[j] = 0; }      \
-            if (t == T_) break;                                                                               \
-            lu++;                                                                                             \
-            const int more = t + 2 <= T_;                                                                     \
-            for (int64_t i = 0; i < n; i++) {                                                                 \
-                T *x = K + i * m, total = 0;                                                                  \
-                _Pragma("omp simd reduction(+:total)")                                                        \
-                for (int64_t j = 0; j < m; j++) total += x[j] * vc[j];                                        \
-                T ui = a / total;                                                                             \
-                u[i * Lu + lu] = ui;                                                                          \
-                if (more) {                                                                                   \
-                    _Pragma("omp simd")                                                                       \
-                    for (int64_t j = 0; j < m; j++) col[j] += x[j] * ui;                                      \
-                }                                                                                             \
+            u[i * Lu + lu] = ui;                                                                              \
+            if (more) {                                                                                       \
+                _Pragma("omp simd")                                                                           \
+                for (int64_t j = 0; j < m; j++) col[j] += x[j] * ui;                                          \
             }                                                                                                 \
         }                                                                                                     \
     }                                                                                                         \
 }                                                                                                             \
                                                                                                               \
+/* Forward of c slices on `threads` threads; work: 2 m elements per thread. */                                \
+void sinkhorn_forward_##SFX(T *X, int64_t c, int64_t n, int64_t m, int T_, T a, T b, T *us, T *vs,           \
+                            T *row_shift, T *col_shift, T *work, int threads) {                               \
+    (void)threads; /* unused without OpenMP */                                                              \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if(threads > 1 && c > 1)")               \
+    for (int64_t s = 0; s < c; s++)                                                                           \
+        forward_slice_##SFX(X, s, n, m, T_, a, b, us, vs, row_shift, col_shift, work + 2 * m * THREAD_INDEX);  \
+}                                                                                                             \
+                                                                                                              \
 /* K~ = e^{S - r_i - c_j} of c slices in place, from the forward's shifts: the values its pass computed, bit \
  * for bit, for a backward that did not keep them. */                                                          \
-void sinkhorn_kernel_##SFX(T *X, int64_t c, int64_t n, int64_t m, const T *row_shift, const T *col_shift) {   \
+void sinkhorn_kernel_##SFX(T *X, int64_t c, int64_t n, int64_t m, const T *row_shift, const T *col_shift,     \
+                           int threads) {                                                                     \
+    (void)threads; /* unused without OpenMP */                                                              \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if(threads > 1 && c > 1)")               \
     for (int64_t s = 0; s < c; s++)                                                                           \
         for (int64_t i = 0; i < n; i++) {                                                                     \
             T *x = X + (s * n + i) * m;                                                                       \
@@ -111,72 +129,89 @@ void sinkhorn_kernel_##SFX(T *X, int64_t c, int64_t n, int64_t m, const T *row_s
         }                                                                                                     \
 }                                                                                                             \
                                                                                                               \
-/* Backward of c slices: K (c, n, m) = K~; G (c, n, m) = diag(u) dP diag(v) in, dS out; us, vs as the forward  \
+/* Backward of slice s: K (c, n, m) = K~; G (c, n, m) = diag(u) dP diag(v) in, dS out; us, vs as the forward   \
  * wrote them; work: (T + 1) (n + m) elements. The reverse recursion: a row step u_t = a / (K v) turns the     \
  * gradient du into x = -du u_t^2 / a (then dv += K^T x), a column step v_t = b / (K^T u) turns dv into        \
  * y = -dv v_t^2 / b (then du += K y); each adds the rank-one term x v_{t-1}^T or u_{t-1} y^T. */            \
-void sinkhorn_backward_##SFX(const T *Kt, T *G, int64_t c, int64_t n, int64_t m, int T_, T a, T b,           \
-                             const T *us, const T *vs, T scale, T *work) {                                    \
+static void backward_slice_##SFX(const T *Kt, T *G, int64_t s, int64_t n, int64_t m, int T_, T a, T b,      \
+                                 const T *us, const T *vs, T scale, T *work) {                                \
     const int64_t Lu = (T_ + 1) / 2, Lv = T_ / 2 + 1;                                                         \
     T *du = work, *dv = du + n, *X = dv + m, *Y = X + (int64_t)T_ * n;                                        \
-    for (int64_t s = 0; s < c; s++) {                                                                         \
-        const T *K = Kt + s * n * m, *u = us + s * n * Lu, *v = vs + s * m * Lv;                              \
-        T *g = G + s * n * m;                                                                                 \
-        for (int64_t j = 0; j < m; j++) dv[j] = 0;                                                            \
-        for (int64_t i = 0; i < n; i++) { /* the gradients of the final scalings: (P dP) 1 / u, 1^T (P dP) / v */ \
-            const T *k = K + i * m;                                                                           \
-            T *gi = g + i * m, total = 0;                                                                     \
-            _Pragma("omp simd reduction(+:total)")                                                            \
-            for (int64_t j = 0; j < m; j++) { T p = k[j] * gi[j]; total += p; dv[j] += p; }                   \
-            du[i] = total / u[i * Lu + Lu - 1];                                                               \
-        }                                                                                                     \
-        for (int64_t j = 0; j < m; j++) dv[j] /= v[j * Lv + Lv - 1];                                          \
-        for (int t = T_, l = 0; t >= 1; t--, l++) {                                                           \
-            T *x = X + (int64_t)l * n, *y = Y + (int64_t)l * m;                                               \
-            if (t % 2) { /* row step: u_{(t+1)/2} from v_{(t-1)/2} */                                         \
-                const int64_t iu = (t - 1) / 2, iv = (t - 1) / 2;                                             \
-                for (int64_t i = 0; i < n; i++) {                                                             \
-                    T ui = u[i * Lu + iu];                                                                    \
-                    x[i] = -du[i] * ui * ui / a;                                                              \
-                    du[i] = 0;                                                                                \
-                }                                                                                             \
-                for (int64_t j = 0; j < m; j++) y[j] = v[j * Lv + iv];                                        \
-                if (t > 1)                                                                                    \
-                    for (int64_t i = 0; i < n; i++) {                                                         \
-                        const T *k = K + i * m;                                                               \
-                        const T xi = x[i];                                                                    \
-                        _Pragma("omp simd")                                                                   \
-                        for (int64_t j = 0; j < m; j++) dv[j] += k[j] * xi;                                   \
-                    }                                                                                         \
-            } else { /* column step: v_{t/2} from u_{t/2} */                                                 \
-                const int64_t iv = t / 2, iu = t / 2 - 1;                                                     \
-                for (int64_t j = 0; j < m; j++) {                                                             \
-                    T vj = v[j * Lv + iv];                                                                    \
-                    y[j] = -dv[j] * vj * vj / b;                                                              \
-                    dv[j] = 0;                                                                                \
-                }                                                                                             \
+    const T *K = Kt + s * n * m, *u = us + s * n * Lu, *v = vs + s * m * Lv;                                  \
+    T *g = G + s * n * m;                                                                                     \
+    for (int64_t j = 0; j < m; j++) dv[j] = 0;                                                                \
+    for (int64_t i = 0; i < n; i++) { /* the gradients of the final scalings: (P dP) 1 / u, 1^T (P dP) / v */     \
+        const T *k = K + i * m;                                                                               \
+        T *gi = g + i * m, total = 0;                                                                         \
+        _Pragma("omp simd reduction(+:total)")                                                                \
+        for (int64_t j = 0; j < m; j++) { T p = k[j] * gi[j]; total += p; dv[j] += p; }                       \
+        du[i] = total / u[i * Lu + Lu - 1];                                                                   \
+    }                                                                                                         \
+    for (int64_t j = 0; j < m; j++) dv[j] /= v[j * Lv + Lv - 1];                                              \
+    for (int t = T_, l = 0; t >= 1; t--, l++) {                                                               \
+        T *x = X + (int64_t)l * n, *y = Y + (int64_t)l * m;                                                   \
+        if (t % 2) { /* row step: u_{(t+1)/2} from v_{(t-1)/2} */                                             \
+            const int64_t iu = (t - 1) / 2, iv = (t - 1) / 2;                                                 \
+            for (int64_t i = 0; i < n; i++) {                                                                 \
+                T ui = u[i * Lu + iu];                                                                        \
+                x[i] = -du[i] * ui * ui / a;                                                                  \
+                du[i] = 0;                                                                                    \
+            }                                                                                                 \
+            for (int64_t j = 0; j < m; j++) y[j] = v[j * Lv + iv];                                            \
+            if (t > 1)                                                                                        \
                 for (int64_t i = 0; i < n; i++) {                                                             \
                     const T *k = K + i * m;                                                                   \
-                    T total = 0;                                                                              \
-                    _Pragma("omp simd reduction(+:total)")                                                    \
-                    for (int64_t j = 0; j < m; j++) total += k[j] * y[j];                                     \
-                    x[i] = u[i * Lu + iu];                                                                    \
-                    du[i] += total;                                                                           \
+                    const T xi = x[i];                                                                        \
+                    _Pragma("omp simd")                                                                       \
+                    for (int64_t j = 0; j < m; j++) dv[j] += k[j] * xi;                                       \
                 }                                                                                             \
+        } else { /* column step: v_{t/2} from u_{t/2} */                                                     \
+            const int64_t iv = t / 2, iu = t / 2 - 1;                                                         \
+            for (int64_t j = 0; j < m; j++) {                                                                 \
+                T vj = v[j * Lv + iv];                                                                        \
+                y[j] = -dv[j] * vj * vj / b;                                                                  \
+                dv[j] = 0;                                                                                    \
             }                                                                                                 \
-        }                                                                                                     \
-        for (int64_t i = 0; i < n; i++) { /* dS = scale K~ (G + X Y^T), row by row */                         \
-            const T *k = K + i * m;                                                                           \
-            T *gi = g + i * m;                                                                                \
-            for (int l = 0; l < T_; l++) {                                                                    \
-                const T xi = X[(int64_t)l * n + i], *y = Y + (int64_t)l * m;                                  \
-                _Pragma("omp simd")                                                                           \
-                for (int64_t j = 0; j < m; j++) gi[j] += xi * y[j];                                           \
+            for (int64_t i = 0; i < n; i++) {                                                                 \
+                const T *k = K + i * m;                                                                       \
+                T total = 0;                                                                                  \
+                _Pragma("omp simd reduction(+:total)")                                                        \
+                for (int64_t j = 0; j < m; j++) total += k[j] * y[j];                                         \
+                x[i] = u[i * Lu + iu];                                                                        \
+                du[i] += total;                                                                               \
             }                                                                                                 \
-            _Pragma("omp simd")                                                                               \
-            for (int64_t j = 0; j < m; j++) gi[j] *= scale * k[j];                                            \
         }                                                                                                     \
     }                                                                                                         \
+    for (int64_t i = 0; i < n; i++) { /* dS = scale K~ (G + X Y^T), row by row */                             \
+        const T *k = K + i * m;                                                                               \
+        T *gi = g + i * m;                                                                                    \
+        for (int l = 0; l < T_; l++) {                                                                        \
+            const T xi = X[(int64_t)l * n + i], *y = Y + (int64_t)l * m;                                      \
+            _Pragma("omp simd")                                                                               \
+            for (int64_t j = 0; j < m; j++) gi[j] += xi * y[j];                                               \
+        }                                                                                                     \
+        _Pragma("omp simd")                                                                                   \
+        for (int64_t j = 0; j < m; j++) gi[j] *= scale * k[j];                                                \
+    }                                                                                                         \
+}                                                                                                             \
+                                                                                                              \
+/* Backward of c slices on `threads` threads; work: (T + 1) (n + m) elements per thread. */                   \
+void sinkhorn_backward_##SFX(const T *Kt, T *G, int64_t c, int64_t n, int64_t m, int T_, T a, T b,           \
+                             const T *us, const T *vs, T scale, T *work, int threads) {                       \
+    (void)threads; /* unused without OpenMP */                                                              \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if(threads > 1 && c > 1)")               \
+    for (int64_t s = 0; s < c; s++)                                                                           \
+        backward_slice_##SFX(Kt, G, s, n, m, T_, a, b, us, vs, scale,                                         \
+                             work + (int64_t)(T_ + 1) * (n + m) * THREAD_INDEX);                              \
+}
+
+/* Whether this build splits slices over threads (1: built with OpenMP). */
+int sinkhorn_threaded(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 DEFINE_PASSES(float, f32, exp_nonpositive_f32)
