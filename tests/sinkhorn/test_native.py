@@ -258,13 +258,88 @@ def test_the_passes_give_the_same_values_on_any_number_of_threads():
 
 
 def test_the_threads_are_pytorchs_own_openmp_runtime():
-    """Built with OpenMP, the library binds to the GNU OpenMP runtime PyTorch loaded: one copy in the process
-    (a second runtime's threads would spin beside PyTorch's), whose thread count here is PyTorch's."""
+    """Built with OpenMP, the library binds to the GNU OpenMP runtime PyTorch loaded (a second runtime's threads
+    would spin beside PyTorch's): the thread count ``torch.set_num_threads`` sets is the one its runtime reports."""
     _needs_threads()
-    with open("/proc/self/maps") as maps:
-        runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line or "libomp" in line}
-    assert len(runtimes) == 1, runtimes
-    import ctypes
+    lib, threads = native.library()[0], torch.get_num_threads()
+    try:
+        for count in (1, threads):
+            torch.set_num_threads(count)
+            assert lib.sinkhorn_max_threads() == count
+    finally:
+        torch.set_num_threads(threads)
 
-    omp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)
-    assert omp.omp_get_max_threads() == torch.get_num_threads()
+
+# ------------------------------------------------------------------------------------------------
+# row blocks: slices larger than the engine takes whole run the composed passes' loops with C operators
+
+
+@pytest.fixture
+def row_calls(monkeypatch):
+    """Counts the C operators on row blocks."""
+    counted = {"rows_first": 0, "rows_sweep": 0, "rows_step": 0, "rows_kernel": 0}
+    for name in counted:
+        original = getattr(native, name)
+
+        def wrapper(*args, _name=name, _original=original, **kwargs):
+            counted[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(native, name, wrapper)
+    return counted
+
+
+@pytest.mark.parametrize("backend", ["tiled", "streamed"])
+@pytest.mark.parametrize("kwargs", [{"n_iters": 5}, {"n_iters": 2}, {"n_iters": 1}, {"n_iters": 21},
+                                    {"n_iters": None, "tol": 1e-6, "max_iters": 200}])
+def test_row_blocks_with_native_operators_equal_the_dense_reference_in_float64(backend, kwargs, monkeypatch,
+                                                                               row_calls):
+    monkeypatch.setattr(sizes, "CACHE_BLOCK_ELEMENTS", 256)  # 40 x 33 slices: blocks of 7 rows
+    q, k, v = _inputs(2, 2, 40, 33, torch.float64)
+    kwargs = dict(kwargs)
+    n_iters = kwargs.pop("n_iters")
+    rows = {"chunk_size": 7} if backend == "streamed" else {}
+    got, want = _run(q, k, v, n_iters, backend, **rows, **kwargs), _run(q, k, v, n_iters, "dense", **kwargs)
+    assert row_calls["rows_first"] == 4 * 6  # 4 slices of 6 blocks, one first sweep each
+    assert row_calls["rows_sweep"] > 0 or n_iters in (1, 2)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kwargs", [{"backend": "tiled"}, {"backend": "streamed", "chunk_size": 23},
+                                    {"dropout_p": 0.2}, {"backward": "implicit", "n_iters": 60}])
+def test_row_blocks_with_native_operators_equal_the_composed_passes(dtype, kwargs, monkeypatch, row_calls):
+    """Against the same loops with PyTorch operators (native off): the same sums in another order."""
+    monkeypatch.setattr(sizes, "CACHE_BLOCK_ELEMENTS", 2048)
+    q, k, v = _inputs(1, 3, 100, 90, dtype, d=32, e=16)
+
+    def run():
+        torch.manual_seed(3)  # the dropout masks
+        options = {"backend": "tiled", "n_iters": 5, **kwargs}
+        return _run(q, k, v, options.pop("n_iters"), **options)
+
+    got = run()
+    assert row_calls["rows_first"] and row_calls["rows_sweep"]
+    assert bool(row_calls["rows_step"]) == (kwargs.get("backward") != "implicit")  # the implicit backward: no steps
+    monkeypatch.setattr(native, "ENABLED", False)
+    want = run()
+    tol = {torch.float32: (2e-5, 1e-6), torch.float64: (1e-12, 1e-14)}[dtype]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=tol[0], atol=tol[1])
+
+
+def test_row_blocks_with_a_mask_take_the_composed_operators(monkeypatch, row_calls):
+    monkeypatch.setattr(sizes, "CACHE_BLOCK_ELEMENTS", 256)
+    q, k, v = _inputs(1, 2, 40, 33, torch.float64)
+    keep = torch.ones(1, 33, dtype=torch.bool)
+    keep[:, -3:] = False
+    _run(q, k, v, 5, key_padding_mask=~keep)
+    assert sum(row_calls.values()) == 0
+
+
+def test_row_operators_refuse_operands_that_are_not_contiguous():
+    K, v = torch.rand(1, 4, 6), torch.rand(6, 2)[:, 0]
+    a, u, col = torch.ones(4), torch.empty(4), torch.zeros(6)
+    with pytest.raises(ValueError, match="contiguous operands"):
+        native.rows_sweep(K, v, a, u, col)

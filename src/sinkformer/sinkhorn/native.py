@@ -51,7 +51,8 @@ from torch import Tensor
 
 from ..provenance import cpu_model
 
-__all__ = ["ENABLED", "FLAGS", "OPENMP", "status", "library", "threaded", "forward", "recompute", "backward"]
+__all__ = ["ENABLED", "FLAGS", "OPENMP", "status", "library", "threaded", "forward", "recompute", "backward",
+           "rows_first", "rows_rescale", "rows_sweep", "rows_step", "rows_kernel"]
 
 SOURCE = Path(__file__).with_name("native_scaling.c")
 #: compiler flags: optimised for this CPU; the loops vectorise through ``omp simd``
@@ -129,6 +130,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         getattr(lib, f"sinkhorn_backward_{suffix}").argtypes = [P, P, I64, I64, I64, INT, real, real, P, P, real, P,
                                                                 INT]
         getattr(lib, f"sinkhorn_kernel_{suffix}").argtypes = [P, I64, I64, I64, P, P, INT]
+        getattr(lib, f"rows_first_{suffix}").argtypes = [P, I64, I64, P, P, P, P, P, P, P]
+        getattr(lib, f"rows_rescale_{suffix}").argtypes = [P, I64, I64, P, P, P]
+        getattr(lib, f"rows_sweep_{suffix}").argtypes = [P, I64, I64, P, P, P, P]
+        getattr(lib, f"rows_step_{suffix}").argtypes = [P, I64, I64, P, P, P, P, P, P]
     return lib, ""
 
 
@@ -170,12 +175,13 @@ def _cpu_flags() -> bytes:
         return b""
 
 
-def _function(direction: str, tile: Tensor):
-    """The C function of ``direction`` for ``tile``'s dtype; the C code indexes the tile as a contiguous array."""
+def _function(direction: str, tile: Tensor, family: str = "sinkhorn"):
+    """The C function ``{family}_{direction}`` for ``tile``'s dtype; the C code indexes the tile as a contiguous
+    array."""
     if not tile.is_contiguous():
         raise ValueError(f"the native passes need a contiguous tile, got strides {tile.stride()} for shape "
                          f"{tuple(tile.shape)}")
-    return getattr(library()[0], f"sinkhorn_{direction}_{_DTYPES[tile.dtype][0]}")
+    return getattr(library()[0], f"{family}_{direction}_{_DTYPES[tile.dtype][0]}")
 
 
 def _threads(c: int) -> int:
@@ -229,3 +235,59 @@ def backward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, us: Tensor, vs: Tens
                                 vs.data_ptr(), scale, scratch.data_ptr(), threads)
     torch.bmm(G, k, out=dq)
     torch.bmm(G.transpose(1, 2), q, out=dk)
+
+
+# ------------------------------------------------------------------------------------------------
+# the composed passes' operators on one row block of one slice (slices larger than a cache block)
+
+
+def _pointers(*tensors: Tensor | None) -> list[int | None]:
+    """The data pointers of contiguous tensors (``None`` for ``None``), refusing any other."""
+    for t in tensors:
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"the native passes need contiguous operands, got strides {t.stride()} for shape "
+                             f"{tuple(t.shape)}")
+    return [None if t is None else t.data_ptr() for t in tensors]
+
+
+def rows_first(x: Tensor, a: Tensor, row_shift: Tensor, t: Tensor, u: Tensor, col: Tensor | None, top: Tensor,
+               work: Tensor) -> None:
+    r"""The forward's first sweep over a block ``x (1, R, m)`` of scores, in place (:meth:`~.scaling.Tile.first_sweep`):
+    ``x`` ends as :math:`E = e^{x - r_i - t_j}`; writes the row shifts ``row_shift (R)``, the block's column maxima
+    ``t (m)`` of :math:`x - r_i` and :math:`u = a \oslash (E e^{t} + [a = 0])` (``a``, ``u``: ``R``); given ``col
+    (m)``, adds the block's :math:`e^{t - top'}\odot E^\top u` to it after rescaling it by :math:`e^{top - top'}`,
+    with :math:`top' = \max(top, t)` written into ``top (m)``. ``work``: ``2 m`` elements."""
+    R, m = x.shape[-2], x.shape[-1]
+    _function("first", x, "rows")(*_pointers(x), R, m, *_pointers(a, row_shift, t, u, col, top, work))
+
+
+def rows_rescale(E: Tensor, t: Tensor, col_shift: Tensor, work: Tensor) -> Tensor:
+    r"""The first sweep's block ``E (1, R, m)`` made :math:`\tilde K = E\odot e^{t - c}` in place (returned), from its
+    column maxima ``t (m)`` and the column shift ``col_shift (m)``, with the exponential of every other
+    :math:`\tilde K` here. ``work``: ``m`` elements."""
+    R, m = E.shape[-2], E.shape[-1]
+    _function("rescale", E, "rows")(*_pointers(E), R, m, *_pointers(t, col_shift, work))
+    return E
+
+
+def rows_sweep(K: Tensor, v: Tensor, a: Tensor, u: Tensor, col: Tensor | None) -> None:
+    r"""A forward sweep over a block ``K (1, R, m)`` of :math:`\tilde K`: :math:`u = a \oslash (\tilde K v +
+    [a = 0])` and, given ``col (m)``, :math:`col \mathrel{+}= \tilde K^\top u`."""
+    R, m = K.shape[-2], K.shape[-1]
+    _function("sweep", K, "rows")(*_pointers(K), R, m, *_pointers(v, a, u, col))
+
+
+def rows_step(K: Tensor, ds: Tensor, du: Tensor, factor: Tensor, total: Tensor, dr: Tensor,
+              col: Tensor | None) -> None:
+    r"""A row step of the reverse recursion over a block ``K (1, R, m)`` of :math:`\tilde K`: ``total = du + K̃ ds``,
+    ``dr = total ⊙ factor`` (``R``) and, given ``col (m)``, :math:`col \mathrel{+}= \tilde K^\top dr`."""
+    R, m = K.shape[-2], K.shape[-1]
+    _function("step", K, "rows")(*_pointers(K), R, m, *_pointers(ds, du, factor, total, dr, col))
+
+
+def rows_kernel(x: Tensor, row_shift: Tensor, col_shift: Tensor) -> Tensor:
+    r""":math:`\tilde K = e^{x - r_i - c_j}` of a block ``x (1, R, m)`` of scores in place (returned), from the
+    shifts ``row_shift (R)``, ``col_shift (m)``: every recomputation of a block gives the same values."""
+    R, m = x.shape[-2], x.shape[-1]
+    _function("kernel", x)(*_pointers(x), 1, R, m, *_pointers(row_shift, col_shift), 1)
+    return x

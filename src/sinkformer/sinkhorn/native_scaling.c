@@ -50,12 +50,12 @@ static inline double exp_nonpositive_f64(double x) { return exp(x); }
 #define DEFINE_PASSES(T, SFX, EXP)                                                                            \
                                                                                                               \
 /* Forward of slice s of X (c, n, m): the scores in, K~ out. us (c, n, Lu), vs (c, m, Lv): the iterates       \
- * [u1, u3, ..] and [v0 = e^c, v2, ..] (Lu = ceil(T / 2), Lv = floor(T / 2) + 1); row_shift (c, n),             \
+ * [u1, u3, ..] and [v0 = e^c, v2, ..] (Lu = ceil(T / 2), Lv = floor(T / 2) + 1); row_shift (c, n),           \
  * col_shift (c, m); work: 2 m elements. a, b: the marginals (every row a, every column b). */                \
 static void forward_slice_##SFX(T *X, int64_t s, int64_t n, int64_t m, int T_, T a, T b, T *us, T *vs,        \
                                 T *row_shift, T *col_shift, T *work) {                                        \
     const int64_t Lu = (T_ + 1) / 2, Lv = T_ / 2 + 1;                                                         \
-    T *col = work, *vc = work + m; /* the column sums, and the current v contiguous */                      \
+    T *col = work, *vc = work + m; /* the column sums, and the current v contiguous */                        \
     T *K = X + s * n * m, *u = us + s * n * Lu, *v = vs + s * m * Lv;                                         \
     T *rs = row_shift + s * n, *cs = col_shift + s * m;                                                       \
     for (int64_t j = 0; j < m; j++) cs[j] = -INFINITY;                                                        \
@@ -71,8 +71,8 @@ static void forward_slice_##SFX(T *X, int64_t s, int64_t n, int64_t m, int T_, T
             cs[j] = y > cs[j] ? y : cs[j];                                                                    \
         }                                                                                                     \
     }                                                                                                         \
-    for (int64_t j = 0; j < m; j++) { col[j] = 0; vc[j] = EXP(cs[j]); v[j * Lv] = vc[j]; }                     \
-    for (int64_t i = 0; i < n; i++) { /* K~ = e^{x - c}; normalisation 1 and the sums of 2 */                \
+    for (int64_t j = 0; j < m; j++) { col[j] = 0; vc[j] = EXP(cs[j]); v[j * Lv] = vc[j]; }                    \
+    for (int64_t i = 0; i < n; i++) { /* K~ = e^{x - c}; normalisation 1 and the sums of 2 */                 \
         T *x = K + i * m, total = 0;                                                                          \
         _Pragma("omp simd reduction(+:total)")                                                                \
         for (int64_t j = 0; j < m; j++) {                                                                     \
@@ -86,8 +86,8 @@ static void forward_slice_##SFX(T *X, int64_t s, int64_t n, int64_t m, int T_, T
         for (int64_t j = 0; j < m; j++) col[j] += x[j] * ui;                                                  \
     }                                                                                                         \
     for (int t = 2, lu = 0, lv = 0; t <= T_; t += 2) {                                                        \
-        lv++; /* normalisation t (columns), then t + 1 (rows) with the sums of t + 2 if it follows */        \
-        for (int64_t j = 0; j < m; j++) { vc[j] = b / col[j]; v[j * Lv + lv] = vc[j]; col[j] = 0; }          \
+        lv++; /* normalisation t (columns), then t + 1 (rows) with the sums of t + 2 if it follows */         \
+        for (int64_t j = 0; j < m; j++) { vc[j] = b / col[j]; v[j * Lv + lv] = vc[j]; col[j] = 0; }           \
         if (t == T_) break;                                                                                   \
         lu++;                                                                                                 \
         const int more = t + 2 <= T_;                                                                         \
@@ -106,20 +106,20 @@ static void forward_slice_##SFX(T *X, int64_t s, int64_t n, int64_t m, int T_, T
 }                                                                                                             \
                                                                                                               \
 /* Forward of c slices on `threads` threads; work: 2 m elements per thread. */                                \
-void sinkhorn_forward_##SFX(T *X, int64_t c, int64_t n, int64_t m, int T_, T a, T b, T *us, T *vs,           \
+void sinkhorn_forward_##SFX(T *X, int64_t c, int64_t n, int64_t m, int T_, T a, T b, T *us, T *vs,            \
                             T *row_shift, T *col_shift, T *work, int threads) {                               \
-    (void)threads; /* unused without OpenMP */                                                              \
-    _Pragma("omp parallel for num_threads(threads) schedule(static) if(threads > 1 && c > 1)")               \
+    (void)threads; /* unused without OpenMP */                                                                \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if(threads > 1 && c > 1)")                \
     for (int64_t s = 0; s < c; s++)                                                                           \
-        forward_slice_##SFX(X, s, n, m, T_, a, b, us, vs, row_shift, col_shift, work + 2 * m * THREAD_INDEX);  \
+        forward_slice_##SFX(X, s, n, m, T_, a, b, us, vs, row_shift, col_shift, work + 2 * m * THREAD_INDEX); \
 }                                                                                                             \
                                                                                                               \
-/* K~ = e^{S - r_i - c_j} of c slices in place, from the forward's shifts: the values its pass computed, bit \
- * for bit, for a backward that did not keep them. */                                                          \
+/* K~ = e^{S - r_i - c_j} of c slices in place, from the forward's shifts: the values its pass computed, bit  \
+ * for bit, for a backward that did not keep them. */                                                         \
 void sinkhorn_kernel_##SFX(T *X, int64_t c, int64_t n, int64_t m, const T *row_shift, const T *col_shift,     \
                            int threads) {                                                                     \
-    (void)threads; /* unused without OpenMP */                                                              \
-    _Pragma("omp parallel for num_threads(threads) schedule(static) if(threads > 1 && c > 1)")               \
+    (void)threads; /* unused without OpenMP */                                                                \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if(threads > 1 && c > 1)")                \
     for (int64_t s = 0; s < c; s++)                                                                           \
         for (int64_t i = 0; i < n; i++) {                                                                     \
             T *x = X + (s * n + i) * m;                                                                       \
@@ -129,18 +129,18 @@ void sinkhorn_kernel_##SFX(T *X, int64_t c, int64_t n, int64_t m, const T *row_s
         }                                                                                                     \
 }                                                                                                             \
                                                                                                               \
-/* Backward of slice s: K (c, n, m) = K~; G (c, n, m) = diag(u) dP diag(v) in, dS out; us, vs as the forward   \
- * wrote them; work: (T + 1) (n + m) elements. The reverse recursion: a row step u_t = a / (K v) turns the     \
- * gradient du into x = -du u_t^2 / a (then dv += K^T x), a column step v_t = b / (K^T u) turns dv into        \
- * y = -dv v_t^2 / b (then du += K y); each adds the rank-one term x v_{t-1}^T or u_{t-1} y^T. */            \
-static void backward_slice_##SFX(const T *Kt, T *G, int64_t s, int64_t n, int64_t m, int T_, T a, T b,      \
+/* Backward of slice s: K (c, n, m) = K~; G (c, n, m) = diag(u) dP diag(v) in, dS out; us, vs as the forward  \
+ * wrote them; work: (T + 1) (n + m) elements. The reverse recursion: a row step u_t = a / (K v) turns the    \
+ * gradient du into x = -du u_t^2 / a (then dv += K^T x), a column step v_t = b / (K^T u) turns dv into       \
+ * y = -dv v_t^2 / b (then du += K y); each adds the rank-one term x v_{t-1}^T or u_{t-1} y^T. */             \
+static void backward_slice_##SFX(const T *Kt, T *G, int64_t s, int64_t n, int64_t m, int T_, T a, T b,        \
                                  const T *us, const T *vs, T scale, T *work) {                                \
     const int64_t Lu = (T_ + 1) / 2, Lv = T_ / 2 + 1;                                                         \
     T *du = work, *dv = du + n, *X = dv + m, *Y = X + (int64_t)T_ * n;                                        \
     const T *K = Kt + s * n * m, *u = us + s * n * Lu, *v = vs + s * m * Lv;                                  \
     T *g = G + s * n * m;                                                                                     \
     for (int64_t j = 0; j < m; j++) dv[j] = 0;                                                                \
-    for (int64_t i = 0; i < n; i++) { /* the gradients of the final scalings: (P dP) 1 / u, 1^T (P dP) / v */     \
+    for (int64_t i = 0; i < n; i++) { /* the gradients of the final scalings: (P dP) 1 / u, 1^T (P dP) / v */ \
         const T *k = K + i * m;                                                                               \
         T *gi = g + i * m, total = 0;                                                                         \
         _Pragma("omp simd reduction(+:total)")                                                                \
@@ -165,7 +165,7 @@ static void backward_slice_##SFX(const T *Kt, T *G, int64_t s, int64_t n, int64_
                     _Pragma("omp simd")                                                                       \
                     for (int64_t j = 0; j < m; j++) dv[j] += k[j] * xi;                                       \
                 }                                                                                             \
-        } else { /* column step: v_{t/2} from u_{t/2} */                                                     \
+        } else { /* column step: v_{t/2} from u_{t/2} */                                                      \
             const int64_t iv = t / 2, iu = t / 2 - 1;                                                         \
             for (int64_t j = 0; j < m; j++) {                                                                 \
                 T vj = v[j * Lv + iv];                                                                        \
@@ -196,13 +196,101 @@ static void backward_slice_##SFX(const T *Kt, T *G, int64_t s, int64_t n, int64_
 }                                                                                                             \
                                                                                                               \
 /* Backward of c slices on `threads` threads; work: (T + 1) (n + m) elements per thread. */                   \
-void sinkhorn_backward_##SFX(const T *Kt, T *G, int64_t c, int64_t n, int64_t m, int T_, T a, T b,           \
+void sinkhorn_backward_##SFX(const T *Kt, T *G, int64_t c, int64_t n, int64_t m, int T_, T a, T b,            \
                              const T *us, const T *vs, T scale, T *work, int threads) {                       \
-    (void)threads; /* unused without OpenMP */                                                              \
-    _Pragma("omp parallel for num_threads(threads) schedule(static) if(threads > 1 && c > 1)")               \
+    (void)threads; /* unused without OpenMP */                                                                \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if(threads > 1 && c > 1)")                \
     for (int64_t s = 0; s < c; s++)                                                                           \
         backward_slice_##SFX(Kt, G, s, n, m, T_, a, b, us, vs, scale,                                         \
                              work + (int64_t)(T_ + 1) * (n + m) * THREAD_INDEX);                              \
+}
+
+/* The composed passes' operators on one cache block of R rows of one slice (row blocks: slices larger than the
+ * engine takes whole). Per-row vectors are the block's R rows, per-column vectors the slice's m columns. */
+#define DEFINE_ROW_BLOCKS(T, SFX, EXP)                                                                        \
+                                                                                                              \
+/* The forward's first sweep over a block: x (R, m) the scores in, E = e^{x - r_i - t_j} out, with r_i the row \
+ * maxima (rs) and t_j the block's column maxima of x - r_i (t); u_i = a_i / (sum_j E_ij e^{t_j} + [a_i = 0]); \
+ * the column sums col_j = sum_i e^{x_ij - r_i - top_j} u_i over the blocks so far, rescaled as top_j, the    \
+ * running maximum of t_j, rises (the online shift). work: 2 m elements. */                                   \
+void rows_first_##SFX(T *x, int64_t R, int64_t m, const T *a, T *rs, T *t, T *u, T *col, T *top, T *work) {   \
+    for (int64_t j = 0; j < m; j++) { t[j] = -INFINITY; work[j] = 0; }                                        \
+    for (int64_t i = 0; i < R; i++) {                                                                         \
+        T *xi = x + i * m, high = -INFINITY;                                                                  \
+        _Pragma("omp simd reduction(max:high)")                                                               \
+        for (int64_t j = 0; j < m; j++) high = xi[j] > high ? xi[j] : high;                                   \
+        rs[i] = high;                                                                                         \
+        _Pragma("omp simd")                                                                                   \
+        for (int64_t j = 0; j < m; j++) { T y = xi[j] - high; xi[j] = y; t[j] = y > t[j] ? y : t[j]; }        \
+    }                                                                                                         \
+    T *w = col == NULL ? NULL : work, *et = work + m; /* the block's own column sums E^T u; e^t */            \
+    for (int64_t j = 0; j < m; j++) et[j] = EXP(t[j]);                                                        \
+    for (int64_t i = 0; i < R; i++) {                                                                         \
+        T *xi = x + i * m, total = 0;                                                                         \
+        _Pragma("omp simd reduction(+:total)")                                                                \
+        for (int64_t j = 0; j < m; j++) { T e = EXP(xi[j] - t[j]); xi[j] = e; total += e * et[j]; }           \
+        T ui = a[i] / (total + (a[i] == 0));                                                                  \
+        u[i] = ui;                                                                                            \
+        if (w) {                                                                                              \
+            _Pragma("omp simd")                                                                               \
+            for (int64_t j = 0; j < m; j++) w[j] += xi[j] * ui;                                               \
+        }                                                                                                     \
+    }                                                                                                         \
+    if (w)                                                                                                    \
+        for (int64_t j = 0; j < m; j++) {                                                                     \
+            T high = t[j] > top[j] ? t[j] : top[j];                                                           \
+            col[j] = col[j] * EXP(top[j] - high) + w[j] * EXP(t[j] - high);                                   \
+            top[j] = high;                                                                                    \
+        }                                                                                                     \
+    else                                                                                                      \
+        for (int64_t j = 0; j < m; j++) top[j] = t[j] > top[j] ? t[j] : top[j];                               \
+}                                                                                                             \
+                                                                                                              \
+/* The first sweep's E of a block (R, m) made K~ in place: K_ij = E_ij e^{t_j - c_j}, with t the block's column \
+ * maxima and c the column shift (the same exponential as every other K~). work: m elements. */               \
+void rows_rescale_##SFX(T *K, int64_t R, int64_t m, const T *t, const T *c, T *work) {                        \
+    for (int64_t j = 0; j < m; j++) work[j] = EXP(t[j] - c[j]);                                               \
+    for (int64_t i = 0; i < R; i++) {                                                                         \
+        T *k = K + i * m;                                                                                     \
+        _Pragma("omp simd")                                                                                   \
+        for (int64_t j = 0; j < m; j++) k[j] *= work[j];                                                      \
+    }                                                                                                         \
+}                                                                                                             \
+                                                                                                              \
+/* A sweep over a block of K~ (R, m): u_i = a_i / (sum_j K_ij v_j + [a_i = 0]) and, given col, col_j += sum_i \
+ * K_ij u_i. */                                                                                               \
+void rows_sweep_##SFX(const T *K, int64_t R, int64_t m, const T *v, const T *a, T *u, T *col) {               \
+    for (int64_t i = 0; i < R; i++) {                                                                         \
+        const T *k = K + i * m;                                                                               \
+        T total = 0;                                                                                          \
+        _Pragma("omp simd reduction(+:total)")                                                                \
+        for (int64_t j = 0; j < m; j++) total += k[j] * v[j];                                                 \
+        T ui = a[i] / (total + (a[i] == 0));                                                                  \
+        u[i] = ui;                                                                                            \
+        if (col) {                                                                                            \
+            _Pragma("omp simd")                                                                               \
+            for (int64_t j = 0; j < m; j++) col[j] += k[j] * ui;                                              \
+        }                                                                                                     \
+    }                                                                                                         \
+}                                                                                                             \
+                                                                                                              \
+/* A row step of the backward's reverse recursion over a block of K~ (R, m): total_i = du_i + sum_j K_ij ds_j, \
+ * dr_i = total_i f_i and, given col, col_j += sum_i K_ij dr_i. */                                            \
+void rows_step_##SFX(const T *K, int64_t R, int64_t m, const T *ds, const T *du, const T *f, T *total, T *dr, \
+                     T *col) {                                                                                \
+    for (int64_t i = 0; i < R; i++) {                                                                         \
+        const T *k = K + i * m;                                                                               \
+        T sum = 0;                                                                                            \
+        _Pragma("omp simd reduction(+:sum)")                                                                  \
+        for (int64_t j = 0; j < m; j++) sum += k[j] * ds[j];                                                  \
+        total[i] = du[i] + sum;                                                                               \
+        T di = total[i] * f[i];                                                                               \
+        dr[i] = di;                                                                                           \
+        if (col) {                                                                                            \
+            _Pragma("omp simd")                                                                               \
+            for (int64_t j = 0; j < m; j++) col[j] += k[j] * di;                                              \
+        }                                                                                                     \
+    }                                                                                                         \
 }
 
 /* Whether this build splits slices over threads (1: built with OpenMP). */
@@ -214,5 +302,16 @@ int sinkhorn_threaded(void) {
 #endif
 }
 
+/* The calling thread's OpenMP thread count as the runtime this library is bound to sees it (1 without OpenMP). */
+int sinkhorn_max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
 DEFINE_PASSES(float, f32, exp_nonpositive_f32)
 DEFINE_PASSES(double, f64, exp_nonpositive_f64)
+DEFINE_ROW_BLOCKS(float, f32, exp_nonpositive_f32)
+DEFINE_ROW_BLOCKS(double, f64, exp_nonpositive_f64)

@@ -65,7 +65,7 @@ from .loop import sinkhorn_loop
 from .sizes import CacheBlocks, cache_blocks
 
 __all__ = ["Options", "Tile", "GroupState", "run_forward", "run_backward", "scaling_forward", "scaling_backward",
-           "dropout_mask", "implicit_duals_of", "uses_native"]
+           "dropout_mask", "implicit_duals_of", "uses_native", "native_row_blocks"]
 
 @dataclass(frozen=True)
 class Options:
@@ -229,6 +229,16 @@ def uses_native(problem: Problem, options: Options) -> bool:
             and options.blocks(p.B, p.n, p.m).rows is None and native.library()[0] is not None)
 
 
+def native_row_blocks(problem: Problem, blocks: CacheBlocks) -> bool:
+    """Whether a tile's passes run their per-block operations in :mod:`.native`'s C (``rows_*``): row blocks (slices
+    larger than the engine takes whole; smaller ones take :func:`uses_native`'s whole-slice passes where those
+    serve), no mask, CPU, float32 or float64, and the passes compiled here. The passes and their loops are the
+    same; each block's several PyTorch operations become one C call over the block in cache."""
+    p = problem
+    return (native.ENABLED and blocks.rows is not None and not p.masked and p.q.device.type == "cpu"
+            and p.q.dtype in (torch.float32, torch.float64) and native.library()[0] is not None)
+
+
 def _cat(parts: list[Tensor]) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -286,6 +296,8 @@ class Tile:
         self.count = len(self._qb)
         self.Kb = self.blocks.rows_of(self.K) if self.stored else None
         self.masked = problem.masked
+        self.native_rows = native_row_blocks(problem, self.blocks)
+        self._work = None  # native_rows: m elements for the first sweep's blocks made K̃
         self._index = self.blocks.index if self.masked else None
         self._ready = ready and self.stored  # a stored tile holds K̃
         self._scaled = False  # a stored tile holds the first sweep's E
@@ -353,8 +365,18 @@ class Tile:
             Vb, outb = blocks.slices_of(V), blocks.rows_of(out)
             dropb = blocks.rows_of(drop) if drop is not None else None
         self._tops = []
+        work = self.q.new_empty(2 * m) if self.native_rows else None
         for i in range(self.count):
             x = self.scores(i)
+            if self.native_rows:  # what the operations below compute for a row block, in one C call
+                t = x.new_empty(1, 1, m)
+                native.rows_first(x, ab[i], rowb[i], t, ub[i], None if colb is None else colb[i], topb[i], work)
+                if output is not None:
+                    torch.bmm(x if dropb is None else x.mul_(dropb[i]), t.exp().transpose(1, 2) * Vb[i],
+                              out=outb[i]).mul_(ub[i])
+                if self.stored:
+                    self._tops.append(t)
+                continue
             torch.amax(x, -1, keepdim=True, out=rowb[i])
             if self.masked:  # a row without a valid entry: shift 0
                 rowb[i].nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
@@ -397,11 +419,20 @@ class Tile:
         for i in range(self.count):
             if self._ready:
                 yield i, self.Kb[i]
+            elif self._scaled and self.native_rows:
+                yield i, native.rows_rescale(self.Kb[i], self._tops[i], self._colb[i], self._rescale_work())
             elif self._scaled:  # E of the first sweep: K̃ = E e^{t - c}
                 yield i, self.Kb[i].mul_((self._tops[i] - self._colb[i]).exp_())
+            elif self.native_rows:
+                yield i, native.rows_kernel(self.scores(i), self._rowb[i], self._colb[i])
             else:
                 yield i, self.scores(i).sub_(self._rowb[i]).sub_(self._colb[i]).exp_()
         self._ready = self.stored
+
+    def _rescale_work(self) -> Tensor:
+        if self._work is None:
+            self._work = self.q.new_empty(self.shape[2])
+        return self._work
 
     def sweep(self, vt: Tensor, a: Tensor, empty: Tensor, col_init: Tensor | None = None,
               output: tuple | None = None) -> tuple[Tensor, Tensor | None]:
@@ -425,12 +456,15 @@ class Tile:
             vVb, outb = blocks.slices_of(vt.unsqueeze(-1) * V), blocks.rows_of(out)
             dropb = blocks.rows_of(drop) if drop is not None else None
         for i, Kb in self.visit():
-            add_rows_times(eb[i], Kb, vb[i], out=ub[i])
-            torch.div(ab[i], ub[i], out=ub[i])
-            if initb is not None:
-                torch.baddbmm(initb[i], ub[i].transpose(1, 2), Kb, out=colb[i])
-            elif colb is not None:
-                colb[i].baddbmm_(ub[i].transpose(1, 2), Kb)
+            if self.native_rows:  # row blocks: the row normalisation and the column sums in one C call
+                native.rows_sweep(Kb, vb[i], ab[i], ub[i], None if colb is None else colb[i])
+            else:
+                add_rows_times(eb[i], Kb, vb[i], out=ub[i])
+                torch.div(ab[i], ub[i], out=ub[i])
+                if initb is not None:
+                    torch.baddbmm(initb[i], ub[i].transpose(1, 2), Kb, out=colb[i])
+                elif colb is not None:
+                    colb[i].baddbmm_(ub[i].transpose(1, 2), Kb)
             if output is not None:
                 torch.bmm(Kb if dropb is None else Kb.mul_(dropb[i]), vVb[i], out=outb[i]).mul_(ub[i])
         return u.squeeze(-1), (None if col is None else col.squeeze(1))
@@ -624,10 +658,13 @@ def _row_step_pass(tile: Tile, rev: _Reverse, t: int, du: Tensor, ds: Tensor, X:
     total, dr = torch.empty_like(du).unsqueeze(-1), torch.empty_like(du).unsqueeze(-1)
     beta, new = _accumulation(blocks, du)
     col = new(c, 1, m)
-    dub, dsb, factorb = (blocks.rows_of(du.unsqueeze(-1)), blocks.slices_of(ds.unsqueeze(-1)),
-                         blocks.rows_of(rev.row_factor(t).unsqueeze(-1)))
+    dub, dsb, factorb = (blocks.rows_of(du.unsqueeze(-1)), blocks.slices_of(ds.contiguous().unsqueeze(-1)),
+                         blocks.rows_of(rev.row_factor(t).contiguous().unsqueeze(-1)))
     totalb, drb, colb = blocks.rows_of(total), blocks.rows_of(dr), blocks.slices_of(col)
     for i, Kb in tile.visit():
+        if tile.native_rows:  # the three operations below in one C call
+            native.rows_step(Kb, dsb[i], dub[i], factorb[i], totalb[i], drb[i], colb[i])
+            continue
         add_rows_times(dub[i], Kb, dsb[i], out=totalb[i])
         torch.mul(totalb[i], factorb[i], out=drb[i])
         colb[i].baddbmm_(drb[i].transpose(1, 2), Kb, beta=beta)
@@ -660,13 +697,17 @@ def _gradient_pass(tile: Tile, left: Tensor, right: Tensor, vt: Tensor, V: Tenso
         Yb = blocks.slices_of(right[..., e:].transpose(1, 2))
     if last_steps is not None:
         rev, du, ds = last_steps
-        total = torch.empty_like(du).unsqueeze(-1)
-        dub, dsb, totalb = blocks.rows_of(du.unsqueeze(-1)), blocks.slices_of(ds.unsqueeze(-1)), blocks.rows_of(total)
-        factorb = blocks.rows_of(rev.row_factor(1).unsqueeze(-1))
+        total, dr = torch.empty_like(du).unsqueeze(-1), torch.empty_like(du).unsqueeze(-1)
+        dub, dsb, totalb = (blocks.rows_of(du.unsqueeze(-1)), blocks.slices_of(ds.contiguous().unsqueeze(-1)),
+                            blocks.rows_of(total))
+        factorb, drb = blocks.rows_of(rev.row_factor(1).contiguous().unsqueeze(-1)), blocks.rows_of(dr)
         lastb = blocks.rows_of(left[..., e:e + 1])  # X[..., 0]: the row step 1
     work = scratch_buffer(scratch, "dS", blocks.largest(tile.shape[2]), dq)
     for i, Kb in tile.visit():
-        if last_steps is not None:
+        if last_steps is not None and tile.native_rows:
+            native.rows_step(Kb, dsb[i], dub[i], factorb[i], totalb[i], drb[i], None)
+            lastb[i].copy_(drb[i])
+        elif last_steps is not None:
             add_rows_times(dub[i], Kb, dsb[i], out=totalb[i])
             torch.mul(totalb[i], factorb[i], out=lastb[i])
         dP = work[:Kb.numel()].view(Kb.shape)
