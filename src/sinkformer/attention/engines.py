@@ -253,8 +253,8 @@ register(Engine(
     double_backward=_SLICE_RECOMPUTE, module="sinkformer.sinkhorn.streamed", prefers=_streams,
 ))
 register(Engine(
-    "tiled", "Sinkhorn on cached tiles (scaling or log domain; on CPUs, unmasked slices of up to 2²⁰ scores run "
-    "their passes in C where a compiler is found), exact or implicit custom backward: the default",
+    "tiled", "Sinkhorn on cached tiles (scaling or log domain; on CPUs, the passes of unmasked slices run in C where "
+    "a compiler is found), exact or implicit custom backward: the default",
     "`O(n)` saved per slice", run_tiled, implicit_backward=True, dropout=True,
     double_backward=_SLICE_RECOMPUTE + "; not for backward='implicit'", module="sinkformer.sinkhorn.tiled, .native",
     prefers=lambda call: "Sinkhorn on cached tiles, O(n) saved per slice",

@@ -1,4 +1,5 @@
-r"""Native CPU passes of the scaling domain: a group of whole slices without masks, in one C call per direction.
+r"""Native CPU passes of the scaling domain: a group of whole slices without masks in one C call per direction, and
+the per-block operators of larger slices.
 
 The tiled engine's scaling domain (:mod:`.scaling`) composes PyTorch operations: a few dozen per group and
 direction, each a pass over the group's tile. Where a group is whole slices that the engine takes as cache blocks
@@ -17,7 +18,14 @@ runs the same arithmetic with the matrix products still PyTorch's and everything
   :math:`dS = \mathrm{scale}\,\tilde K \odot (G + XY^\top)` in ``G``'s memory (the formula of
   :func:`~.scaling.scaling_backward`); then :math:`dQ = dS\,K`, :math:`dK = dS^\top Q` (``bmm``).
 
-Marginals: every row ``a = 1``, every column ``b = n/m`` (no mask). The float32 exponential is a polynomial
+**Row blocks** (slices larger than the engine takes whole, and the streamed engine's blocks): the composed
+passes keep their loops over the blocks and their products, and without a mask each block's operations are one
+C call on the block in cache (:func:`native_row_blocks <.scaling.native_row_blocks>`): :func:`rows_first` (the
+first sweep with its online column shift), :func:`rows_rescale` (its ``E`` made :math:`\tilde K`),
+:func:`rows_sweep` (a row normalisation and the next column sums), :func:`rows_kernel` (:math:`\tilde K`
+recomputed) and :func:`rows_step` (a row step of the backward's recursion). Their marginals are the problem's.
+
+Marginals of the whole-slice passes: every row ``a = 1``, every column ``b = n/m`` (no mask). The float32 exponential is a polynomial
 (Cephes' ``expf``, within 2 ulp; 0 below :math:`e^{-87.3}`), float64 uses the C library's ``exp``.
 
 Each C call splits its group's slices over the calling thread's PyTorch threads where the library is built
