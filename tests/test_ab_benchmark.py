@@ -356,3 +356,22 @@ def test_the_native_passes_paragraph_is_their_committed_run():
     ratio = {n: f"{rows[n]['ratio']:.2f}" for n in rows}
     assert (f"a forward+backward takes {ratio[16]}× its time before at n = 16, {ratio[64]}× at 64, {ratio[128]}× at "
             f"128, {ratio[256]}× at 256 and {ratio[512]}× at 512, with a third of the aten calls or fewer") in text
+
+
+def test_the_row_blocks_paragraph_is_their_committed_run():
+    """docs/speed.md's figures for the row blocks' C operators: the paired run c204efd -> a4fd24e (5 rounds of 11
+    pairs, CPU time, one thread): at n = 4096 an interval below 1, its median and the share of aten calls saved; at
+    n = 2048 an interval that reaches 1."""
+    run = json.loads((ROOT / "benchmarks" / "results" / "ab_issue26_rows.json").read_text())
+    text = " ".join((ROOT / "docs" / "speed.md").read_text().split())
+    assert run["before"] == "c204efdbc05c" and run["after"] == "a4fd24e69934"
+    rows = {row["n"]: row for row in run["rows"]}
+    for row in rows.values():
+        assert row["clock"] == "cpu" and row["rounds"] == 5 and row["pairs"] == 11
+    big, small = rows[4096], rows[2048]
+    saved = round(100 * (1 - big["after_ops"] / big["before_ops"]))
+    assert big["ratio_high"] < 1 and (f"a forward+backward takes {big['ratio']:.2f}× its time before, with {saved} % "
+                                      "fewer aten calls") in text
+    assert small["ratio_low"] < 1 < small["ratio_high"]
+    assert (f"At n = 2048 the median reads {small['ratio']:.2f}× but the interval reaches {small['ratio_high']:.3f}"
+            in text)

@@ -184,3 +184,18 @@ def test_the_grid_before_the_native_passes_is_quoted_from_its_committed_run():
     assert (f"at 8d35569 on the same machine (`benchmarks/results/attention_grid_8d35569.md`), read "
             f"{', '.join(five[:5])} and {five[5]}:") in text
     assert f"the run at 8d35569, with the same causal engine, {ratio[(1024, 3, True)]:.2f}× and {ratio[(4096, 3, True)]:.2f}×" in text
+
+
+def test_the_grid_of_the_first_native_passes_is_quoted_from_its_committed_run():
+    """docs/speed.md quotes the grid at b0b46e8 (the first native passes) beside the committed one: its 5-iteration
+    ratios at n = 64..4096, its causal 3-iteration ratios, and both runs' causal SDPA time at n = 4096."""
+    _, ratio, five, text = _committed_grid("attention_grid_b0b46e8.json")
+    assert (f"`benchmarks/results/attention_grid_b0b46e8.md`), read {', '.join(five[:5])} and {five[5]}:") in text
+    assert f"the grid at b0b46e8 {ratio[(1024, 3, True)]:.2f}× and {ratio[(4096, 3, True)]:.2f}×" in text
+    sdpa = []
+    for name in ("attention_grid_b0b46e8.json", "attention_grid.json"):
+        grid = _committed_grid(name)[0]
+        sdpa += [row["forward_backward_ms"] for row in grid["rows"]
+                 if row["method"] == "sdpa" and row["causal"] and row["n"] == 4096]
+    assert (f"causal SDPA itself took {sdpa[0]:.0f} ms forward+backward at n = 4096 in b0b46e8's run, {sdpa[1]:.0f} "
+            "ms in this one") in text
