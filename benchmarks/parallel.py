@@ -2,13 +2,13 @@
 
 ``cpu_parallel.map_groups`` runs the groups of slices of a call either on one Python thread per
 core, each computing single-threaded (``threads``), or in order on the calling thread, each PyTorch
-operation split over the cores by its intra-op threads (``intra-op``). ``PARALLEL_ABOVE`` (scores per
-call) chooses; ``NATIVE_PARALLEL_ABOVE`` for calls whose groups run the native passes (slices the
-engine's cache blocks take whole, ``WHOLE_SLICE_BUDGETS`` x ``CACHE_BLOCK_ELEMENTS`` scores at most, where those
-are compiled), which then also split the call into a group per core. This benchmark times both for calls of several sizes (forward+backward, 5 iterations,
-``backend="tiled"``, float32, d = 64), in one process, the two modes alternating round by round, and
-prints per size the median over rounds of the per-round ratio threads / intra-op with its range,
-and the mode that ``PARALLEL_ABOVE`` picks for that size.
+operation (and each native C call of several slices) split over the cores by PyTorch's intra-op threads
+(``intra-op``). A threshold of scores per call chooses (``scaling.parallel_above``): ``NATIVE_PARALLEL_ABOVE``
+for calls whose groups run the native passes on one thread each (groups of one slice, where the engine's cache
+blocks take whole slices and the passes are compiled), ``PARALLEL_ABOVE`` for the others. This benchmark times
+both modes for calls of several sizes (forward+backward, 5 iterations, ``backend="tiled"``, float32, d = 64), in
+one process, the two modes alternating round by round, and prints per size the median over rounds of the
+per-round ratio threads / intra-op with its range, and the mode that the thresholds pick for that size.
 
     python -m benchmarks parallel --out benchmarks/results
 """
@@ -39,6 +39,8 @@ def measure(calls: list[tuple[int, int, int]], rounds: int, progress=print) -> l
     from sinkformer.sinkhorn import cpu_parallel
 
     from sinkformer.sinkhorn import native, sizes
+    from sinkformer.sinkhorn.scaling import parallel_above
+    from sinkformer.sinkhorn.sizes import group_size
 
     threshold, native_threshold = cpu_parallel.PARALLEL_ABOVE, cpu_parallel.NATIVE_PARALLEL_ABOVE
     rows = []
@@ -69,11 +71,12 @@ def measure(calls: list[tuple[int, int, int]], rounds: int, progress=print) -> l
                          "threads_ms": statistics.median(times["threads"]),
                          "intra_op_ms": statistics.median(times["intra-op"]), "ratio": statistics.median(ratios),
                          "ratio_min": min(ratios), "ratio_max": max(ratios),
-                         "native": natively,
-                         "picked": "intra-op" if scores < (native_threshold if natively else threshold) else "threads"})
+                         "native": natively, "group": group_size(b * h, n, n, torch.device("cpu"))})
             progress(f"b={b} h={h} n={n}: threads / intra-op {rows[-1]['ratio']:.2f}")
     finally:
         cpu_parallel.PARALLEL_ABOVE, cpu_parallel.NATIVE_PARALLEL_ABOVE = threshold, native_threshold
+    for row in rows:  # what the engine picks, by its thresholds (restored above)
+        row["picked"] = "intra-op" if row["scores"] < parallel_above(row["native"], row["group"]) else "threads"
     return rows
 
 

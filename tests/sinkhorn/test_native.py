@@ -150,6 +150,7 @@ def test_groups_on_threads_give_the_same_results(monkeypatch, calls):
     q, k, v = _inputs(4, 2, 40, 40, torch.float32)
     alone = _run(q, k, v, 5)
     monkeypatch.setattr(cpu_parallel, "NATIVE_PARALLEL_ABOVE", 0)
+    monkeypatch.setattr(cpu_parallel, "PARALLEL_ABOVE", 0)  # groups of several slices (C calls on OpenMP threads)
     threaded = _run(q, k, v, 5)
     assert calls["forward"] >= 3  # one group, then one per core
     for a, b in zip(threaded, alone):
@@ -343,3 +344,16 @@ def test_row_operators_refuse_operands_that_are_not_contiguous():
     a, u, col = torch.ones(4), torch.empty(4), torch.zeros(6)
     with pytest.raises(ValueError, match="contiguous operands"):
         native.rows_sweep(K, v, a, u, col)
+
+
+def test_groups_whose_c_calls_split_their_slices_stay_off_python_threads(monkeypatch):
+    """map_groups' threshold: native groups of one slice (single-threaded C calls) use NATIVE_PARALLEL_ABOVE, native
+    groups of several slices on a library with OpenMP (the C call splits them itself) and composed groups use
+    PARALLEL_ABOVE; without OpenMP every native group runs on one thread."""
+    monkeypatch.setattr(cpu_parallel, "NATIVE_PARALLEL_ABOVE", 11)
+    monkeypatch.setattr(cpu_parallel, "PARALLEL_ABOVE", 22)
+    assert scaling.parallel_above(False, 1) == scaling.parallel_above(False, 4) == 22
+    assert scaling.parallel_above(True, 1) == 11
+    assert scaling.parallel_above(True, 4) == (22 if native.threaded() else 11)
+    monkeypatch.setattr(native, "threaded", lambda: False)
+    assert scaling.parallel_above(True, 4) == 11

@@ -48,10 +48,11 @@ T = TypeVar("T")
 #: the threads.
 PARALLEL_ABOVE = 1 << 24
 
-#: Fewest scores in a call whose groups run :mod:`.native`'s passes for :func:`map_groups` to use threads (a group
-#: of one slice, n = 1024 on the CPU, runs its C passes on one thread, so intra-op threads leave a core idle during
-#: them; in small calls the threads' start and the GIL cost more than that, and a group of several slices splits
-#: them over PyTorch's OpenMP threads where :func:`.native.threaded`). ``python -m benchmarks parallel`` times both modes at each size.
+#: Fewest scores in a call whose groups run :mod:`.native`'s passes on one thread each (groups of one slice, n = 1024
+#: on the CPU; any group where the library has no OpenMP) for :func:`map_groups` to use threads: intra-op threads
+#: leave a core idle during those C calls; in small calls the threads' start and the GIL cost more than that.
+#: Groups of several slices split them over PyTorch's OpenMP threads in C, and take :data:`PARALLEL_ABOVE`
+#: (:func:`~.scaling.parallel_above`). ``python -m benchmarks parallel`` times both modes at each size.
 NATIVE_PARALLEL_ABOVE = 1 << 23
 
 #: Bytes of CPU scratch memory (the workers' tile buffers) kept between calls for the next one: a fresh
@@ -147,17 +148,17 @@ def single_threaded_here() -> bool:
 
 
 def map_groups(starts: list[int], work: Callable[[int, dict], T], device: torch.device, scores: int,
-               native: bool = False) -> list[T]:
+               above: int | None = None) -> list[T]:
     """``[work(start, scratch) for start in starts]``, on the CPU in parallel when worthwhile.
 
     ``scores``: the call's total number of scores (``B·n·m``). Threads are used on the CPU when
-    there are at least two groups, at least two intra-op threads, ``scores >= PARALLEL_ABOVE`` (``native``:
-    the groups run :mod:`.native`'s passes, ``>= NATIVE_PARALLEL_ABOVE``), and the workers
+    there are at least two groups, at least two intra-op threads, ``scores >= above`` (default
+    :data:`PARALLEL_ABOVE`; :func:`~.scaling.parallel_above` chooses for the engines), and the workers
     can be made single-threaded without touching other threads (:func:`single_threaded_here`); otherwise
     the groups run in order on the calling thread.
     """
     workers = min(len(starts), torch.get_num_threads()) if device.type == "cpu" else 1
-    if workers <= 1 or scores < (NATIVE_PARALLEL_ABOVE if native else PARALLEL_ABOVE) or _runtime() is None:
+    if workers <= 1 or scores < (PARALLEL_ABOVE if above is None else above) or _runtime() is None:
         scratch = _take_scratch(device)
         results = [work(start, scratch) for start in starts]
         _keep_scratch(scratch, device)

@@ -48,7 +48,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import native, sizes
+from . import cpu_parallel, native, sizes
 from .cpu_parallel import map_groups, scratch_buffer
 from .problem import (
     Problem,
@@ -65,7 +65,8 @@ from .loop import sinkhorn_loop
 from .sizes import CacheBlocks, cache_blocks
 
 __all__ = ["Options", "Tile", "GroupState", "run_forward", "run_backward", "scaling_forward", "scaling_backward",
-           "dropout_mask", "implicit_duals_of", "uses_native", "native_row_blocks"]
+           "dropout_mask", "implicit_duals_of", "uses_native", "native_row_blocks",
+           "parallel_above"]
 
 @dataclass(frozen=True)
 class Options:
@@ -167,7 +168,8 @@ def run_forward(problem: Problem, seed: Tensor | None, options: Options, log_for
             return log_forward(group, options, seed, out[sl], tile.row_shift, tile.col_shift)
         return log_forward(group, options, seed, out[sl], None, None)
 
-    states = map_groups(list(range(0, B, options.group)), run, q.device, B * n * m, native=native_passes)
+    states = map_groups(list(range(0, B, options.group)), run, q.device, B * n * m,
+                        parallel_above(native_passes, options.group))
     implicit = options.backward == "implicit"
     warn_if_unconverged([s.stop for s in states if s.stop is not None], implicit=implicit)
     col_errors = [s.col_error for s in states if s.col_error is not None]
@@ -212,7 +214,7 @@ def run_backward(grad_out: Tensor, problem: Problem, out: Tensor, seed: Tensor |
         tile = Tile(group, options, memory, shifts=(row_shift[sl], col_shift[sl]), ready=kept)
         scaling_backward(tile, seed, us[sl], vs[sl], counts[sl], grad_out[sl], out[sl], options, grads, scratch)
 
-    map_groups(list(range(0, B, options.group)), run, q.device, B * n * m, native=native_passes)
+    map_groups(list(range(0, B, options.group)), run, q.device, B * n * m, parallel_above(native_passes, options.group))
     return dq, dk, dv
 
 
@@ -227,6 +229,16 @@ def uses_native(problem: Problem, options: Options) -> bool:
             and p.q.dtype in (torch.float32, torch.float64) and not p.masked and p.tol is None and p.n_iters >= 2
             and not options.dropout_p and options.backward == "unrolled"
             and options.blocks(p.B, p.n, p.m).rows is None and native.library()[0] is not None)
+
+
+def parallel_above(native_passes: bool, group: int) -> int:
+    """Fewest scores in a call for :func:`~.cpu_parallel.map_groups` to run its groups on Python threads:
+    :data:`~.cpu_parallel.NATIVE_PARALLEL_ABOVE` where each group's native passes run on one thread (a group of one
+    slice, or a library without OpenMP), else :data:`~.cpu_parallel.PARALLEL_ABOVE` (the composed passes, or C calls
+    that split a group's slices over PyTorch's threads themselves: at b x h = 4 x 8, n = 512, on the Xeon of
+    ``benchmarks/results/parallel.md``, the intra-op mode was faster in every round)."""
+    single = native_passes and not (native.threaded() and group > 1)
+    return cpu_parallel.NATIVE_PARALLEL_ABOVE if single else cpu_parallel.PARALLEL_ABOVE
 
 
 def native_row_blocks(problem: Problem, blocks: CacheBlocks) -> bool:
