@@ -193,9 +193,23 @@ def test_the_grid_of_the_first_native_passes_is_quoted_from_its_committed_run():
     assert (f"`benchmarks/results/attention_grid_b0b46e8.md`), read {', '.join(five[:5])} and {five[5]}:") in text
     assert f"the grid at b0b46e8 {ratio[(1024, 3, True)]:.2f}× and {ratio[(4096, 3, True)]:.2f}×" in text
     sdpa = []
-    for name in ("attention_grid_b0b46e8.json", "attention_grid.json"):
+    for name in ("attention_grid_b0b46e8.json", "attention_grid.json"):  # the run quoted, and the one committed
         grid = _committed_grid(name)[0]
         sdpa += [row["forward_backward_ms"] for row in grid["rows"]
                  if row["method"] == "sdpa" and row["causal"] and row["n"] == 4096]
     assert (f"causal SDPA itself took {sdpa[0]:.0f} ms forward+backward at n = 4096 in b0b46e8's run, {sdpa[1]:.0f} "
             "ms in this one") in text
+
+
+def test_the_grid_run_before_the_committed_one_is_quoted_from_its_committed_run():
+    """docs/speed.md quotes the grid at e49fa22 beside the committed one: its 5-iteration ratios at n = 64..4096, its
+    causal ratios, and n = 1024's reading in both runs against its 1.25 target."""
+    _, earlier, five, text = _committed_grid("attention_grid_e49fa22.json")
+    _, now, _, _ = _committed_grid("attention_grid.json")
+    assert f"(`benchmarks/results/attention_grid_e49fa22.md`; the same code" in text
+    assert f"ran on the Python threads there) read {', '.join(five[:5])} and {five[5]}:" in text
+    assert f"the grid at e49fa22 {earlier[(1024, 3, True)]:.2f}× and {earlier[(4096, 3, True)]:.2f}×" in text
+    pair = sorted([earlier[(1024, 5, False)], now[(1024, 5, False)]])
+    assert pair[0] <= 1.25 < pair[1] and f"1.25× target is met in one run of two" in text
+    assert f"in both, {earlier[(1024, 5, False)]:.2f}× and {now[(1024, 5, False)]:.2f}×," in text
+    assert max(earlier[(4096, 5, False)], now[(4096, 5, False)]) <= 1.5 and "n = 4096's 1.5× is met in both" in text
