@@ -206,10 +206,10 @@ def test_the_grid_run_before_the_committed_one_is_quoted_from_its_committed_run(
     causal ratios, and n = 1024's reading in both runs against its 1.25 target."""
     _, earlier, five, text = _committed_grid("attention_grid_e49fa22.json")
     _, now, _, _ = _committed_grid("attention_grid.json")
-    assert f"(`benchmarks/results/attention_grid_e49fa22.md`; the same code" in text
+    assert "(`benchmarks/results/attention_grid_e49fa22.md`; the same code" in text
     assert f"ran on the Python threads there) read {', '.join(five[:5])} and {five[5]}:" in text
     assert f"the grid at e49fa22 {earlier[(1024, 3, True)]:.2f}× and {earlier[(4096, 3, True)]:.2f}×" in text
     pair = sorted([earlier[(1024, 5, False)], now[(1024, 5, False)]])
-    assert pair[0] <= 1.25 < pair[1] and f"1.25× target is met in one run of two" in text
+    assert pair[0] <= 1.25 < pair[1] and "1.25× target is met in one run of two" in text
     assert f"in both, {earlier[(1024, 5, False)]:.2f}× and {now[(1024, 5, False)]:.2f}×," in text
     assert max(earlier[(4096, 5, False)], now[(4096, 5, False)]) <= 1.5 and "n = 4096's 1.5× is met in both" in text

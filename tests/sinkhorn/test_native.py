@@ -35,10 +35,9 @@ def _assert_equals_dense_in_float64():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-@pytest.fixture
-def calls(monkeypatch):
-    """Counts the native forward and backward calls of the groups."""
-    counted = {"forward": 0, "backward": 0}
+def _count_calls(monkeypatch, names: tuple[str, ...]) -> dict[str, int]:
+    """Counts the calls of these functions of the native module, from now on."""
+    counted = dict.fromkeys(names, 0)
     for name in counted:
         original = getattr(native, name)
 
@@ -48,6 +47,12 @@ def calls(monkeypatch):
 
         monkeypatch.setattr(native, name, wrapper)
     return counted
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the native forward and backward calls of the groups."""
+    return _count_calls(monkeypatch, ("forward", "backward"))
 
 
 @pytest.mark.parametrize("n_iters", [2, 3, 4, 5, 21])
@@ -278,16 +283,7 @@ def test_the_threads_are_pytorchs_own_openmp_runtime():
 @pytest.fixture
 def row_calls(monkeypatch):
     """Counts the C operators on row blocks."""
-    counted = {"rows_first": 0, "rows_sweep": 0, "rows_step": 0, "rows_kernel": 0}
-    for name in counted:
-        original = getattr(native, name)
-
-        def wrapper(*args, _name=name, _original=original, **kwargs):
-            counted[_name] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(native, name, wrapper)
-    return counted
+    return _count_calls(monkeypatch, ("rows_first", "rows_rescale", "rows_sweep", "rows_step", "rows_kernel"))
 
 
 @pytest.mark.parametrize("backend", ["tiled", "streamed"])

@@ -49,6 +49,18 @@ static inline double exp_nonpositive_f64(double x) { return exp(x); }
 /* One definition per dtype: T the element type, SFX the suffix of the exported names. */
 #define DEFINE_PASSES(T, SFX, EXP)                                                                            \
                                                                                                               \
+/* sum_j x_j y_j, and y += s x, over m elements: the two loops every pass is made of. */                      \
+static inline T dot_##SFX(const T *x, const T *y, int64_t m) {                                                \
+    T total = 0;                                                                                              \
+    _Pragma("omp simd reduction(+:total)")                                                                    \
+    for (int64_t j = 0; j < m; j++) total += x[j] * y[j];                                                     \
+    return total;                                                                                             \
+}                                                                                                             \
+static inline void add_scaled_##SFX(T *y, const T *x, T s, int64_t m) {                                       \
+    _Pragma("omp simd")                                                                                       \
+    for (int64_t j = 0; j < m; j++) y[j] += x[j] * s;                                                         \
+}                                                                                                             \
+                                                                                                              \
 /* Forward of slice s of X (c, n, m): the scores in, K~ out. us (c, n, Lu), vs (c, m, Lv): the iterates       \
  * [u1, u3, ..] and [v0 = e^c, v2, ..] (Lu = ceil(T / 2), Lv = floor(T / 2) + 1); row_shift (c, n),           \
  * col_shift (c, m); work: 2 m elements. a, b: the marginals (every row a, every column b). */                \
@@ -82,8 +94,7 @@ static void forward_slice_##SFX(T *X, int64_t s, int64_t n, int64_t m, int T_, T
         }                                                                                                     \
         T ui = a / total;                                                                                     \
         u[i * Lu] = ui;                                                                                       \
-        _Pragma("omp simd")                                                                                   \
-        for (int64_t j = 0; j < m; j++) col[j] += x[j] * ui;                                                  \
+        add_scaled_##SFX(col, x, ui, m);                                                                      \
     }                                                                                                         \
     for (int t = 2, lu = 0, lv = 0; t <= T_; t += 2) {                                                        \
         lv++; /* normalisation t (columns), then t + 1 (rows) with the sums of t + 2 if it follows */         \
@@ -92,15 +103,9 @@ static void forward_slice_##SFX(T *X, int64_t s, int64_t n, int64_t m, int T_, T
         lu++;                                                                                                 \
         const int more = t + 2 <= T_;                                                                         \
         for (int64_t i = 0; i < n; i++) {                                                                     \
-            T *x = K + i * m, total = 0;                                                                      \
-            _Pragma("omp simd reduction(+:total)")                                                            \
-            for (int64_t j = 0; j < m; j++) total += x[j] * vc[j];                                            \
-            T ui = a / total;                                                                                 \
+            T *x = K + i * m, ui = a / dot_##SFX(x, vc, m);                                                   \
             u[i * Lu + lu] = ui;                                                                              \
-            if (more) {                                                                                       \
-                _Pragma("omp simd")                                                                           \
-                for (int64_t j = 0; j < m; j++) col[j] += x[j] * ui;                                          \
-            }                                                                                                 \
+            if (more) add_scaled_##SFX(col, x, ui, m);                                                        \
         }                                                                                                     \
     }                                                                                                         \
 }                                                                                                             \
@@ -159,12 +164,7 @@ static void backward_slice_##SFX(const T *Kt, T *G, int64_t s, int64_t n, int64_
             }                                                                                                 \
             for (int64_t j = 0; j < m; j++) y[j] = v[j * Lv + iv];                                            \
             if (t > 1)                                                                                        \
-                for (int64_t i = 0; i < n; i++) {                                                             \
-                    const T *k = K + i * m;                                                                   \
-                    const T xi = x[i];                                                                        \
-                    _Pragma("omp simd")                                                                       \
-                    for (int64_t j = 0; j < m; j++) dv[j] += k[j] * xi;                                       \
-                }                                                                                             \
+                for (int64_t i = 0; i < n; i++) add_scaled_##SFX(dv, K + i * m, x[i], m);                     \
         } else { /* column step: v_{t/2} from u_{t/2} */                                                      \
             const int64_t iv = t / 2, iu = t / 2 - 1;                                                         \
             for (int64_t j = 0; j < m; j++) {                                                                 \
@@ -173,23 +173,15 @@ static void backward_slice_##SFX(const T *Kt, T *G, int64_t s, int64_t n, int64_
                 dv[j] = 0;                                                                                    \
             }                                                                                                 \
             for (int64_t i = 0; i < n; i++) {                                                                 \
-                const T *k = K + i * m;                                                                       \
-                T total = 0;                                                                                  \
-                _Pragma("omp simd reduction(+:total)")                                                        \
-                for (int64_t j = 0; j < m; j++) total += k[j] * y[j];                                         \
                 x[i] = u[i * Lu + iu];                                                                        \
-                du[i] += total;                                                                               \
+                du[i] += dot_##SFX(K + i * m, y, m);                                                          \
             }                                                                                                 \
         }                                                                                                     \
     }                                                                                                         \
     for (int64_t i = 0; i < n; i++) { /* dS = scale K~ (G + X Y^T), row by row */                             \
         const T *k = K + i * m;                                                                               \
         T *gi = g + i * m;                                                                                    \
-        for (int l = 0; l < T_; l++) {                                                                        \
-            const T xi = X[(int64_t)l * n + i], *y = Y + (int64_t)l * m;                                      \
-            _Pragma("omp simd")                                                                               \
-            for (int64_t j = 0; j < m; j++) gi[j] += xi * y[j];                                               \
-        }                                                                                                     \
+        for (int l = 0; l < T_; l++) add_scaled_##SFX(gi, Y + (int64_t)l * m, X[(int64_t)l * n + i], m);      \
         _Pragma("omp simd")                                                                                   \
         for (int64_t j = 0; j < m; j++) gi[j] *= scale * k[j];                                                \
     }                                                                                                         \
@@ -231,10 +223,7 @@ void rows_first_##SFX(T *x, int64_t R, int64_t m, const T *a, T *rs, T *t, T *u,
         for (int64_t j = 0; j < m; j++) { T e = EXP(xi[j] - t[j]); xi[j] = e; total += e * et[j]; }           \
         T ui = a[i] / (total + (a[i] == 0));                                                                  \
         u[i] = ui;                                                                                            \
-        if (w) {                                                                                              \
-            _Pragma("omp simd")                                                                               \
-            for (int64_t j = 0; j < m; j++) w[j] += xi[j] * ui;                                               \
-        }                                                                                                     \
+        if (w) add_scaled_##SFX(w, xi, ui, m);                                                                \
     }                                                                                                         \
     if (w)                                                                                                    \
         for (int64_t j = 0; j < m; j++) {                                                                     \
@@ -261,16 +250,9 @@ void rows_rescale_##SFX(T *K, int64_t R, int64_t m, const T *t, const T *c, T *w
  * K_ij u_i. */                                                                                               \
 void rows_sweep_##SFX(const T *K, int64_t R, int64_t m, const T *v, const T *a, T *u, T *col) {               \
     for (int64_t i = 0; i < R; i++) {                                                                         \
-        const T *k = K + i * m;                                                                               \
-        T total = 0;                                                                                          \
-        _Pragma("omp simd reduction(+:total)")                                                                \
-        for (int64_t j = 0; j < m; j++) total += k[j] * v[j];                                                 \
-        T ui = a[i] / (total + (a[i] == 0));                                                                  \
+        const T *k = K + i * m, ui = a[i] / (dot_##SFX(k, v, m) + (a[i] == 0));                               \
         u[i] = ui;                                                                                            \
-        if (col) {                                                                                            \
-            _Pragma("omp simd")                                                                               \
-            for (int64_t j = 0; j < m; j++) col[j] += k[j] * ui;                                              \
-        }                                                                                                     \
+        if (col) add_scaled_##SFX(col, k, ui, m);                                                             \
     }                                                                                                         \
 }                                                                                                             \
                                                                                                               \
@@ -280,16 +262,9 @@ void rows_step_##SFX(const T *K, int64_t R, int64_t m, const T *ds, const T *du,
                      T *col) {                                                                                \
     for (int64_t i = 0; i < R; i++) {                                                                         \
         const T *k = K + i * m;                                                                               \
-        T sum = 0;                                                                                            \
-        _Pragma("omp simd reduction(+:sum)")                                                                  \
-        for (int64_t j = 0; j < m; j++) sum += k[j] * ds[j];                                                  \
-        total[i] = du[i] + sum;                                                                               \
-        T di = total[i] * f[i];                                                                               \
-        dr[i] = di;                                                                                           \
-        if (col) {                                                                                            \
-            _Pragma("omp simd")                                                                               \
-            for (int64_t j = 0; j < m; j++) col[j] += k[j] * di;                                              \
-        }                                                                                                     \
+        total[i] = du[i] + dot_##SFX(k, ds, m);                                                               \
+        dr[i] = total[i] * f[i];                                                                              \
+        if (col) add_scaled_##SFX(col, k, dr[i], m);                                                          \
     }                                                                                                         \
 }
 
