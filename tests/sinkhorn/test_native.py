@@ -335,11 +335,19 @@ def test_row_blocks_with_a_mask_take_the_composed_operators(monkeypatch, row_cal
     assert sum(row_calls.values()) == 0
 
 
-def test_row_operators_refuse_operands_that_are_not_contiguous():
-    K, v = torch.rand(1, 4, 6), torch.rand(6, 2)[:, 0]
-    a, u, col = torch.ones(4), torch.empty(4), torch.zeros(6)
-    with pytest.raises(ValueError, match="contiguous operands"):
-        native.rows_sweep(K, v, a, u, col)
+def test_row_operators_refuse_operands_the_c_code_would_misread():
+    """Strided, too short or of another dtype (the C code reads and writes R or m contiguous elements of the block's
+    dtype), and a block of more than one slice: ValueError before any C code runs."""
+    K, a, u, col = torch.rand(1, 4, 6), torch.ones(4), torch.empty(4), torch.zeros(6)
+    for v in (torch.rand(6, 2)[:, 0], torch.rand(5), torch.rand(6, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="contiguous torch.float32 operands of at least 6 elements"):
+            native.rows_sweep(K, v, a, u, col)
+    with pytest.raises(ValueError, match=r"a row block of one slice \(1, R, m\)"):
+        native.rows_sweep(torch.rand(2, 4, 6), torch.rand(6), a, u, col)
+    v = torch.rand(6)
+    native.rows_sweep(K, v, a, u, col)  # well-formed operands: u = a / (K v), col = K^T u
+    torch.testing.assert_close(u, a / (K[0] @ v))
+    torch.testing.assert_close(col, K[0].T @ u)
 
 
 def test_groups_whose_c_calls_split_their_slices_stay_off_python_threads(monkeypatch):

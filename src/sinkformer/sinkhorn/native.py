@@ -25,8 +25,9 @@ first sweep with its online column shift), :func:`rows_rescale` (its ``E`` made 
 :func:`rows_sweep` (a row normalisation and the next column sums), :func:`rows_kernel` (:math:`\tilde K`
 recomputed) and :func:`rows_step` (a row step of the backward's recursion). Their marginals are the problem's.
 
-Marginals of the whole-slice passes: every row ``a = 1``, every column ``b = n/m`` (no mask). The float32 exponential is a polynomial
-(Cephes' ``expf``, within 2 ulp; 0 below :math:`e^{-87.3}`), float64 uses the C library's ``exp``.
+Marginals of the whole-slice passes: every row ``a = 1``, every column ``b = n/m`` (no mask). The float32
+exponential is a polynomial (Cephes' ``expf``, within 2 ulp; 0 below :math:`e^{-87.3}`), float64 uses the C
+library's ``exp``.
 
 Each C call splits its group's slices over the calling thread's PyTorch threads where the library is built
 with OpenMP, which it is only where PyTorch's OpenMP runtime is GNU's (``libgomp.so.1``, already loaded: the
@@ -34,10 +35,10 @@ library binds to that copy, so both share one pool of threads); elsewhere it run
 are independent: the results do not depend on the thread count.
 
 The C source is compiled at first use with the machine's C compiler (``$CC``, else ``cc`` or ``gcc``;
-``-O3 -march=native``, and ``-fopenmp`` as above) into ``$SINKFORMER_CACHE`` (default ``~/.cache/sinkformer``), once per source,
-compiler and CPU. Without a compiler (a ``RuntimeWarning`` says so once), or with ``SINKFORMER_NATIVE=0`` in
-the environment, the engine composes PyTorch operations as before (the same results to rounding, slower at
-short sequences); :func:`status` says which and why.
+``-O3 -march=native``, and ``-fopenmp`` as above) into ``$SINKFORMER_CACHE`` (default
+``~/.cache/sinkformer``), once per source, compiler and CPU. Without a compiler (a ``RuntimeWarning`` says so
+once), or with ``SINKFORMER_NATIVE=0`` in the environment, the engine composes PyTorch operations as before (the
+same results to rounding, slower at short sequences); :func:`status` says which and why.
 """
 
 from __future__ import annotations
@@ -249,13 +250,21 @@ def backward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, us: Tensor, vs: Tens
 # the composed passes' operators on one row block of one slice (slices larger than a cache block)
 
 
-def _pointers(*tensors: Tensor | None) -> list[int | None]:
-    """The data pointers of contiguous tensors (``None`` for ``None``), refusing any other."""
-    for t in tensors:
-        if t is not None and not t.is_contiguous():
-            raise ValueError(f"the native passes need contiguous operands, got strides {t.stride()} for shape "
-                             f"{tuple(t.shape)}")
-    return [None if t is None else t.data_ptr() for t in tensors]
+def _block(x: Tensor) -> tuple[int, int]:
+    """``(R, m)`` of a row block ``x (1, R, m)`` of one slice (the C code reads ``R m`` contiguous elements)."""
+    if x.dim() != 3 or x.shape[0] != 1:
+        raise ValueError(f"a row block of one slice (1, R, m) was expected, got shape {tuple(x.shape)}")
+    return x.shape[1], x.shape[2]
+
+
+def _pointers(like: Tensor, *operands: tuple[Tensor | None, int]) -> list[int | None]:
+    """The data pointers of ``(tensor, elements)`` operands (``None`` for ``None``): each contiguous, of ``like``'s
+    dtype and at least that many elements (the C code reads and writes that many), else ``ValueError``."""
+    for t, size in operands:
+        if t is not None and (not t.is_contiguous() or t.dtype != like.dtype or t.numel() < size):
+            raise ValueError(f"the native passes need contiguous {like.dtype} operands of at least {size} elements, "
+                             f"got {t.dtype} of shape {tuple(t.shape)} and strides {t.stride()}")
+    return [None if t is None else t.data_ptr() for t, _ in operands]
 
 
 def rows_first(x: Tensor, a: Tensor, row_shift: Tensor, t: Tensor, u: Tensor, col: Tensor | None, top: Tensor,
@@ -265,37 +274,39 @@ def rows_first(x: Tensor, a: Tensor, row_shift: Tensor, t: Tensor, u: Tensor, co
     ``t (m)`` of :math:`x - r_i` and :math:`u = a \oslash (E e^{t} + [a = 0])` (``a``, ``u``: ``R``); given ``col
     (m)``, adds the block's :math:`e^{t - top'}\odot E^\top u` to it after rescaling it by :math:`e^{top - top'}`,
     with :math:`top' = \max(top, t)` written into ``top (m)``. ``work``: ``2 m`` elements."""
-    R, m = x.shape[-2], x.shape[-1]
-    _function("first", x, "rows")(*_pointers(x), R, m, *_pointers(a, row_shift, t, u, col, top, work))
+    R, m = _block(x)
+    _function("first", x, "rows")(x.data_ptr(), R, m, *_pointers(x, (a, R), (row_shift, R), (t, m), (u, R), (col, m),
+                                                                  (top, m), (work, 2 * m)))
 
 
 def rows_rescale(E: Tensor, t: Tensor, col_shift: Tensor, work: Tensor) -> Tensor:
     r"""The first sweep's block ``E (1, R, m)`` made :math:`\tilde K = E\odot e^{t - c}` in place (returned), from its
     column maxima ``t (m)`` and the column shift ``col_shift (m)``, with the exponential of every other
     :math:`\tilde K` here. ``work``: ``m`` elements."""
-    R, m = E.shape[-2], E.shape[-1]
-    _function("rescale", E, "rows")(*_pointers(E), R, m, *_pointers(t, col_shift, work))
+    R, m = _block(E)
+    _function("rescale", E, "rows")(E.data_ptr(), R, m, *_pointers(E, (t, m), (col_shift, m), (work, m)))
     return E
 
 
 def rows_sweep(K: Tensor, v: Tensor, a: Tensor, u: Tensor, col: Tensor | None) -> None:
     r"""A forward sweep over a block ``K (1, R, m)`` of :math:`\tilde K`: :math:`u = a \oslash (\tilde K v +
     [a = 0])` and, given ``col (m)``, :math:`col \mathrel{+}= \tilde K^\top u`."""
-    R, m = K.shape[-2], K.shape[-1]
-    _function("sweep", K, "rows")(*_pointers(K), R, m, *_pointers(v, a, u, col))
+    R, m = _block(K)
+    _function("sweep", K, "rows")(K.data_ptr(), R, m, *_pointers(K, (v, m), (a, R), (u, R), (col, m)))
 
 
 def rows_step(K: Tensor, ds: Tensor, du: Tensor, factor: Tensor, total: Tensor, dr: Tensor,
               col: Tensor | None) -> None:
     r"""A row step of the reverse recursion over a block ``K (1, R, m)`` of :math:`\tilde K`: ``total = du + K̃ ds``,
     ``dr = total ⊙ factor`` (``R``) and, given ``col (m)``, :math:`col \mathrel{+}= \tilde K^\top dr`."""
-    R, m = K.shape[-2], K.shape[-1]
-    _function("step", K, "rows")(*_pointers(K), R, m, *_pointers(ds, du, factor, total, dr, col))
+    R, m = _block(K)
+    _function("step", K, "rows")(K.data_ptr(), R, m, *_pointers(K, (ds, m), (du, R), (factor, R), (total, R), (dr, R),
+                                                                (col, m)))
 
 
 def rows_kernel(x: Tensor, row_shift: Tensor, col_shift: Tensor) -> Tensor:
     r""":math:`\tilde K = e^{x - r_i - c_j}` of a block ``x (1, R, m)`` of scores in place (returned), from the
     shifts ``row_shift (R)``, ``col_shift (m)``: every recomputation of a block gives the same values."""
-    R, m = x.shape[-2], x.shape[-1]
-    _function("kernel", x)(*_pointers(x), 1, R, m, *_pointers(row_shift, col_shift), 1)
+    R, m = _block(x)
+    _function("kernel", x)(x.data_ptr(), 1, R, m, *_pointers(x, (row_shift, R), (col_shift, m)), 1)
     return x
