@@ -4,7 +4,7 @@
 core, each computing single-threaded (``threads``), or in order on the calling thread, each PyTorch
 operation (and each native C call of several slices) split over the cores by PyTorch's intra-op threads
 (``intra-op``). A threshold of scores per call chooses (``scaling.parallel_above``): ``NATIVE_PARALLEL_ABOVE``
-for calls whose groups run the native passes on one thread each (groups of one slice, where the engine's cache
+for calls whose native groups are too small to occupy every thread (e.g. one slice, where the engine's cache
 blocks take whole slices and the passes are compiled), ``PARALLEL_ABOVE`` for the others. This benchmark times
 both modes for calls of several sizes (forward+backward, 5 iterations, ``backend="tiled"``, float32, d = 64), in
 one process, the two modes alternating round by round, and prints per size the median over rounds of the
@@ -40,7 +40,7 @@ def measure(calls: list[tuple[int, int, int]], rounds: int, progress=print) -> l
 
     from sinkformer.sinkhorn import native, sizes
     from sinkformer.sinkhorn.scaling import parallel_above
-    from sinkformer.sinkhorn.sizes import group_size
+    from sinkformer.sinkhorn.tiled import call_group
 
     threshold, native_threshold = cpu_parallel.PARALLEL_ABOVE, cpu_parallel.NATIVE_PARALLEL_ABOVE
     rows = []
@@ -71,11 +71,12 @@ def measure(calls: list[tuple[int, int, int]], rounds: int, progress=print) -> l
                          "threads_ms": statistics.median(times["threads"]),
                          "intra_op_ms": statistics.median(times["intra-op"]), "ratio": statistics.median(ratios),
                          "ratio_min": min(ratios), "ratio_max": max(ratios),
-                         "native": natively, "group": group_size(b * h, n, n, torch.device("cpu"))})
+                         "native": natively, "group": call_group(b * h, n, n, torch.device("cpu"), natively)})
             progress(f"b={b} h={h} n={n}: threads / intra-op {rows[-1]['ratio']:.2f}")
     finally:
         cpu_parallel.PARALLEL_ABOVE, cpu_parallel.NATIVE_PARALLEL_ABOVE = threshold, native_threshold
-    for row in rows:  # what the engine picks, by its thresholds (restored above)
+    for row in rows:  # what the engine picks, by its thresholds (restored above; the group too depends on them)
+        row["group"] = call_group(row["batch"] * row["heads"], row["n"], row["n"], torch.device("cpu"), row["native"])
         row["picked"] = "intra-op" if row["scores"] < parallel_above(row["native"], row["group"]) else "threads"
     return rows
 

@@ -351,13 +351,16 @@ def test_row_operators_refuse_operands_the_c_code_would_misread():
 
 
 def test_groups_whose_c_calls_split_their_slices_stay_off_python_threads(monkeypatch):
-    """map_groups' threshold: native groups of one slice (single-threaded C calls) use NATIVE_PARALLEL_ABOVE, native
-    groups of several slices on a library with OpenMP (the C call splits them itself) and composed groups use
-    PARALLEL_ABOVE; without OpenMP every native group runs on one thread."""
+    """map_groups' threshold: native groups of at least as many slices as threads on a library with OpenMP (the C call
+    splits them over every thread) and composed groups use PARALLEL_ABOVE; native groups too small for every thread
+    (one slice, or 4 slices on 16 threads) or without OpenMP use NATIVE_PARALLEL_ABOVE."""
     monkeypatch.setattr(cpu_parallel, "NATIVE_PARALLEL_ABOVE", 11)
     monkeypatch.setattr(cpu_parallel, "PARALLEL_ABOVE", 22)
+    monkeypatch.setattr(native, "threaded", lambda: True)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert scaling.parallel_above(False, 1) == scaling.parallel_above(False, 4) == 22
-    assert scaling.parallel_above(True, 1) == 11
-    assert scaling.parallel_above(True, 4) == (22 if native.threaded() else 11)
+    assert scaling.parallel_above(True, 1) == 11 and scaling.parallel_above(True, 4) == 22
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    assert scaling.parallel_above(True, 4) == 11 and scaling.parallel_above(True, 16) == 22
     monkeypatch.setattr(native, "threaded", lambda: False)
-    assert scaling.parallel_above(True, 4) == 11
+    assert scaling.parallel_above(True, 16) == 11

@@ -48,11 +48,11 @@ T = TypeVar("T")
 #: the threads.
 PARALLEL_ABOVE = 1 << 24
 
-#: Fewest scores in a call whose groups run :mod:`.native`'s passes on one thread each (groups of one slice, n = 1024
-#: on the CPU; any group where the library has no OpenMP) for :func:`map_groups` to use threads: intra-op threads
-#: leave a core idle during those C calls; in small calls the threads' start and the GIL cost more than that.
-#: Groups of several slices split them over PyTorch's OpenMP threads in C, and take :data:`PARALLEL_ABOVE`
-#: (:func:`~.scaling.parallel_above`). ``python -m benchmarks parallel`` times both modes at each size.
+#: Fewest scores in a call whose native groups cannot occupy every thread (fewer slices than threads, e.g. one slice
+#: at n = 1024; any group where the library has no OpenMP) for :func:`map_groups` to use threads: intra-op threads
+#: leave cores idle during those C calls; in small calls the threads' start and the GIL cost more than that.
+#: Groups of at least as many slices as threads split them over PyTorch's OpenMP threads in C, and take
+#: :data:`PARALLEL_ABOVE` (:func:`~.scaling.parallel_above`). ``python -m benchmarks parallel`` times both modes at each size.
 NATIVE_PARALLEL_ABOVE = 1 << 23
 
 #: Bytes of CPU scratch memory (the workers' tile buffers) kept between calls for the next one: a fresh

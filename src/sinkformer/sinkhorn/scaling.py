@@ -233,12 +233,13 @@ def uses_native(problem: Problem, options: Options) -> bool:
 
 def parallel_above(native_passes: bool, group: int) -> int:
     """Fewest scores in a call for :func:`~.cpu_parallel.map_groups` to run its groups on Python threads:
-    :data:`~.cpu_parallel.NATIVE_PARALLEL_ABOVE` where each group's native passes run on one thread (a group of one
-    slice, or a library without OpenMP), else :data:`~.cpu_parallel.PARALLEL_ABOVE` (the composed passes, or C calls
-    that split a group's slices over PyTorch's threads themselves: at b x h = 4 x 8, n = 512, on the Xeon of
-    ``benchmarks/results/parallel.md``, the intra-op mode was faster in every round)."""
-    single = native_passes and not (native.threaded() and group > 1)
-    return cpu_parallel.NATIVE_PARALLEL_ABOVE if single else cpu_parallel.PARALLEL_ABOVE
+    :data:`~.cpu_parallel.PARALLEL_ABOVE` for the composed passes, and for native groups of at least as many slices
+    as PyTorch has threads, which each C call splits over all of them (at b x h = 4 x 8, n = 512, groups of 4 slices
+    on 2 threads, the intra-op mode was faster in every round: ``benchmarks/results/parallel_6cf3108.md``); else
+    :data:`~.cpu_parallel.NATIVE_PARALLEL_ABOVE` (native groups too small to occupy every thread, e.g. one slice,
+    or a library without OpenMP)."""
+    splits = native.threaded() and group >= torch.get_num_threads()
+    return cpu_parallel.NATIVE_PARALLEL_ABOVE if native_passes and not splits else cpu_parallel.PARALLEL_ABOVE
 
 
 def native_row_blocks(problem: Problem, blocks: CacheBlocks) -> bool:

@@ -46,7 +46,7 @@ from .sizes import group_size
 from .loop import reverse_schedule, sinkhorn_loop
 from .scaling import GroupState, Options, dropout_mask, implicit_duals_of, run_backward, run_forward, uses_native
 
-__all__ = ["tiled_attention"]
+__all__ = ["tiled_attention", "call_group"]
 
 ENGINE = "tiled"
 #: Iteration domain: ``"auto"`` (scaling on the CPU, log on GPUs), ``"scaling"`` or ``"log"``. The
@@ -64,12 +64,21 @@ def tiled_attention(problem: Problem, *, backward: str = "unrolled", dropout_p: 
     domain = DOMAIN if domain is None else domain
     seed = torch.randint(0, 2**62, (1,)) if dropout_p > 0 else None
     group = group_size(problem.B, problem.n, problem.m, problem.q.device)
-    scores = problem.B * problem.n * problem.m
-    if (scores >= cpu_parallel.NATIVE_PARALLEL_ABOVE
-            and uses_native(problem, _options(backward, dropout_p, domain, group, sizes.CACHE_BLOCK_ELEMENTS))):
-        group = min(group, -(-problem.B // torch.get_num_threads()))  # a group per core at least (map_groups)
+    native_passes = uses_native(problem, _options(backward, dropout_p, domain, group, sizes.CACHE_BLOCK_ELEMENTS))
+    group = call_group(problem.B, problem.n, problem.m, problem.q.device, native_passes)
     return _forward_autograd(*problem.fields(), seed, backward, dropout_p, domain, group,
                              sizes.CACHE_BLOCK_ELEMENTS)[0]
+
+
+def call_group(B: int, n: int, m: int, device: torch.device, native_passes: bool) -> int:
+    """Slices per group of a call of ``B`` slices ``n x m``: :func:`~.sizes.group_size`, but at most a core's share
+    of the slices where the groups run the native passes in a call of at least
+    :data:`~.cpu_parallel.NATIVE_PARALLEL_ABOVE` scores (so that :func:`~.cpu_parallel.map_groups` can give each
+    core its own groups)."""
+    group = group_size(B, n, m, device)
+    if native_passes and B * n * m >= cpu_parallel.NATIVE_PARALLEL_ABOVE:
+        group = min(group, -(-B // torch.get_num_threads()))
+    return group
 
 
 def _options(backward, dropout_p, domain, group, block) -> Options:
