@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-__all__ = ["capturing", "exact_path", "patched"]
+__all__ = ["capturing", "exact_path", "patched", "when_dynamo_loads"]
 
 
 def capturing() -> bool:
@@ -78,8 +78,22 @@ def _allow_in_graph(dynamo) -> None:
     dynamo.allow_in_graph(_patched_in_graph)
 
 
+#: what runs once ``torch._dynamo`` has loaded (:func:`when_dynamo_loads`)
+_ON_LOAD: list[Callable] = [_allow_in_graph]
+
+
+def when_dynamo_loads(register: Callable) -> None:
+    """Run ``register(torch._dynamo)`` once Dynamo has loaded (now, if it has): a registration with Dynamo that
+    must not import it (:class:`_WhenDynamoLoads`)."""
+    if "torch._dynamo" in sys.modules:
+        register(sys.modules["torch._dynamo"])
+    else:
+        _ON_LOAD.append(register)
+
+
 class _WhenDynamoLoads(importlib.abc.MetaPathFinder):
-    """Runs :func:`_allow_in_graph` once ``torch._dynamo`` has loaded. Importing Dynamo takes seconds, which every
+    """Runs the registrations of :func:`when_dynamo_loads` (:func:`_allow_in_graph` first) once ``torch._dynamo``
+    has loaded. Importing Dynamo takes seconds, which every
     process that imports sinkformer would pay (the command line, each experiment's worker), and only compiling and
     exporting need it: ``torch.compile`` and ``torch.export`` import it before they trace, so the registration
     precedes every trace."""
@@ -94,7 +108,8 @@ class _WhenDynamoLoads(importlib.abc.MetaPathFinder):
 
             def exec_module(module) -> None:
                 load(module)
-                _allow_in_graph(module)
+                for register in _ON_LOAD:
+                    register(module)
 
             spec.loader.exec_module = exec_module
         return spec

@@ -364,3 +364,14 @@ def test_groups_whose_c_calls_split_their_slices_stay_off_python_threads(monkeyp
     assert scaling.parallel_above(True, 4) == 11 and scaling.parallel_above(True, 16) == 22
     monkeypatch.setattr(native, "threaded", lambda: False)
     assert scaling.parallel_above(True, 16) == 11
+
+
+def test_compiled_calls_ask_whether_the_passes_are_available_without_a_graph_break(monkeypatch):
+    """The engine asks whether the passes are loaded outside its custom ops (a large call's group per core):
+    under torch.compile(fullgraph=True) that is a constant of the trace, not the build's file checks."""
+    monkeypatch.setattr(cpu_parallel, "NATIVE_PARALLEL_ABOVE", 0)  # every call asks
+    q, k, v = (t.detach() for t in _inputs(2, 2, 8, 8, torch.float32))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: sinkformer.attention(q, k, v, n_iters=5, backend="tiled"),
+                             fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k, v), sinkformer.attention(q, k, v, n_iters=5, backend="tiled"))

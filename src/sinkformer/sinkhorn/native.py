@@ -58,9 +58,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .._capture import when_dynamo_loads
 from ..provenance import cpu_model
 
-__all__ = ["ENABLED", "FLAGS", "OPENMP", "status", "library", "threaded", "forward", "recompute", "backward",
+__all__ = ["ENABLED", "FLAGS", "OPENMP", "status", "library", "available", "threaded", "forward", "recompute", "backward",
            "rows_first", "rows_rescale", "rows_sweep", "rows_step", "rows_kernel"]
 
 SOURCE = Path(__file__).with_name("native_scaling.c")
@@ -165,6 +166,16 @@ def _shares_pytorchs_openmp() -> bool:
     except OSError:
         return False
     return True
+
+
+def available() -> bool:
+    """Whether the passes are compiled and loaded here: to ``torch.compile``, a constant of the traced program
+    (``assume_constant_result``, registered when Dynamo loads; the engine asks it outside its custom ops, where
+    Dynamo would otherwise trace the build's file checks)."""
+    return library()[0] is not None
+
+
+when_dynamo_loads(lambda dynamo: dynamo.assume_constant_result(available))
 
 
 def threaded() -> bool:

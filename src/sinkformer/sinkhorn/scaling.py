@@ -228,7 +228,7 @@ def uses_native(problem: Problem, options: Options) -> bool:
     return (native.ENABLED and options.stored and options.starts_in_scaling(p.q.device) and p.q.device.type == "cpu"
             and p.q.dtype in (torch.float32, torch.float64) and not p.masked and p.tol is None and p.n_iters >= 2
             and not options.dropout_p and options.backward == "unrolled"
-            and options.blocks(p.B, p.n, p.m).rows is None and native.library()[0] is not None)
+            and options.blocks(p.B, p.n, p.m).rows is None and native.available())
 
 
 def parallel_above(native_passes: bool, group: int) -> int:
@@ -249,7 +249,7 @@ def native_row_blocks(problem: Problem, blocks: CacheBlocks) -> bool:
     same; each block's several PyTorch operations become one C call over the block in cache."""
     p = problem
     return (native.ENABLED and blocks.rows is not None and not p.masked and p.q.device.type == "cpu"
-            and p.q.dtype in (torch.float32, torch.float64) and native.library()[0] is not None)
+            and p.q.dtype in (torch.float32, torch.float64) and native.available())
 
 
 def _cat(parts: list[Tensor]) -> Tensor:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._capture import capturing
 from . import cpu_parallel, sizes
 from .problem import Problem, column_error, double_shift, log_marginal
 from .ops import refuse_implicit_second_derivatives, register_engine_autograd
@@ -64,7 +65,8 @@ def tiled_attention(problem: Problem, *, backward: str = "unrolled", dropout_p: 
     domain = DOMAIN if domain is None else domain
     seed = torch.randint(0, 2**62, (1,)) if dropout_p > 0 else None
     group = group_size(problem.B, problem.n, problem.m, problem.q.device)
-    native_passes = uses_native(problem, _options(backward, dropout_p, domain, group, sizes.CACHE_BLOCK_ELEMENTS))
+    native_passes = (problem.B * problem.n * problem.m >= cpu_parallel.NATIVE_PARALLEL_ABOVE  # (only then it matters)
+                     and uses_native(problem, _options(backward, dropout_p, domain, group, sizes.CACHE_BLOCK_ELEMENTS)))
     group = call_group(problem.B, problem.n, problem.m, problem.q.device, native_passes)
     return _forward_autograd(*problem.fields(), seed, backward, dropout_p, domain, group,
                              sizes.CACHE_BLOCK_ELEMENTS)[0]
@@ -74,9 +76,10 @@ def call_group(B: int, n: int, m: int, device: torch.device, native_passes: bool
     """Slices per group of a call of ``B`` slices ``n x m``: :func:`~.sizes.group_size`, but at most a core's share
     of the slices where the groups run the native passes in a call of at least
     :data:`~.cpu_parallel.NATIVE_PARALLEL_ABOVE` scores (so that :func:`~.cpu_parallel.map_groups` can give each
-    core its own groups)."""
+    core its own groups). Under graph capture the thread count is not a constant of the trace: the groups stay
+    :func:`~.sizes.group_size`'s (the same values; every slice is computed on its own)."""
     group = group_size(B, n, m, device)
-    if native_passes and B * n * m >= cpu_parallel.NATIVE_PARALLEL_ABOVE:
+    if native_passes and B * n * m >= cpu_parallel.NATIVE_PARALLEL_ABOVE and not capturing():
         group = min(group, -(-B // torch.get_num_threads()))
     return group
 
