@@ -340,16 +340,22 @@ def test_the_paired_runs_paragraph_is_the_committed_runs():
     assert "Six fewer aten calls and identical results; no change in time is resolved at any n" in text
 
 
+def _paired_run(name: str, before: str, after: str, rounds: int, pairs: int) -> tuple[dict, str]:
+    """A committed paired ab run's rows by n (checked: its trees, CPU time, its rounds and pairs) and docs/speed.md's
+    text (whitespace collapsed)."""
+    run = json.loads((ROOT / "benchmarks" / "results" / name).read_text())
+    assert run["before"] == before and run["after"] == after
+    rows = {row["n"]: row for row in run["rows"]}
+    for row in rows.values():
+        assert row["clock"] == "cpu" and row["rounds"] == rounds and row["pairs"] == pairs
+    return rows, " ".join((ROOT / "docs" / "speed.md").read_text().split())
+
+
 def test_the_native_passes_paragraph_is_their_committed_run():
     """docs/speed.md's figures for the native passes: the paired run 8d35569 -> b0b46e8 (7 rounds of 21 pairs, CPU
     time): every interval below 1 from n = 16 to 512, the quoted medians, a third of the aten calls or fewer; at
     n = 1024 (the composed passes) identical results and an interval containing 1."""
-    run = json.loads((ROOT / "benchmarks" / "results" / "ab_issue26_native.json").read_text())
-    text = " ".join((ROOT / "docs" / "speed.md").read_text().split())
-    assert run["before"] == "8d35569a3b57" and run["after"] == "b0b46e85d153"
-    rows = {row["n"]: row for row in run["rows"]}
-    for row in rows.values():
-        assert row["clock"] == "cpu" and row["rounds"] == 7 and row["pairs"] == 21
+    rows, text = _paired_run("ab_issue26_native.json", "8d35569a3b57", "b0b46e85d153", rounds=7, pairs=21)
     for n in (16, 64, 128, 256, 512):
         assert rows[n]["ratio_high"] < 1 and 3 * rows[n]["after_ops"] <= rows[n]["before_ops"]
     assert rows[1024]["max_difference"] == 0 and rows[1024]["ratio_low"] < 1 < rows[1024]["ratio_high"]
@@ -362,12 +368,7 @@ def test_the_row_blocks_paragraph_is_their_committed_run():
     """docs/speed.md's figures for the row blocks' C operators: the paired run c204efd -> a4fd24e (5 rounds of 11
     pairs, CPU time, one thread): at n = 4096 an interval below 1, its median and the share of aten calls saved; at
     n = 2048 an interval that reaches 1."""
-    run = json.loads((ROOT / "benchmarks" / "results" / "ab_issue26_rows.json").read_text())
-    text = " ".join((ROOT / "docs" / "speed.md").read_text().split())
-    assert run["before"] == "c204efdbc05c" and run["after"] == "a4fd24e69934"
-    rows = {row["n"]: row for row in run["rows"]}
-    for row in rows.values():
-        assert row["clock"] == "cpu" and row["rounds"] == 5 and row["pairs"] == 11
+    rows, text = _paired_run("ab_issue26_rows.json", "c204efdbc05c", "a4fd24e69934", rounds=5, pairs=11)
     big, small = rows[4096], rows[2048]
     saved = round(100 * (1 - big["after_ops"] / big["before_ops"]))
     assert big["ratio_high"] < 1 and (f"a forward+backward takes {big['ratio']:.2f}× its time before, with {saved} % "
