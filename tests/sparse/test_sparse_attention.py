@@ -284,6 +284,30 @@ def test_sort_net_variants(kind):
     assert not torch.allclose(net(pooled)[:, 0], logits[:, 0])
 
 
+@pytest.mark.parametrize("kind", SORT_NETS)
+def test_sort_net_equals_its_layers_per_head_and_leading_columns(kind):
+    """Each head's network applied to every block as written (broadcast products, float64), and
+    ``columns`` the leading columns of the whole output, gradients included."""
+    net = SortNet(6, max_blocks=5, heads=3, kind=kind, hidden=4).double()
+    pooled = torch.randn(2, 4, 6, dtype=torch.float64, requires_grad=True)
+    x, layer = pooled.unsqueeze(-3), 0
+    for op in reversed(kind.split("_")):
+        x = torch.relu(x) if op == "relu" else x @ net.weights[layer] + net.biases[layer]
+        layer += op == "linear"
+    torch.testing.assert_close(net(pooled), x, rtol=1e-13, atol=1e-13)
+    for columns in (4, 5, 1, 0):
+        got = net(pooled, columns=columns)
+        torch.testing.assert_close(got, x[..., :columns], rtol=1e-13, atol=1e-13)
+        w = torch.randn(got.shape, dtype=torch.float64)
+        grads = torch.autograd.grad((got * w).sum(), [pooled, *net.parameters()], allow_unused=True)
+        want = torch.autograd.grad((x[..., :columns] * w).sum(), [pooled, *net.parameters()], retain_graph=True,
+                                   allow_unused=True)
+        for g, h in zip(grads, want):
+            torch.testing.assert_close(g, h, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"columns must be in \[0, max_blocks=5\], got 6"):
+        net(pooled, columns=6)
+
+
 def test_block_pooling_sums_and_causal_cumulative_sums():
     x = torch.arange(10.0).reshape(1, 10, 1)
     torch.testing.assert_close(block_pool(x, 4)[0, :, 0], torch.tensor([6.0, 22.0, 17.0]))

@@ -23,7 +23,8 @@ __all__ = ["SortNet", "SparseSinkhornAttention", "SparseSinkhornCache", "Baselin
 
 
 class SortNet(nn.Module):
-    """:math:`P`: pooled blocks ``(B, N_B, d)`` -> sorting logits ``(B, H, N_B, max_blocks)``.
+    """:math:`P`: pooled blocks ``(B, N_B, d)`` -> sorting logits ``(B, H, N_B, max_blocks)``
+    (``forward(pooled, columns)``: the leading ``columns`` only, ``(B, H, N_B, columns)``).
 
     One independent network per head (§3.2.2), applied to every block (eq. 3). ``kind`` is one of
     :data:`SORT_NETS`; two-layer networks have ``hidden`` units per head (default ``dim``, the
@@ -51,15 +52,27 @@ class SortNet(nn.Module):
     def extra_repr(self) -> str:
         return f"kind={self.kind!r}, heads={self.weights[0].shape[0]}, max_blocks={self.max_blocks}"
 
-    def forward(self, pooled: Tensor) -> Tensor:
-        x = pooled.unsqueeze(-3)  # (B, 1, N_B, d): the same blocks for every head
-        layer = 0
+    def forward(self, pooled: Tensor, columns: int | None = None) -> Tensor:
+        """``pooled (B, N_B, d)`` -> ``(B, H, N_B, columns or max_blocks)``; ``columns``: the sorting's
+        :math:`N_B` (its logits are square), so the last layer computes those columns alone.
+
+        Each layer is one product for every head, ``(..., N_B, d_in) x (H, d_in, d_out)`` by
+        :func:`torch.einsum`: the first layer's blocks are the same for every head (one
+        ``(B N_B, d) x (d, H d_out)`` product), and no layer expands the weights over the batch
+        (a broadcast ``@`` copies them ``B`` times, and its backward sums ``B`` copies of their gradient).
+        """
+        if columns is not None and not 0 <= columns <= self.max_blocks:
+            raise ValueError(f"columns must be in [0, max_blocks={self.max_blocks}], got {columns}")
+        x, layer, per_head = pooled, 0, False
         for op in self.ops:
             if op == "relu":
                 x = torch.relu(x)
-            else:
-                x = x @ self.weights[layer] + self.biases[layer]
-                layer += 1
+                continue
+            w, b = self.weights[layer], self.biases[layer]
+            if layer == len(self.weights) - 1 and columns is not None:
+                w, b = w[..., :columns], b[..., :columns]
+            x = torch.einsum("...hnd,hdo->...hno" if per_head else "...nd,hdo->...hno", x, w) + b
+            layer, per_head = layer + 1, True
         return x
 
 
@@ -147,7 +160,7 @@ class SparseSinkhornAttention(nn.Module):
         v = k if self.v_proj is None else split_heads(self.v_proj(x), self.num_heads)
         nb = n_blocks(n, self.block_size)
         pooled = block_pool(x, self.block_size, causal=self.causal, padding_mask=key_padding_mask)
-        logits = self.sort_net(pooled)[..., :nb]
+        logits = self.sort_net(pooled, columns=nb)
         out, S = sparse_sinkhorn_attention(
             q, k, v, logits,
             **self.options.as_kwargs(),
@@ -184,7 +197,7 @@ class SparseSinkhornAttention(nn.Module):
             p, s = divmod(cache.append(x[:, i], k[:, :, i : i + 1], v[:, :, i : i + 1]), self.block_size)
             if s == 0:  # block p begins: its representative is the sum of every token so far (eq. 5)
                 cache.pooled.append(cache.total)
-                logits = self.sort_net(torch.stack(cache.pooled, 1))[..., : p + 1]
+                logits = self.sort_net(torch.stack(cache.pooled, 1), columns=p + 1)
                 cache.mix = sort_matrix(logits, sort_iters=self.sort_iters, temperature=self.temperature,
                                         causal=True)[..., :, p]
             outs.append(sparse_sinkhorn_step(q[:, :, i : i + 1], cache.keys, cache.values, cache.mix,
