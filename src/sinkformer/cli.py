@@ -100,6 +100,7 @@ def _torch_threads(threads: int | None):
 def _cmd_run(args: argparse.Namespace) -> int:
     from .runs.registry import get, parse_overrides, run_experiment
     from .runs.suite import run_suite
+    from .training.allocator import keep_freed_memory
 
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -118,6 +119,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             if value is not None:
                 raise ValueError(f"{flag} only applies to the suite (sinkformer run without NAME)")
         overrides = parse_overrides(args.set or [], get(args.name).defaults)
+    keep_freed_memory()  # the workers of the suite set it too
     # quick runs: one thread (small models gain little from more, and lose most when the cores are shared)
     with _torch_threads(_threads(args.threads, None if args.full else 1)):
         if args.name is None:
@@ -147,6 +149,7 @@ def _kept_of_experiment(args: argparse.Namespace) -> str:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from .training.allocator import keep_freed_memory
     from .training.runner import check_config, resolve_config, run_training
 
     dataset, data = _train_data(args)
@@ -181,6 +184,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from .training.threads import FollowFreeCores
 
         callbacks.append(FollowFreeCores())
+    keep_freed_memory()
     with _torch_threads(_threads(args.threads)):
         result = run_training(config, out_dir=args.out, resume=args.resume, callbacks=callbacks, **more)
     if os.environ.get("RANK", "0") == "0":

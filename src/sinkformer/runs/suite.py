@@ -449,15 +449,19 @@ def _run_sequential(names: list[str], task, clock: float, echo, plain: bool, don
 
 
 def _init_worker(threads: int) -> None:
-    """A worker process: the parent's torch thread count. Ctrl-C is the parent's to handle, so the
+    """A worker process: the parent's torch thread count and malloc settings
+    (:func:`~sinkformer.training.allocator.keep_freed_memory`). Ctrl-C is the parent's to handle, so the
     worker's own copy of the signal is ignored (no traceback from every worker); the parent stops a
     worker with SIGTERM, which ends its experiment with ``SystemExit`` (so that the worker exits the
     normal way, its resources released)."""
     import torch
 
+    from ..training.allocator import keep_freed_memory
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_worker)
     torch.set_num_threads(threads)
+    keep_freed_memory()
 
 
 def _exit_worker(signum, frame) -> None:
