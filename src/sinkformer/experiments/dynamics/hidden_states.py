@@ -135,7 +135,7 @@ def figure(stats: dict, cfg: dict):
     "hidden-states",
     description="Hidden states of a Hugging Face BERT and of trained text classifiers as particles: SoftMax vs Sinkhorn",
     paper="Geshkovski et al., A mathematical perspective on Transformers (albert.ipynb); Sinkformers §6.3",
-    quick_minutes=0.5,
+    quick_minutes=0.4,
     full_minutes=5.0,
     defaults={
         "hf_config": {"vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 12, "num_attention_heads": 4,

@@ -205,7 +205,7 @@ PAPER = ("No causal language model in the Sinkformers paper; its §6 finds Sinkf
     cost=_full_cost,
     description="character LM, Transformer vs causal Sinkformer (3, 5 it.): bits per character, attention entropy",
     paper="Sinkformers (causal extension, issue 16)",
-    quick_minutes=1.0,
+    quick_minutes=0.75,
     full_minutes=1000.0,
     defaults={
         "dataset": "stdlib", "max_chars": 200_000, "seq_len": 64, "eval_split": "test",

@@ -165,7 +165,7 @@ PAPER_PCT = {"Point Cloud Transformer": 92.5, "Point Cloud Sinkformer": 92.8}
     description="the authors' Set Transformer vs Set Sinkformer (n_iters up to 21), the symmetric pair and its "
                 "pooling ablation, Point Cloud Transformer vs Sinkformer",
     paper="Sinkformers, Table 1 and Figure 3",
-    quick_minutes=1.9,
+    quick_minutes=1.2,
     full_minutes=45000.0,
     defaults={
         "dataset": "shapes3d", "seeds": 6, "train_fraction": 0.8, "set_n_iters": [21], "set_pairs": list(SET_PAIRS),

@@ -70,7 +70,7 @@ def _full_cost(cfg: dict) -> list:
     cost=_full_cost,
     description="one-layer one-head attention-only ViT, Transformer vs Sinkformer accuracy vs patch size",
     paper="Sinkformers, Figure 6",
-    quick_minutes=0.8,
+    quick_minutes=0.55,
     full_minutes=600.0,
     defaults={
         "dataset": "digits", "data_options": {}, "patch_sizes": [1, 2, 4, 8], "n_iters": 5, "seeds": 6,

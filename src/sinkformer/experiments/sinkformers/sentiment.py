@@ -79,7 +79,7 @@ def _full_cost(cfg: dict) -> list:
     cost=_full_cost,
     description="text classifier Transformer vs Sinkformer: learning curves and training time per epoch",
     paper="Sinkformers, Figure 4 and §6.2",
-    quick_minutes=1.0,
+    quick_minutes=1.1,
     full_minutes=300.0,
     defaults={
         "dataset": "sentiment", "data_options": {}, "n_iters": 3, "seeds": 6, "train_fraction": 0.8,

@@ -156,7 +156,7 @@ def _full_cost(cfg: dict) -> list:
     description="seq2seq: trained Transformer reused as a Sinkformer (convert), then both fine-tuned at lr/10; "
                 "sacreBLEU and tokenised BLEU",
     paper="Sinkformers, Table 2",
-    quick_minutes=1.0,
+    quick_minutes=0.85,
     full_minutes=12000.0,
     defaults={
         "dataset": "translation", "data_options": {"n_train": 3000}, "n_iters": 3, "seeds": 6, "finetune_epochs": 2,

@@ -77,7 +77,7 @@ def _full_cost(cfg: dict) -> list:
     cost=_full_cost,
     description="Vision Transformer vs Sinkformer: train/test accuracy curves and time per epoch",
     paper="Sinkformers, Figure 5",
-    quick_minutes=0.45,
+    quick_minutes=0.35,
     full_minutes=6000.0,
     defaults={
         "dataset": "digits", "data_options": {}, "n_iters": 3, "seeds": 6, "train_fraction": 0.8,

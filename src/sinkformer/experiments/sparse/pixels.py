@@ -49,7 +49,7 @@ def _full_cost(cfg: dict) -> list:
     cost=_full_cost,
     description="pixel-by-pixel image generation in bits per dimension (digits 8x8 embedded, CIFAR-10 binary real)",
     paper="Sparse Sinkhorn Attention, Table 5",
-    quick_minutes=1.5,
+    quick_minutes=0.9,
     full_minutes=180000.0,
     defaults={  # "models": the paper's rows (its block sizes), trained with its numbers of blocks
         "models": ["softmax", "sparse:256", "mixture:256"], "scale_blocks": True, "train_fraction": 0.8,

@@ -69,7 +69,7 @@ def _full_cost(cfg: dict) -> list:
     cost=_full_cost,
     description="seq2seq sorting trained up to length l, tested up to 2l: vanilla, local, Sparse Transformer, Sinkhorn",
     paper="Sparse Sinkhorn Attention, Table 1",
-    quick_minutes=3.4,
+    quick_minutes=1.8,
     full_minutes=6000.0,
     defaults={  # "models": the paper's rows (its block sizes), trained with its numbers of blocks at "length"
         "length": 32, "test_length": 64, "n_symbols": 16, "n_train": 1750, "n_test": 100, "train_fraction": 0.8,

@@ -146,7 +146,7 @@ def _full_cost(cfg: dict) -> list:
     cost=_full_cost,
     description="document classification with Sinkhorn and SortCut encoders, word and character level",
     paper="Sparse Sinkhorn Attention, Table 6",
-    quick_minutes=3.6,
+    quick_minutes=1.7,
     full_minutes=18000.0,
     defaults={  # "*_models": the paper's rows (its block sizes), trained with its numbers of blocks per review
         "levels": ["word", "char"],

@@ -73,7 +73,7 @@ def _full_cost(cfg: dict) -> list:
     cost=_full_cost,
     description="SortNet variants, K = V, no Sinkhorn, Gumbel temperature and sorting iterations",
     paper="Sparse Sinkhorn Attention, Table 8 and Figures 3-4",
-    quick_minutes=0.35,
+    quick_minutes=0.22,
     full_minutes=40000.0,
     defaults={
         "level": "char", "seq_len": 64, "max_chars": 150_000, "vocab_size": 2000, "block_size": 8,
