@@ -213,3 +213,23 @@ def test_the_grid_run_before_the_committed_one_is_quoted_from_its_committed_run(
     assert pair[0] <= 1.25 < pair[1] and "1.25× target is met in one run of two" in text
     assert f"in both, {earlier[(1024, 5, False)]:.2f}× and {now[(1024, 5, False)]:.2f}×," in text
     assert max(earlier[(4096, 5, False)], now[(4096, 5, False)]) <= 1.5 and "n = 4096's 1.5× is met in both" in text
+
+
+def test_the_epyc_paragraph_quotes_its_committed_grid():
+    """docs/speed.md's paragraph on the AMD EPYC quotes its grid at 0eec9a0: the 5-iteration ratios at n = 64..4096,
+    the causal 3-iteration ratios, which targets it meets, and SDPA's time at n = 1024 beside the Xeon's."""
+    grid, ratio, five, text = _committed_grid("attention_grid_epyc_0eec9a0.json")
+    assert grid["cpu"] == "AMD EPYC"
+    assert (f"the ratios read {five[0]} at n = 64, {five[1]} at 128, {five[2]} at 256, {five[3]} at 512, {five[4]} at "
+            f"1024 and {five[5]} at 4096 (5 iterations, forward+backward), and causal Sinkhorn "
+            f"{ratio[(1024, 3, True)]:.2f}× and {ratio[(4096, 3, True)]:.2f}× at n = 1024 and 4096") in text
+    met = {key: value <= target for key, (value, target) in {
+        "64-512": (max(ratio[(n, 5, False)] for n in (64, 128, 256, 512)), 1.5), "1024": (ratio[(1024, 5, False)], 1.25),
+        "4096": (ratio[(4096, 5, False)], 1.5), "causal": (max(ratio[(n, 3, True)] for n in (1024, 4096)), 3.0)}.items()}
+    assert met == {"64-512": True, "1024": False, "4096": True, "causal": True}
+    assert "every target of the grid met on that CPU but n = 1024's 1.25×" in text
+    sdpa = [next(r["forward_backward_ms"] for r in _committed_grid(name)[0]["rows"]
+                 if r["method"] == "sdpa" and not r["causal"] and r["n"] == 1024)
+            for name in ("attention_grid_epyc_0eec9a0.json", "attention_grid.json")]
+    assert sdpa[0] < sdpa[1]
+    assert f"SDPA is faster there too ({sdpa[0]:.0f} ms forward+backward at n = 1024, {sdpa[1]:.0f} ms on the Xeon)" in text
