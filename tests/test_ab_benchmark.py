@@ -376,3 +376,17 @@ def test_the_row_blocks_paragraph_is_their_committed_run():
     assert small["ratio_low"] < 1 < small["ratio_high"]
     assert (f"At n = 2048 the median reads {small['ratio']:.2f}× but the interval reaches {small['ratio_high']:.3f}"
             in text)
+
+
+def test_the_transposed_products_paragraph_quotes_its_paired_run():
+    """docs/speed.md's figures for the native backward's transposed products: the paired run 7d975a8 -> bbc6187 (5
+    rounds of 11 pairs, CPU time, one thread): at n = 1024 an interval below 1 and identical results; at n = 512 an
+    interval that reaches 1; n = 256 and 2048 unchanged controls."""
+    rows, text = _paired_run("ab_issue26_transposed.json", "7d975a8e6fa4", "bbc61874d7dd", rounds=5, pairs=11)
+    assert rows[1024]["ratio_high"] < 1 and rows[1024]["max_difference"] == 0.0
+    assert f"a forward+backward takes {rows[1024]['ratio']:.2f}× its time before, the results identical" in text
+    assert rows[512]["ratio_low"] < 1 < rows[512]["ratio_high"]
+    assert (f"At n = 512 the median reads {rows[512]['ratio']:.2f}× but the interval reaches "
+            f"{rows[512]['ratio_high']:.3f}: not resolved") in text
+    assert all(rows[n]["ratio_low"] < 1 < rows[n]["ratio_high"] for n in (256, 2048))
+    assert f"unchanged controls: {rows[256]['ratio']:.2f}× and {rows[2048]['ratio']:.2f}×" in text
