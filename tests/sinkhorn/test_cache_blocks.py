@@ -54,38 +54,3 @@ def test_the_stored_tile_after_the_first_sweep_is_the_recomputed_one_bit_for_bit
     shifts = (stored.row_shift, stored.col_shift)
     fresh = Tile(problem, options, Tile.memory(problem, options, {}), shifts=shifts)
     assert torch.equal(tiles, torch.cat([K.reshape(-1).clone() for _, K in fresh.visit()]))
-
-
-@pytest.mark.parametrize("options", [{}, {"dropout_p": 0.2}, {"key_padding_mask": True}])
-@pytest.mark.parametrize("budget", [1 << 19, 256])  # whole slices; rows of one slice
-@pytest.mark.parametrize("native_passes", [False, True])
-def test_the_backwards_transposed_sums_either_way_give_the_same_gradients(options, budget, native_passes, monkeypatch):
-    """dV and dK summed as K^T B (tiles narrower than sizes.TRANSPOSED_PRODUCT_MIN) or as (B^T K)^T (wider): the
-    same sums, in the composed passes and the native ones, whole slices and row blocks, with dropout and masks;
-    and both equal to the dense engine without dropout (float64)."""
-    import sinkformer
-    from sinkformer.sinkhorn import native, sizes
-
-    monkeypatch.setattr(sizes, "CACHE_BLOCK_ELEMENTS", budget)
-    monkeypatch.setattr(native, "ENABLED", native_passes and native.available())
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 2, length, width, generator=g, dtype=torch.float64).requires_grad_()
-               for length, width in ((40, 16), (33, 16), (33, 8)))
-    kwargs = dict(options)
-    if kwargs.pop("key_padding_mask", False):
-        kwargs["key_padding_mask"] = torch.zeros(2, 33, dtype=torch.bool)
-        kwargs["key_padding_mask"][1, -5:] = True
-    cotangent = torch.randn(2, 2, 40, 8, generator=g, dtype=torch.float64)
-
-    def run(backend: str, wide: int):
-        monkeypatch.setattr(sizes, "TRANSPOSED_PRODUCT_MIN", wide)
-        torch.manual_seed(3)  # the dropout masks
-        out = sinkformer.attention(q, k, v, n_iters=5, backend=backend, **kwargs)
-        return (out, *torch.autograd.grad((out * cotangent).sum(), (q, k, v)))
-
-    transposed, plain = run("tiled", 1), run("tiled", 10**9)
-    for a, b in zip(transposed, plain):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
-    if "dropout_p" not in kwargs:
-        for a, b in zip(transposed, run("dense", 10**9)):
-            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)

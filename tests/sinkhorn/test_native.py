@@ -67,7 +67,7 @@ def test_native_passes_equal_the_dense_reference_in_float64(shape, n_iters, call
 
 @pytest.mark.parametrize("wide", [1, 10**9])  # every tile's A^T B as (B^T A)^T, and none
 def test_the_backwards_transposed_products_either_way_equal_the_dense_reference(wide, monkeypatch, calls):
-    monkeypatch.setattr(sizes, "TRANSPOSED_PRODUCT_MIN", wide)
+    monkeypatch.setattr(native, "_TRANSPOSED_BMM_MIN", wide)
     q, k, v = _inputs(3, 2, 40, 33, torch.float64)
     got, want = _run(q, k, v, 5), _run(q, k, v, 5, backend="dense")
     assert calls == {"forward": 1, "backward": 1}
@@ -75,7 +75,7 @@ def test_the_backwards_transposed_products_either_way_equal_the_dense_reference(
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("m", [7, sizes.TRANSPOSED_PRODUCT_MIN])  # below the width, and from it on
+@pytest.mark.parametrize("m", [7, native._TRANSPOSED_BMM_MIN])  # below the width, and from it on
 def test_transposed_bmm_is_the_product_with_the_transpose(m):
     a, b = torch.randn(3, 40, m, dtype=torch.float64), torch.randn(3, 40, 5, dtype=torch.float64)
     out = torch.full((3, m, 5), float("nan"), dtype=torch.float64)

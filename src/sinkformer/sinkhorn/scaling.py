@@ -642,24 +642,16 @@ def _first_pass(tile: Tile, uO: Tensor, drop: Tensor | None, first: Tensor | Non
     blocks = tile.blocks
     c, n, m = tile.shape
     beta, new = _accumulation(blocks, uO)
-    wide = m >= sizes.TRANSPOSED_PRODUCT_MIN  # D summed transposed, (uOᵀ K)ᵀ: see that constant
-    D = into.zero_() if beta and not wide else into
-    Dt = new(c, uO.shape[-1], m) if wide else None
-    uOb, Db = blocks.rows_of(uO), blocks.slices_of(Dt if wide else D)
+    D = into.zero_() if beta else into
+    uOb, Db = blocks.rows_of(uO), blocks.slices_of(D)
     dropb = blocks.rows_of(drop) if drop is not None else None
     col = new(c, 1, m) if first is not None else None
     if col is not None:
         firstb, colb = blocks.rows_of(first.unsqueeze(-1)), blocks.slices_of(col)
     for i, Kb in tile.visit():
-        K = Kb if dropb is None else Kb * dropb[i]
-        if wide:
-            Db[i].baddbmm_(uOb[i].transpose(1, 2), K, beta=beta)
-        else:
-            Db[i].baddbmm_(K.transpose(1, 2), uOb[i], beta=beta)
+        Db[i].baddbmm_((Kb if dropb is None else Kb * dropb[i]).transpose(1, 2), uOb[i], beta=beta)
         if col is not None:
             colb[i].baddbmm_(firstb[i].transpose(1, 2), Kb, beta=beta)
-    if wide:
-        D.copy_(Dt.transpose(1, 2))
     return D, (None if col is None else col.squeeze(1))
 
 
@@ -705,14 +697,11 @@ def _gradient_pass(tile: Tile, left: Tensor, right: Tensor, vt: Tensor, V: Tenso
     dq, dk, _ = grads
     blocks, scale = tile.blocks, tile.scale
     e = V.shape[-1]
-    beta, new = _accumulation(blocks, dk)
-    wide = tile.shape[2] >= sizes.TRANSPOSED_PRODUCT_MIN  # dK summed transposed, (Qᵀ dS)ᵀ: see that constant
-    dkt = new(dk.shape[0], dk.shape[2], dk.shape[1]) if wide else None
-    if beta and not wide:
+    beta, _ = _accumulation(blocks, dk)
+    if beta:
         dk.zero_()
     vV = torch.mul(vt.unsqueeze(-1), V, out=right[..., :e])
-    dqb, qb, kb = blocks.rows_of(dq), blocks.rows_of(tile.q), blocks.slices_of(tile.k)
-    dkb = blocks.slices_of(dkt if wide else dk)
+    dqb, dkb, qb, kb = blocks.rows_of(dq), blocks.slices_of(dk), blocks.rows_of(tile.q), blocks.slices_of(tile.k)
     leftb = blocks.rows_of(left)
     if drop is None:
         rightb = blocks.slices_of(right.transpose(1, 2))  # (c, e + L, m)
@@ -742,12 +731,7 @@ def _gradient_pass(tile: Tile, left: Tensor, right: Tensor, vt: Tensor, V: Tenso
             dP.baddbmm_(leftb[i][..., e:], Yb[i])
         dS = dP.mul_(Kb)
         dqb[i].baddbmm_(dS, kb[i], beta=0.0, alpha=scale)
-        if wide:
-            dkb[i].baddbmm_(qb[i].transpose(1, 2), dS, beta=beta, alpha=scale)
-        else:
-            dkb[i].baddbmm_(dS.transpose(1, 2), qb[i], beta=beta, alpha=scale)
-    if wide:
-        dk.copy_(dkt.transpose(1, 2))
+        dkb[i].baddbmm_(dS.transpose(1, 2), qb[i], beta=beta, alpha=scale)
 
 
 class _Reverse:

@@ -3,8 +3,7 @@
 How many (batch·head) slices the tiled engine takes at once (:func:`group_size`), how it covers a
 tile with cache blocks (:func:`cache_blocks`), how many query rows a streamed block has
 (:func:`stream_rows`, :func:`row_block`), when ``backend="auto"`` streams (:data:`STREAM_ABOVE`), and how
-a matrix-vector product is shaped on this CPU (:data:`ROW_VECTOR_PRODUCTS`) and when a tile's transposed
-product is formed the other way round (:data:`TRANSPOSED_PRODUCT_MIN`).
+a matrix-vector product is shaped on this CPU (:data:`ROW_VECTOR_PRODUCTS`).
 The constants are read at call time (``sizes.X``), so tests can lower them.
 """
 
@@ -20,7 +19,7 @@ from ..provenance import cpu_vendor
 __all__ = [
     "TILE_ELEMENTS", "GPU_TILE_ELEMENTS", "CACHE_BLOCK_ELEMENTS", "WHOLE_SLICE_BUDGETS", "BLOCK_ELEMENTS",
     "MIN_BLOCK_ROWS", "SAVED_TILE_SCORES", "STREAM_ABOVE", "group_size", "CacheBlocks", "cache_blocks",
-    "stream_rows", "row_block", "ROW_VECTOR_PRODUCTS", "MATVEC_LOOP_SLICES", "TRANSPOSED_PRODUCT_MIN",
+    "stream_rows", "row_block", "ROW_VECTOR_PRODUCTS", "MATVEC_LOOP_SLICES",
 ]
 
 #: Scores per group of (batch·head) slices on the CPU: small enough to stay in cache.
@@ -60,14 +59,6 @@ ROW_VECTOR_PRODUCTS = torch.backends.mkl.is_available() and cpu_vendor() != "Gen
 #: on 2 threads, 82 us against 48; 8 of 256 x 256: faster per slice on 1 thread, slower on 2;
 #: ``benchmarks/results/matvec.md`` has every block the engine uses).
 MATVEC_LOOP_SLICES = 8
-#: Tiles at least this wide (``m`` columns) form the backward's ``Kᵀ B`` (``dV``, ``dK``: ``K (c, n, m)`` or a block
-#: of its rows, ``B (c, n, e)``) as ``(Bᵀ K)ᵀ``, summed over a slice's blocks in a transposed buffer: the product
-#: reads the tile as it is laid out, and one copy transposes the narrow result (the same sums: bit for bit with
-#: MKL here). MKL's product with a transposed tile is its slow case on the AMD EPYC, one thread (informal, the
-#: products alone): one slice of n = 1024 1.71 -> 1.44 ms, 2048 7.0 -> 6.0 ms, the 32 row blocks of an n = 4096
-#: slice 29 -> 26 ms; below 256 columns the copy costs more than it saves. The paired runs:
-#: ``benchmarks/results/ab_issue26_transposed*.md``. Not measured on the Xeon.
-TRANSPOSED_PRODUCT_MIN = 512
 
 
 def group_size(slices: int, n: int, m: int, device: torch.device) -> int:
