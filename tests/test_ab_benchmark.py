@@ -390,3 +390,14 @@ def test_the_transposed_products_paragraph_quotes_its_paired_run():
             f"{rows[512]['ratio_high']:.3f}: not resolved") in text
     assert all(rows[n]["ratio_low"] < 1 < rows[n]["ratio_high"] for n in (256, 2048))
     assert f"unchanged controls: {rows[256]['ratio']:.2f}× and {rows[2048]['ratio']:.2f}×" in text
+
+
+def test_the_reverted_transposed_row_blocks_are_quoted_from_their_paired_run():
+    """docs/speed.md's figures for the transposed sums of the row blocks (23e3840, reverted): the paired run 8dd459f
+    -> 23e3840, no interval below 1 (n = 4096's above it), quoted with its intervals."""
+    rows, text = _paired_run("ab_issue26_transposed_rows.json", "8dd459fe95c4", "23e3840f1313", rounds=5, pairs=11)
+    assert all(rows[n]["ratio_high"] >= 1 for n in (1024, 2048, 4096)) and rows[4096]["ratio_low"] > 1
+    two, four = rows[2048], rows[4096]
+    assert (f"n = 2048 read {two['ratio']:.2f}× ({two['ratio_low']:.3f}–{two['ratio_high']:.3f}) and n = 4096 "
+            f"{four['ratio']:.3f}× ({four['ratio_low']:.3f}–{four['ratio_high']:.3f})") in text
+    assert f"unchanged) {rows[1024]['ratio']:.2f}×; it was reverted (a2969b1)" in text
