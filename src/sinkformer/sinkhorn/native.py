@@ -244,9 +244,10 @@ def _transposed_bmm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
     """``out (c, m, e) = a^T b`` for ``a (c, n, m)`` (a tile), ``b (c, n, e)``; returns ``out``.
 
     From ``m = _TRANSPOSED_BMM_MIN`` on as :math:`(b^\top a)^\top`, a product whose wide operand is read as it
-    is laid out, then one copy of the narrow result: the same sums (bit for bit with MKL, tested to rounding),
-    and on the AMD EPYC, one thread, 7-16 % faster for one slice of n = 512 to 2048 (``a^T b``'s transposed
-    operand is the slower case of MKL's products there), 4-21 % slower below 256 (the copy) (informal).
+    is laid out, then one copy of the narrow result: the same sums (bit for bit with MKL, tested to rounding).
+    On the AMD EPYC, one thread, the products alone: 7-16 % faster for one slice of n = 512 to 2048 (``a^T b``'s
+    transposed operand is the slower case of MKL's products there), 4-21 % slower below 256 (the copy); whole
+    calls at n = 1024: ``benchmarks/results/ab_issue26_transposed.md``. Not measured on the Xeon.
     """
     if a.shape[-1] < _TRANSPOSED_BMM_MIN:
         return torch.bmm(a.transpose(1, 2), b, out=out)
