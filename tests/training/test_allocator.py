@@ -90,3 +90,12 @@ def test_the_commands_and_the_suites_workers_keep_freed_memory(monkeypatch, tmp_
               "a.keep_freed_memory = lambda: calls.append(1) or True; s._init_worker(1); assert calls == [1]")
     done = subprocess.run([sys.executable, "-c", worker], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_training_docs_state_the_settings():
+    """docs/training.md's **Memory** paragraph quotes the two thresholds the code sets."""
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text().split())
+    assert (f"blocks up to {allocator.MMAP_THRESHOLD >> 20} MiB from the heap, up to {allocator.TRIM_THRESHOLD >> 20} "
+            "MiB of free heap kept") in text
