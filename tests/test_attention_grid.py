@@ -242,3 +242,20 @@ def test_the_targets_and_streamed_paragraphs_quote_the_full_and_quick_tables():
             and r["method"] in ("sdpa", "ours", "ours-chunked") and (r["method"] == "sdpa") == (r["n_iters"] == 1)}
     assert (f"its peak at n = 4096 is {peak['ours-chunked'] / peak['sdpa']:.2f}× SDPA's there, the tiled engine's "
             f"{peak['ours'] / peak['sdpa']:.2f}×") in text
+
+
+def test_the_epyc_grid_after_the_transposed_products_is_quoted_beside_the_one_before():
+    """docs/speed.md quotes the EPYC's grid at 7930b6b beside the one at 0eec9a0: its 5-iteration ratios at n = 64..4096,
+    its causal ratios, n = 1024 and n = 64 before and after (the 1.25 target met in the later run), and SDPA's own
+    time at n = 64 in both runs."""
+    grid, after, five, text = _committed_grid("attention_grid_epyc_7930b6b.json")
+    earlier, before, _, _ = _committed_grid("attention_grid_epyc_0eec9a0.json")
+    assert grid["cpu"] == "AMD EPYC"
+    assert (f"transposed products, bbc6187, the one change since to what it measures) read {', '.join(five[:5])} and "
+            f"{five[5]}, and causal {after[(1024, 3, True)]:.2f}× and {after[(4096, 3, True)]:.2f}×:") in text
+    assert before[(1024, 5, False)] > 1.25 >= after[(1024, 5, False)]
+    assert f"n = 1024 from {before[(1024, 5, False)]:.2f}× to {after[(1024, 5, False)]:.2f}×" in text
+    assert f"n = 64, whose calls the change does not reach, from {before[(64, 5, False)]:.2f}× to {after[(64, 5, False)]:.2f}×" in text
+    sdpa = [next(r["forward_backward_ms"] for r in g["rows"] if r["method"] == "sdpa" and not r["causal"] and r["n"] == 64)
+            for g in (earlier, grid)]
+    assert f"(SDPA's own time {sdpa[0]:.3f} ms there, {sdpa[1]:.3f} ms here)" in text
