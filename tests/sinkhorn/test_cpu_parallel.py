@@ -166,3 +166,67 @@ def test_attention_with_kept_tiles_equals_fresh_ones_and_a_gpu_keeps_nothing(no_
         assert torch.equal(a, b)
     cpu_parallel._keep_scratch({"memory": torch.empty(10, device="meta")}, torch.device("meta"))
     assert all(t.device.type == "cpu" for s in cpu_parallel._kept for t in s.values())
+
+
+# ----------------------------------------------------------------------------- Crew: the parts of one pass
+
+
+def test_a_crew_runs_part_0_on_the_caller_and_each_other_part_on_its_single_threaded_worker(two_threads):
+    if cpu_parallel._runtime() is None:
+        pytest.skip("no per-thread OpenMP setting in this PyTorch build: every part runs on the calling thread")
+    seen = []
+
+    def part(p, scratch):
+        scratch["calls"] = scratch.get("calls", 0) + 1
+        seen.append((p, threading.current_thread().name, torch.get_num_threads(), torch.is_grad_enabled()))
+
+    scratches = [{}, {}]
+    with torch.no_grad(), cpu_parallel.Crew(2) as crew:
+        assert torch.get_num_threads() == 1  # the caller works beside the workers, single-threaded
+        for _ in range(3):
+            crew.run(part, scratches)
+    assert torch.get_num_threads() == 2  # ... and gets its threads back
+    main = threading.current_thread().name
+    assert sorted(seen) == [(0, main, 1, False)] * 3 + [(1, "sinkformer-part-1", 1, False)] * 3
+    assert scratches == [{"calls": 3}, {"calls": 3}]
+    assert not any(t.name.startswith("sinkformer-part") for t in threading.enumerate())  # ended with the block
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_an_error_in_a_part_is_raised_in_the_caller_once_every_part_has_ended(two_threads, failing):
+    ended = []
+
+    def part(p, scratch):
+        if p == failing:
+            raise ValueError(f"part {p} failed")
+        time.sleep(0.02)
+        ended.append(p)
+
+    with cpu_parallel.Crew(2) as crew:
+        with pytest.raises(ValueError, match=f"part {failing} failed"):
+            crew.run(part, [{}, {}])
+        assert ended == [1 - failing]
+        crew.run(lambda p, scratch: ended.append(p), [{}, {}])  # the crew still works
+    assert sorted(ended) == sorted([1 - failing, 0, 1])
+    assert torch.get_num_threads() == 2
+
+
+def test_a_crew_whose_workers_cannot_be_made_single_threaded_runs_every_part_on_the_caller(two_threads, monkeypatch):
+    monkeypatch.setattr(cpu_parallel, "single_threaded_here", lambda: False)
+    seen = []
+    with cpu_parallel.Crew(2) as crew:
+        crew.run(lambda p, scratch: seen.append((p, threading.current_thread().name)), [{}, {}])
+    main = threading.current_thread().name
+    assert seen == [(0, main), (1, main)]
+
+
+def test_a_crew_refuses_more_parts_than_members_and_part_scratches_live_in_the_workers_scratch():
+    with cpu_parallel.Crew(2) as crew, pytest.raises(ValueError, match="scratches: at most 2 parts.*got 3"):
+        crew.run(lambda p, scratch: None, [{}, {}, {}])
+    scratch = {"memory": torch.empty(10)}
+    assert cpu_parallel.part_scratches(scratch, 1) == [scratch] and "parts" not in scratch
+    first = cpu_parallel.part_scratches(scratch, 3)
+    assert first[0] is scratch and len(first) == 3
+    first[2]["dS"] = torch.empty(5)
+    assert cpu_parallel.part_scratches(scratch, 3)[2] is first[2]  # the same dicts on the next call
+    assert cpu_parallel._scratch_bytes(scratch) == 15 * 4  # the kept budget counts the parts' buffers

@@ -25,17 +25,19 @@ otherwise new pages on every call, each one faulted in and zeroed by the kernel.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import itertools
 import os
+import queue
 import threading
 from typing import Callable, TypeVar
 
 import torch
 
-__all__ = ["map_groups", "PARALLEL_ABOVE", "NATIVE_PARALLEL_ABOVE", "SCRATCH_KEPT_BYTES", "scratch_buffer", "release_scratch",
-           "single_threaded_here"]
+__all__ = ["map_groups", "PARALLEL_ABOVE", "NATIVE_PARALLEL_ABOVE", "SCRATCH_KEPT_BYTES", "scratch_buffer",
+           "part_scratches", "release_scratch", "single_threaded_here", "single_threaded_while", "Crew"]
 
 T = TypeVar("T")
 
@@ -66,7 +68,14 @@ _kept_lock = threading.Lock()
 
 
 def _scratch_bytes(scratch: dict) -> int:
-    return sum(t.untyped_storage().nbytes() for t in scratch.values() if isinstance(t, torch.Tensor))
+    """Bytes of the tensors in a scratch dict, and in the dicts listed in it (:func:`part_scratches`)."""
+    total = 0
+    for value in scratch.values():
+        if isinstance(value, torch.Tensor):
+            total += value.untyped_storage().nbytes()
+        elif isinstance(value, list):
+            total += sum(_scratch_bytes(inner) for inner in value)
+    return total
 
 
 def _take_scratch(device: torch.device) -> dict:
@@ -98,6 +107,17 @@ def scratch_buffer(scratch: dict, name: str, size: int, like: torch.Tensor) -> t
     if held is None or held.numel() < size or held.dtype != like.dtype or held.device != like.device:
         held = scratch[name] = like.new_empty(size)
     return held[:size]
+
+
+def part_scratches(scratch: dict, parts: int) -> list[dict]:
+    """One scratch dict for each of ``parts`` workers that share one group (:meth:`Crew.run`):
+    ``scratch`` itself for the first, dicts kept in it (under ``"parts"``) for the others, so that they live and are
+    kept as long as it."""
+    if parts <= 1:
+        return [scratch]
+    extra = scratch.setdefault("parts", [])
+    extra.extend({} for _ in range(parts - 1 - len(extra)))
+    return [scratch] + extra[:parts - 1]
 
 
 def release_scratch() -> None:
@@ -145,6 +165,99 @@ def single_threaded_here() -> bool:
     if mkl_threads is not None:
         mkl_threads(1)
     return torch.get_num_threads() == 1 and (mkl_max is None or mkl_max() == 1)
+
+
+@contextlib.contextmanager
+def single_threaded_while():
+    """Within the block, the calling thread's PyTorch operations single-threaded (OpenMP and MKL, this thread only),
+    restored afterwards; nothing where the per-thread setting cannot be reached (:func:`single_threaded_here`).
+
+    For a thread that works beside single-threaded workers (:class:`Crew`): with its intra-op threads, its
+    operations would take the workers' cores, and the OpenMP pool's threads spin after each one (GNU OpenMP's
+    default wait policy)."""
+    runtime = _runtime()
+    if runtime is None:
+        yield
+        return
+    omp_threads, mkl_threads, _ = runtime
+    before = torch.get_num_threads()
+    omp_threads(1)
+    mkl_before = mkl_threads(1) if mkl_threads is not None else None
+    try:
+        yield
+    finally:
+        omp_threads(before)
+        if mkl_threads is not None:
+            mkl_threads(mkl_before)
+
+
+class Crew:
+    """The calling thread and ``workers - 1`` Python threads that run the parts of one pass after another
+    (:meth:`run`): started once (for a call), each worker single-threaded (:func:`single_threaded_here`), so a
+    pass costs a hand-off, not a thread's start (and the first products of a new thread in the BLAS). Use as a
+    context manager; within it the calling thread is single-threaded too (:func:`single_threaded_while`). Where a
+    worker cannot be made single-threaded, every part runs on the calling thread."""
+
+    def __init__(self, workers: int):
+        self.workers = max(1, workers)
+        self._jobs = [queue.SimpleQueue() for _ in range(self.workers - 1)]
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._alone = False
+        self._grad_mode = torch.is_grad_enabled()
+        self._single = single_threaded_while()
+
+    def __enter__(self) -> "Crew":
+        self._single.__enter__()
+        for i, jobs in enumerate(self._jobs):
+            thread = threading.Thread(target=self._work, args=(jobs,), name=f"sinkformer-part-{i + 1}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        started = [self._done.get() for _ in self._threads]
+        self._alone = not all(started)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for jobs in self._jobs:
+            jobs.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._single.__exit__(*exc)
+
+    def _work(self, jobs: queue.SimpleQueue) -> None:
+        if not single_threaded_here():
+            self._done.put(False)
+            return
+        self._done.put(True)
+        with torch.set_grad_enabled(self._grad_mode):
+            while (job := jobs.get()) is not None:
+                part, p, scratch = job
+                try:
+                    part(p, scratch)
+                    self._done.put(None)
+                except BaseException as error:  # noqa: BLE001 - raised again in the caller
+                    self._done.put(error)
+
+    def run(self, part: Callable[[int, dict], None], scratches: list[dict]) -> None:
+        """``part(p, scratches[p])`` for ``p < len(scratches)`` (at most :attr:`workers`): part 0 on the calling
+        thread, part ``p`` on worker ``p``; returns when all have ended, raising the first error."""
+        if len(scratches) > self.workers:
+            raise ValueError(f"scratches: at most {self.workers} parts for a crew of {self.workers}, "
+                             f"got {len(scratches)}")
+        if self._alone or len(scratches) == 1:
+            for p, scratch in enumerate(scratches):
+                part(p, scratch)
+            return
+        for p in range(1, len(scratches)):
+            self._jobs[p - 1].put((part, p, scratches[p]))
+        errors = []
+        try:
+            part(0, scratches[0])
+        except BaseException as error:  # noqa: BLE001 - raised below, once the workers have ended
+            errors.append(error)
+        errors += [e for e in (self._done.get() for _ in range(1, len(scratches))) if e is not None]
+        if errors:
+            raise errors[0]
 
 
 def map_groups(starts: list[int], work: Callable[[int, dict], T], device: torch.device, scores: int,

@@ -42,6 +42,8 @@ step; the last one runs the recursion's last two steps and forms ``dS`` block by
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,7 +51,7 @@ import torch
 from torch import Tensor
 
 from . import cpu_parallel, native, sizes
-from .cpu_parallel import map_groups, scratch_buffer
+from .cpu_parallel import Crew, map_groups, part_scratches, scratch_buffer
 from .problem import (
     Problem,
     scalings_trusted,
@@ -66,7 +68,7 @@ from .sizes import CacheBlocks, cache_blocks
 
 __all__ = ["Options", "Tile", "GroupState", "run_forward", "run_backward", "scaling_forward", "scaling_backward",
            "dropout_mask", "implicit_duals_of", "uses_native", "native_row_blocks",
-           "parallel_above"]
+           "parallel_above", "row_parts"]
 
 @dataclass(frozen=True)
 class Options:
@@ -147,6 +149,7 @@ def run_forward(problem: Problem, seed: Tensor | None, options: Options, log_for
                 tiles)
     scaling = options.starts_in_scaling(q.device)
     native_passes = uses_native(problem, options)
+    parts = row_parts(problem, options)
 
     def run(start: int, scratch: dict) -> GroupState:
         sl = slice(start, min(B, start + options.group))
@@ -161,15 +164,16 @@ def run_forward(problem: Problem, seed: Tensor | None, options: Options, log_for
                 return GroupState(row_shift, col_shift, us, vs, counts, False)
         if scaling:  # (and a native group whose scalings are not to be trusted: the passes below, then the log domain)
             memory = tiles[sl].view(-1) if tiles.numel() else Tile.memory(problem, options, scratch)
-            tile = Tile(group, options, memory)
+            tile = Tile(group, options, memory, scratch=scratch, crew=crew)
             state = scaling_forward(tile, seed, out[sl], options)
             if state is not None:
                 return state
             return log_forward(group, options, seed, out[sl], tile.row_shift, tile.col_shift)
         return log_forward(group, options, seed, out[sl], None, None)
 
-    states = map_groups(list(range(0, B, options.group)), run, q.device, B * n * m,
-                        parallel_above(native_passes, options.group))
+    with _crew(parts) as crew:
+        states = map_groups(list(range(0, B, options.group)), run, q.device, B * n * m,
+                            parallel_above(native_passes, options.group, parts))
     implicit = options.backward == "implicit"
     warn_if_unconverged([s.stop for s in states if s.stop is not None], implicit=implicit)
     col_errors = [s.col_error for s in states if s.col_error is not None]
@@ -191,6 +195,7 @@ def run_backward(grad_out: Tensor, problem: Problem, out: Tensor, seed: Tensor |
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     logs = log_domain.tolist()
     native_passes = uses_native(problem, options)
+    parts = row_parts(problem, options)
 
     def run(start: int, scratch: dict) -> None:
         sl = slice(start, min(B, start + options.group))
@@ -211,10 +216,13 @@ def run_backward(grad_out: Tensor, problem: Problem, out: Tensor, seed: Tensor |
             return
         kept = tiles.numel() > 0
         memory = tiles[sl].view(-1) if kept else Tile.memory(problem, options, scratch)
-        tile = Tile(group, options, memory, shifts=(row_shift[sl], col_shift[sl]), ready=kept)
+        tile = Tile(group, options, memory, shifts=(row_shift[sl], col_shift[sl]), ready=kept, scratch=scratch,
+                    crew=crew)
         scaling_backward(tile, seed, us[sl], vs[sl], counts[sl], grad_out[sl], out[sl], options, grads, scratch)
 
-    map_groups(list(range(0, B, options.group)), run, q.device, B * n * m, parallel_above(native_passes, options.group))
+    with _crew(parts) as crew:
+        map_groups(list(range(0, B, options.group)), run, q.device, B * n * m,
+                   parallel_above(native_passes, options.group, parts))
     return dq, dk, dv
 
 
@@ -231,15 +239,35 @@ def uses_native(problem: Problem, options: Options) -> bool:
             and options.blocks(p.B, p.n, p.m).rows is None and native.available())
 
 
-def parallel_above(native_passes: bool, group: int) -> int:
+def parallel_above(native_passes: bool, group: int, parts: int = 1) -> int:
     """Fewest scores in a call for :func:`~.cpu_parallel.map_groups` to run its groups on Python threads:
     :data:`~.cpu_parallel.PARALLEL_ABOVE` for the composed passes, and for native groups of at least as many slices
     as PyTorch has threads, which each C call splits over all of them (at b x h = 4 x 8, n = 512, groups of 4 slices
     on 2 threads, the intra-op mode was faster in every round: ``benchmarks/results/parallel_6cf3108.md``); else
     :data:`~.cpu_parallel.NATIVE_PARALLEL_ABOVE` (native groups too small to occupy every thread, e.g. one slice,
-    or a library without OpenMP)."""
+    or a library without OpenMP). Groups split into ``parts > 1`` (:func:`row_parts`) run one at a time, each
+    pass's parts on the cores: never (``sys.maxsize``)."""
+    if parts > 1:
+        return sys.maxsize
     splits = native.threaded() and group >= torch.get_num_threads()
     return cpu_parallel.NATIVE_PARALLEL_ABOVE if native_passes and not splits else cpu_parallel.PARALLEL_ABOVE
+
+
+def _crew(parts: int) -> contextlib.AbstractContextManager[Crew | None]:
+    """A :class:`~.cpu_parallel.Crew` of ``parts`` for a call whose groups are split into parts, else nothing."""
+    return Crew(parts) if parts > 1 else contextlib.nullcontext()
+
+
+def row_parts(problem: Problem, options: Options) -> int:
+    """Into how many parts the tiled engine splits each group's row blocks, one part per core (a
+    :class:`~.cpu_parallel.Crew`): every PyTorch thread for stored tiles on the CPU whose slices have at least
+    :data:`~.sizes.SPLIT_TILE_SCORES` scores (n = 4096 when square); else 1. The groups then run one at a time, so
+    one tile is in memory rather than one per core; the passes are the same, and what a pass sums over rows each
+    part sums on its own, the shares added in part order (:meth:`Tile.part_sums`)."""
+    p = problem
+    if not (options.stored and p.q.device.type == "cpu" and p.n * p.m >= sizes.SPLIT_TILE_SCORES):
+        return 1
+    return torch.get_num_threads() if options.blocks(min(options.group, p.B), p.n, p.m).rows is not None else 1
 
 
 def native_row_blocks(problem: Problem, blocks: CacheBlocks) -> bool:
@@ -291,10 +319,16 @@ class Tile:
     (scaled to :math:`\\tilde K` on their next visit), then :math:`\\tilde K`; a recomputed block goes
     through the same operations (scores, minus the row shift, minus the column shift, exponential), so
     every recomputation gives the same values. ``shifts``: the saved shifts (the backward), instead of
-    pass 1; ``ready``: ``memory`` already holds the tile's :math:`\\tilde K` (kept by the forward)."""
+    pass 1; ``ready``: ``memory`` already holds the tile's :math:`\\tilde K` (kept by the forward).
+
+    **Parts.** Every pass visits the blocks in :attr:`parts` (:meth:`over_parts`): one range of all blocks, or,
+    given a ``crew`` (:func:`row_parts`), a stored tile's row blocks in one range per member, each with its own
+    ``scratch`` dict (the worker's for the first part, dicts kept in it for the others:
+    :func:`~.cpu_parallel.part_scratches`)."""
 
     def __init__(self, problem: Problem, options: Options, memory: Tensor,
-                 shifts: tuple[Tensor, Tensor] | None = None, ready: bool = False):
+                 shifts: tuple[Tensor, Tensor] | None = None, ready: bool = False, scratch: dict | None = None,
+                 crew: Crew | None = None):
         q, k = problem.q, problem.k
         self.problem, self.q, self.k = problem, q, k
         self.masks, self.start, self.scale = problem.masks, problem.first, problem.scale
@@ -310,7 +344,13 @@ class Tile:
         self.Kb = self.blocks.rows_of(self.K) if self.stored else None
         self.masked = problem.masked
         self.native_rows = native_row_blocks(problem, self.blocks)
-        self._work = None  # native_rows: m elements for the first sweep's blocks made K̃
+        if crew is not None and not (self.stored and self.blocks.rows is not None):
+            raise ValueError(f"crew: a tile's blocks split into parts must be row blocks of a stored tile, got "
+                             f"{'stored' if self.stored else 'recomputed'} blocks of "
+                             f"{'rows' if self.blocks.rows is not None else 'whole slices'}")
+        self._crew = crew
+        self.parts = _block_parts(self.count, 1 if crew is None else crew.workers)
+        self._scratches = part_scratches({} if scratch is None else scratch, len(self.parts))
         self._index = self.blocks.index if self.masked else None
         self._ready = ready and self.stored  # a stored tile holds K̃
         self._scaled = False  # a stored tile holds the first sweep's E
@@ -369,51 +409,27 @@ class Tile:
             return self.sweep(self.col_shift.exp(), a, empty, col_init, output=output)
         row_shift, top = self.q.new_empty(c, n, 1), self.q.new_full((c, 1, m), float("-inf"))
         u = a.new_empty(c, n, 1)
-        rowb, topb, ub = blocks.rows_of(row_shift), blocks.slices_of(top), blocks.rows_of(u)
+        rowb, ub = blocks.rows_of(row_shift), blocks.rows_of(u)
         ab, eb = blocks.rows_of(a.unsqueeze(-1)), blocks.rows_of(empty.unsqueeze(-1))
         col = None if col_init is None else a.new_zeros(c, 1, m)
-        colb = None if col is None else blocks.slices_of(col)
+        # each part's running column maxima, and its column sums relative to them (merged below)
+        tops = [top] + [torch.full_like(top, float("-inf")) for _ in self.parts[1:]]
+        cols = None if col is None else self.part_sums(col)
+        outputb = None  # the last normalisation: (V, dropout, out) per block
         if output is not None:
             V, drop, out = output
-            Vb, outb = blocks.slices_of(V), blocks.rows_of(out)
-            dropb = blocks.rows_of(drop) if drop is not None else None
-        self._tops = []
-        work = self.q.new_empty(2 * m) if self.native_rows else None
-        for i in range(self.count):
-            x = self.scores(i)
-            if self.native_rows:  # what the operations below compute for a row block, in one C call
-                t = x.new_empty(1, 1, m)
-                native.rows_first(x, ab[i], rowb[i], t, ub[i], None if colb is None else colb[i], topb[i], work)
-                if output is not None:
-                    torch.bmm(x if dropb is None else x.mul_(dropb[i]), t.exp().transpose(1, 2) * Vb[i],
-                              out=outb[i]).mul_(ub[i])
-                if self.stored:
-                    self._tops.append(t)
-                continue
-            torch.amax(x, -1, keepdim=True, out=rowb[i])
-            if self.masked:  # a row without a valid entry: shift 0
-                rowb[i].nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-            t = x.sub_(rowb[i]).amax(-2, keepdim=True)  # (s, 1, m), -inf on columns without a valid entry here
-            t_safe = t.nan_to_num(neginf=0.0) if self.masked else t
-            E = x.sub_(t_safe).exp_()
-            w = t_safe.exp().transpose(1, 2)  # (s, m, 1): K̃ v0 = E e^t
-            add_rows_times(eb[i], E, w, out=ub[i])
-            torch.div(ab[i], ub[i], out=ub[i])
-            if blocks.rows is None:  # whole slices: t is the column shift itself
-                topb[i].copy_(t)
-                if colb is not None:
-                    torch.bmm(ub[i].transpose(1, 2), E, out=colb[i])
-            else:
-                new_top = torch.maximum(topb[i], t)
-                if colb is not None:
-                    safe = new_top.nan_to_num(neginf=0.0) if self.masked else new_top
-                    colb[i].mul_((topb[i] - safe).exp_()).add_(
-                        torch.bmm(ub[i].transpose(1, 2), E).mul_((t - safe).exp_()))
-                topb[i].copy_(new_top)
-            if output is not None:
-                torch.bmm(E if dropb is None else E.mul_(dropb[i]), w * Vb[i], out=outb[i]).mul_(ub[i])
-            if self.stored and blocks.rows is not None:
-                self._tops.append(t)
+            outputb = (blocks.slices_of(V), blocks.rows_of(drop) if drop is not None else None, blocks.rows_of(out))
+        self._tops = [None] * self.count
+
+        def part(p: int, scratch: dict) -> None:
+            topb, colb = blocks.slices_of(tops[p]), None if cols is None else blocks.slices_of(cols[p])
+            work = scratch_buffer(scratch, "first", 2 * m, self.q) if self.native_rows else None
+            for i in self.parts[p]:
+                self._first_block(i, ab, eb, rowb, ub, topb, colb, work, outputb)
+
+        self.over_parts(part)
+        if len(tops) > 1:
+            _merge_parts(tops, cols, self.masked)
         col_shift = top.squeeze(1)
         self._set_shifts(row_shift.squeeze(-1), _finite_or_zero(col_shift) if self.masked else col_shift)
         # whole slices: t is the column shift, so a stored E is K̃ itself (the same operations, bit for bit)
@@ -421,31 +437,88 @@ class Tile:
         self._ready = self.stored and blocks.rows is None
         return u.squeeze(-1), (None if col is None else col.squeeze(1).add_(col_init))
 
+    def _first_block(self, i: int, ab, eb, rowb, ub, topb, colb, work: Tensor | None, output) -> None:
+        """The first sweep on block ``i`` (:meth:`first_sweep`; the ``...b`` arguments are per-block views, ``output``
+        ``(Vb, dropb, outb)`` or None)."""
+        blocks, m = self.blocks, self.shape[2]
+        if output is not None:
+            Vb, dropb, outb = output
+        x = self.scores(i)
+        if self.native_rows:  # what the operations below compute for a row block, in one C call
+            t = x.new_empty(1, 1, m)
+            native.rows_first(x, ab[i], rowb[i], t, ub[i], None if colb is None else colb[i], topb[i], work)
+            if output is not None:
+                torch.bmm(x if dropb is None else x.mul_(dropb[i]), t.exp().transpose(1, 2) * Vb[i],
+                          out=outb[i]).mul_(ub[i])
+            if self.stored:
+                self._tops[i] = t
+            return
+        torch.amax(x, -1, keepdim=True, out=rowb[i])
+        if self.masked:  # a row without a valid entry: shift 0
+            rowb[i].nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        t = x.sub_(rowb[i]).amax(-2, keepdim=True)  # (s, 1, m), -inf on columns without a valid entry here
+        t_safe = t.nan_to_num(neginf=0.0) if self.masked else t
+        E = x.sub_(t_safe).exp_()
+        w = t_safe.exp().transpose(1, 2)  # (s, m, 1): K̃ v0 = E e^t
+        add_rows_times(eb[i], E, w, out=ub[i])
+        torch.div(ab[i], ub[i], out=ub[i])
+        if blocks.rows is None:  # whole slices: t is the column shift itself
+            topb[i].copy_(t)
+            if colb is not None:
+                torch.bmm(ub[i].transpose(1, 2), E, out=colb[i])
+        else:
+            new_top = torch.maximum(topb[i], t)
+            if colb is not None:
+                safe = new_top.nan_to_num(neginf=0.0) if self.masked else new_top
+                colb[i].mul_((topb[i] - safe).exp_()).add_(
+                    torch.bmm(ub[i].transpose(1, 2), E).mul_((t - safe).exp_()))
+            topb[i].copy_(new_top)
+        if output is not None:
+            torch.bmm(E if dropb is None else E.mul_(dropb[i]), w * Vb[i], out=outb[i]).mul_(ub[i])
+        if self.stored and blocks.rows is not None:
+            self._tops[i] = t
+
     def _set_shifts(self, row_shift: Tensor, col_shift: Tensor) -> None:
         self.row_shift, self.col_shift = row_shift, col_shift
         self._rowb = self.blocks.rows_of(row_shift.unsqueeze(-1))
         self._colb = self.blocks.slices_of(col_shift.unsqueeze(1))
         self._scaled = False
 
-    def visit(self):
-        """Yield ``(i, K̃ of block i)`` for every block (a recomputed block's storage is reused by the next)."""
-        for i in range(self.count):
+    def over_parts(self, part: Callable[[int, dict], None]) -> None:
+        """``part(p, scratch)`` for every part ``p`` of the blocks (:attr:`parts`), with the part's scratch dict: on
+        this thread, or one part per member of the crew (:meth:`~.cpu_parallel.Crew.run`). Parts visit disjoint rows;
+        a sum over rows is summed by each part into its own buffer (:meth:`part_sums`)."""
+        if self._crew is None:
+            part(0, self._scratches[0])
+            return
+        self._crew.run(part, self._scratches)
+
+    def visit_parts(self, part: Callable[[int, dict], None]) -> None:
+        """:meth:`over_parts` for a pass over :math:`\\tilde K` (each part's blocks from :meth:`visit`); a stored
+        tile then holds :math:`\\tilde K`."""
+        self.over_parts(part)
+        self._ready = self.stored
+
+    def part_sums(self, total: Tensor) -> list[Tensor]:
+        """A buffer for each part's share of a sum over rows: ``total`` itself for the first part, zeros like it for
+        the others (:func:`_add_parts` adds them into ``total``)."""
+        return [total] + [torch.zeros_like(total) for _ in self.parts[1:]]
+
+    def visit(self, p: int, scratch: dict):
+        """Yield ``(i, K̃ of block i)`` for every block ``i`` of part ``p`` (a recomputed block's storage is reused by
+        the next; ``scratch``: the part's). Within :meth:`visit_parts`."""
+        for i in self.parts[p]:
             if self._ready:
                 yield i, self.Kb[i]
             elif self._scaled and self.native_rows:
-                yield i, native.rows_rescale(self.Kb[i], self._tops[i], self._colb[i], self._rescale_work())
+                work = scratch_buffer(scratch, "rescale", self.shape[2], self.q)
+                yield i, native.rows_rescale(self.Kb[i], self._tops[i], self._colb[i], work)
             elif self._scaled:  # E of the first sweep: K̃ = E e^{t - c}
                 yield i, self.Kb[i].mul_((self._tops[i] - self._colb[i]).exp_())
             elif self.native_rows:
                 yield i, native.rows_kernel(self.scores(i), self._rowb[i], self._colb[i])
             else:
                 yield i, self.scores(i).sub_(self._rowb[i]).sub_(self._colb[i]).exp_()
-        self._ready = self.stored
-
-    def _rescale_work(self) -> Tensor:
-        if self._work is None:
-            self._work = self.q.new_empty(self.shape[2])
-        return self._work
 
     def sweep(self, vt: Tensor, a: Tensor, empty: Tensor, col_init: Tensor | None = None,
               output: tuple | None = None) -> tuple[Tensor, Tensor | None]:
@@ -462,33 +535,70 @@ class Tile:
         # blocks of whole slices: each column sum is written once, from col_init (no copy, no accumulation)
         whole = blocks.rows is None
         col = None if col_init is None else col_init.new_empty(c, 1, m) if whole else col_init.unsqueeze(1).clone()
-        colb = None if col is None else blocks.slices_of(col)
+        cols = None if col is None else self.part_sums(col)
         initb = blocks.slices_of(col_init.unsqueeze(1)) if whole and col is not None else None
         if output is not None:
             V, drop, out = output
             vVb, outb = blocks.slices_of(vt.unsqueeze(-1) * V), blocks.rows_of(out)
             dropb = blocks.rows_of(drop) if drop is not None else None
-        for i, Kb in self.visit():
-            if self.native_rows:  # row blocks: the row normalisation and the column sums in one C call
-                native.rows_sweep(Kb, vb[i], ab[i], ub[i], None if colb is None else colb[i])
-            else:
-                add_rows_times(eb[i], Kb, vb[i], out=ub[i])
-                torch.div(ab[i], ub[i], out=ub[i])
-                if initb is not None:
-                    torch.baddbmm(initb[i], ub[i].transpose(1, 2), Kb, out=colb[i])
-                elif colb is not None:
-                    colb[i].baddbmm_(ub[i].transpose(1, 2), Kb)
-            if output is not None:
-                torch.bmm(Kb if dropb is None else Kb.mul_(dropb[i]), vVb[i], out=outb[i]).mul_(ub[i])
-        return u.squeeze(-1), (None if col is None else col.squeeze(1))
+
+        def part(p: int, scratch: dict) -> None:
+            colb = None if cols is None else blocks.slices_of(cols[p])
+            for i, Kb in self.visit(p, scratch):
+                if self.native_rows:  # row blocks: the row normalisation and the column sums in one C call
+                    native.rows_sweep(Kb, vb[i], ab[i], ub[i], None if colb is None else colb[i])
+                else:
+                    add_rows_times(eb[i], Kb, vb[i], out=ub[i])
+                    torch.div(ab[i], ub[i], out=ub[i])
+                    if initb is not None:
+                        torch.baddbmm(initb[i], ub[i].transpose(1, 2), Kb, out=colb[i])
+                    elif colb is not None:
+                        colb[i].baddbmm_(ub[i].transpose(1, 2), Kb)
+                if output is not None:
+                    torch.bmm(Kb if dropb is None else Kb.mul_(dropb[i]), vVb[i], out=outb[i]).mul_(ub[i])
+
+        self.visit_parts(part)
+        return u.squeeze(-1), (None if col is None else _add_parts(cols).squeeze(1))
 
     def output(self, u: Tensor, vt: Tensor, V: Tensor, drop: Tensor | None, out: Tensor) -> None:
         """``out = u ⊙ (K̃ ⊙ drop)(ṽ ⊙ V)`` block by block (the plan after the last normalisation)."""
         blocks = self.blocks
         vVb, ub, outb = blocks.slices_of(vt.unsqueeze(-1) * V), blocks.rows_of(u.unsqueeze(-1)), blocks.rows_of(out)
         dropb = blocks.rows_of(drop) if drop is not None else None
-        for i, Kb in self.visit():
-            torch.bmm(Kb if dropb is None else Kb * dropb[i], vVb[i], out=outb[i]).mul_(ub[i])
+
+        def part(p: int, scratch: dict) -> None:
+            for i, Kb in self.visit(p, scratch):
+                torch.bmm(Kb if dropb is None else Kb * dropb[i], vVb[i], out=outb[i]).mul_(ub[i])
+
+        self.visit_parts(part)
+
+
+def _block_parts(count: int, parts: int) -> list[range]:
+    """``range(count)`` in ``parts`` contiguous ranges as equal as can be (fewer when there are fewer blocks; one
+    empty range when there are none)."""
+    parts = max(1, min(parts, count))
+    bounds = [count * p // parts for p in range(parts + 1)]
+    return [range(bounds[p], bounds[p + 1]) for p in range(parts)]
+
+
+def _add_parts(sums: list[Tensor]) -> Tensor:
+    """``sums[0]`` plus the other parts' shares of a sum (:meth:`Tile.part_sums`), in part order, in place."""
+    for share in sums[1:]:
+        sums[0].add_(share)
+    return sums[0]
+
+
+def _merge_parts(tops: list[Tensor], cols: list[Tensor] | None, masked: bool) -> None:
+    """The first sweep's parts merged into the first part's buffers: the column maxima :math:`c = \\max_p t_p`, and the
+    column sums :math:`\\sum_p e^{t_p - c}\\,s_p` of the parts' sums :math:`s_p`, each relative to its own maxima
+    :math:`t_p` (-inf on a column without a valid entry in the part, whose sum is 0)."""
+    top = torch.stack(tops).amax(0)
+    safe = top.nan_to_num(neginf=0.0) if masked else top
+    if cols is not None:
+        for col, part_top in zip(cols, tops):
+            col.mul_((part_top - safe).exp_())
+        _add_parts(cols)
+    tops[0].copy_(top)
 
 
 def row_product(K: Tensor) -> str:
@@ -616,7 +726,7 @@ def scaling_backward(tile: Tile, seed: Tensor | None, us: Tensor, vs: Tensor, co
     if rev is None:  # dS = P * (dP - alpha ⊕ beta)
         alpha, beta = implicit_duals_of(tile.K, u, vt, du * u, dvt * vt)
         X[..., 0], X[..., 1], Y[..., 0], Y[..., 1] = -u * alpha, -u, vt, vt * beta
-        _gradient_pass(tile, left, right, vt, V, drop, grads, scratch)
+        _gradient_pass(tile, left, right, vt, V, drop, grads)
         return
     rev.row_ys(Y)
     t = L
@@ -631,7 +741,7 @@ def scaling_backward(tile: Tile, seed: Tensor | None, us: Tensor, vs: Tensor, co
         dvt = dvt + next_col
         t -= 2
     last = (rev, du, rev.col_step(2, dvt, X, Y)[0]) if t == 2 else None  # steps 2 and 1 in the last pass
-    _gradient_pass(tile, left, right, vt, V, drop, grads, scratch, last)
+    _gradient_pass(tile, left, right, vt, V, drop, grads, last)
 
 
 def _first_pass(tile: Tile, uO: Tensor, drop: Tensor | None, first: Tensor | None,
@@ -643,16 +753,21 @@ def _first_pass(tile: Tile, uO: Tensor, drop: Tensor | None, first: Tensor | Non
     c, n, m = tile.shape
     beta, new = _accumulation(blocks, uO)
     D = into.zero_() if beta else into
-    uOb, Db = blocks.rows_of(uO), blocks.slices_of(D)
+    Ds, uOb = tile.part_sums(D), blocks.rows_of(uO)
     dropb = blocks.rows_of(drop) if drop is not None else None
     col = new(c, 1, m) if first is not None else None
-    if col is not None:
-        firstb, colb = blocks.rows_of(first.unsqueeze(-1)), blocks.slices_of(col)
-    for i, Kb in tile.visit():
-        Db[i].baddbmm_((Kb if dropb is None else Kb * dropb[i]).transpose(1, 2), uOb[i], beta=beta)
-        if col is not None:
-            colb[i].baddbmm_(firstb[i].transpose(1, 2), Kb, beta=beta)
-    return D, (None if col is None else col.squeeze(1))
+    cols = None if col is None else tile.part_sums(col)
+    firstb = None if col is None else blocks.rows_of(first.unsqueeze(-1))
+
+    def part(p: int, scratch: dict) -> None:
+        Db, colb = blocks.slices_of(Ds[p]), None if cols is None else blocks.slices_of(cols[p])
+        for i, Kb in tile.visit(p, scratch):
+            Db[i].baddbmm_((Kb if dropb is None else Kb * dropb[i]).transpose(1, 2), uOb[i], beta=beta)
+            if colb is not None:
+                colb[i].baddbmm_(firstb[i].transpose(1, 2), Kb, beta=beta)
+
+    tile.visit_parts(part)
+    return _add_parts(Ds), (None if col is None else _add_parts(cols).squeeze(1))
 
 
 def _accumulation(blocks: CacheBlocks, like: Tensor) -> tuple[float, Callable[..., Tensor]]:
@@ -670,22 +785,27 @@ def _row_step_pass(tile: Tile, rev: _Reverse, t: int, du: Tensor, ds: Tensor, X:
     c, n, m = tile.shape
     total, dr = torch.empty_like(du).unsqueeze(-1), torch.empty_like(du).unsqueeze(-1)
     beta, new = _accumulation(blocks, du)
-    col = new(c, 1, m)
+    cols = tile.part_sums(new(c, 1, m))
     dub, dsb, factorb = (blocks.rows_of(du.unsqueeze(-1)), blocks.slices_of(ds.contiguous().unsqueeze(-1)),
                          blocks.rows_of(rev.row_factor(t).contiguous().unsqueeze(-1)))
-    totalb, drb, colb = blocks.rows_of(total), blocks.rows_of(dr), blocks.slices_of(col)
-    for i, Kb in tile.visit():
-        if tile.native_rows:  # the three operations below in one C call
-            native.rows_step(Kb, dsb[i], dub[i], factorb[i], totalb[i], drb[i], colb[i])
-            continue
-        add_rows_times(dub[i], Kb, dsb[i], out=totalb[i])
-        torch.mul(totalb[i], factorb[i], out=drb[i])
-        colb[i].baddbmm_(drb[i].transpose(1, 2), Kb, beta=beta)
-    return rev.row_step(t, dr.squeeze(-1), total.squeeze(-1), X), col.squeeze(1)
+    totalb, drb = blocks.rows_of(total), blocks.rows_of(dr)
+
+    def part(p: int, scratch: dict) -> None:
+        colb = blocks.slices_of(cols[p])
+        for i, Kb in tile.visit(p, scratch):
+            if tile.native_rows:  # the three operations below in one C call
+                native.rows_step(Kb, dsb[i], dub[i], factorb[i], totalb[i], drb[i], colb[i])
+                continue
+            add_rows_times(dub[i], Kb, dsb[i], out=totalb[i])
+            torch.mul(totalb[i], factorb[i], out=drb[i])
+            colb[i].baddbmm_(drb[i].transpose(1, 2), Kb, beta=beta)
+
+    tile.visit_parts(part)
+    return rev.row_step(t, dr.squeeze(-1), total.squeeze(-1), X), _add_parts(cols).squeeze(1)
 
 
 def _gradient_pass(tile: Tile, left: Tensor, right: Tensor, vt: Tensor, V: Tensor, drop: Tensor | None, grads,
-                   scratch: dict, last_steps=None) -> None:
+                   last_steps=None) -> None:
     """The last pass: :math:`dS = \\tilde K\\odot(\\mathrm{diag}(u)\\,dP\\,\\mathrm{diag}(\\tilde v)
     + XY^\\top)` block by block, contracted into ``dq`` (rows of the block) and ``dk`` (summed).
 
@@ -693,7 +813,7 @@ def _gradient_pass(tile: Tile, left: Tensor, right: Tensor, vt: Tensor, V: Tenso
     this pass fills with :math:`\\tilde v\\odot V`. ``last_steps = (reverse, du, ds2)``: the column step 2 ran
     (``ds2``); :math:`du + \\tilde K ds_2` and the row step 1 (the last column of ``X``, the
     block's rows of ``left``) run here, block by block, before the block's ``dS``, which is formed in the
-    worker's ``scratch`` (memory used again on the next call, not faulted in again)."""
+    part's scratch (memory used again on the next call, not faulted in again)."""
     dq, dk, _ = grads
     blocks, scale = tile.blocks, tile.scale
     e = V.shape[-1]
@@ -701,7 +821,7 @@ def _gradient_pass(tile: Tile, left: Tensor, right: Tensor, vt: Tensor, V: Tenso
     if beta:
         dk.zero_()
     vV = torch.mul(vt.unsqueeze(-1), V, out=right[..., :e])
-    dqb, dkb, qb, kb = blocks.rows_of(dq), blocks.slices_of(dk), blocks.rows_of(tile.q), blocks.slices_of(tile.k)
+    dks, dqb, qb, kb = tile.part_sums(dk), blocks.rows_of(dq), blocks.rows_of(tile.q), blocks.slices_of(tile.k)
     leftb = blocks.rows_of(left)
     if drop is None:
         rightb = blocks.slices_of(right.transpose(1, 2))  # (c, e + L, m)
@@ -715,23 +835,28 @@ def _gradient_pass(tile: Tile, left: Tensor, right: Tensor, vt: Tensor, V: Tenso
                             blocks.rows_of(total))
         factorb, drb = blocks.rows_of(rev.row_factor(1).contiguous().unsqueeze(-1)), blocks.rows_of(dr)
         lastb = blocks.rows_of(left[..., e:e + 1])  # X[..., 0]: the row step 1
-    work = scratch_buffer(scratch, "dS", blocks.largest(tile.shape[2]), dq)
-    for i, Kb in tile.visit():
-        if last_steps is not None and tile.native_rows:
-            native.rows_step(Kb, dsb[i], dub[i], factorb[i], totalb[i], drb[i], None)
-            lastb[i].copy_(drb[i])
-        elif last_steps is not None:
-            add_rows_times(dub[i], Kb, dsb[i], out=totalb[i])
-            torch.mul(totalb[i], factorb[i], out=lastb[i])
-        dP = work[:Kb.numel()].view(Kb.shape)
-        if drop is None:
-            torch.bmm(leftb[i], rightb[i], out=dP)
-        else:
-            torch.bmm(leftb[i][..., :e], vVb[i], out=dP).mul_(dropb[i])
-            dP.baddbmm_(leftb[i][..., e:], Yb[i])
-        dS = dP.mul_(Kb)
-        dqb[i].baddbmm_(dS, kb[i], beta=0.0, alpha=scale)
-        dkb[i].baddbmm_(dS.transpose(1, 2), qb[i], beta=beta, alpha=scale)
+
+    def part(p: int, scratch: dict) -> None:
+        work, dkb = scratch_buffer(scratch, "dS", blocks.largest(tile.shape[2]), dq), blocks.slices_of(dks[p])
+        for i, Kb in tile.visit(p, scratch):
+            if last_steps is not None and tile.native_rows:
+                native.rows_step(Kb, dsb[i], dub[i], factorb[i], totalb[i], drb[i], None)
+                lastb[i].copy_(drb[i])
+            elif last_steps is not None:
+                add_rows_times(dub[i], Kb, dsb[i], out=totalb[i])
+                torch.mul(totalb[i], factorb[i], out=lastb[i])
+            dP = work[:Kb.numel()].view(Kb.shape)
+            if drop is None:
+                torch.bmm(leftb[i], rightb[i], out=dP)
+            else:
+                torch.bmm(leftb[i][..., :e], vVb[i], out=dP).mul_(dropb[i])
+                dP.baddbmm_(leftb[i][..., e:], Yb[i])
+            dS = dP.mul_(Kb)
+            dqb[i].baddbmm_(dS, kb[i], beta=0.0, alpha=scale)
+            dkb[i].baddbmm_(dS.transpose(1, 2), qb[i], beta=beta, alpha=scale)
+
+    tile.visit_parts(part)
+    _add_parts(dks)
 
 
 class _Reverse:

@@ -18,7 +18,7 @@ from ..provenance import cpu_vendor
 
 __all__ = [
     "TILE_ELEMENTS", "GPU_TILE_ELEMENTS", "CACHE_BLOCK_ELEMENTS", "WHOLE_SLICE_BUDGETS", "BLOCK_ELEMENTS",
-    "MIN_BLOCK_ROWS", "SAVED_TILE_SCORES", "STREAM_ABOVE", "group_size", "CacheBlocks", "cache_blocks",
+    "MIN_BLOCK_ROWS", "SAVED_TILE_SCORES", "SPLIT_TILE_SCORES", "STREAM_ABOVE", "group_size", "CacheBlocks", "cache_blocks",
     "stream_rows", "row_block", "ROW_VECTOR_PRODUCTS", "MATVEC_LOOP_SLICES",
 ]
 
@@ -45,6 +45,12 @@ MIN_BLOCK_ROWS = 64
 #: Calls of at most this many scores (all slices) keep their tiles from the forward for the backward,
 #: which then recomputes nothing (b=4, h=8: n <= 256; 8 MiB of float32).
 SAVED_TILE_SCORES = 1 << 21
+#: Fewest scores per slice for the tiled engine to split each slice's row blocks over the cores, one slice at a
+#: time, rather than give each core its own slices (:func:`~.scaling.row_parts`): one stored tile in memory instead
+#: of one per core. At n = 4096 (b x h = 4 x 8, 5 iterations, forward+backward, this 2-core AMD EPYC) a 64 MiB tile
+#: per core made the peak 1.85x SDPA's; split, the call took 1.02-1.03x the time (separate processes, 3 each;
+#: n = 2048: 1.03-1.08x, so smaller slices keep a tile per core: their tiles are a fourth as large).
+SPLIT_TILE_SCORES = 1 << 24
 #: Above this many scores per slice, ``backend="auto"`` streams (never an ``n × m`` tile).
 STREAM_ABOVE = 1 << 24
 #: Whether the engines' matrix-vector products ``K x`` (``K (c, r, m)``, on the CPU) run as the row-vector
