@@ -121,6 +121,7 @@ def test_merged_rows_keep_their_machine_and_targets_pair_rows_of_one_run(tmp_pat
     assert targets["time_ours_over_sdpa"] == 1.5  # both rows of one earlier run
     assert "time_chunked_over_ours_4096" not in targets  # an old chunked row against a new ours row
     assert targets["memory_21_over_5"] == 63.0 / 60.0  # two earlier runs on one machine
+    assert targets["memory_ours_over_sdpa_4096"] == 300.0 / 160.0  # the new run's rows, on one machine
     header = (tmp_path / "attention.md").read_text().splitlines()[0]
     assert "Old Xeon (old and older); New EPYC (20" in header
 
