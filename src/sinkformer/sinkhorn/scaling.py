@@ -507,11 +507,12 @@ class Tile:
     def visit(self, p: int, scratch: dict):
         """Yield ``(i, K̃ of block i)`` for every block ``i`` of part ``p`` (a recomputed block's storage is reused by
         the next; ``scratch``: the part's). Within :meth:`visit_parts`."""
+        rescale = self._scaled and self.native_rows and not self._ready
+        work = scratch_buffer(scratch, "rescale", self.shape[2], self.q) if rescale else None
         for i in self.parts[p]:
             if self._ready:
                 yield i, self.Kb[i]
-            elif self._scaled and self.native_rows:
-                work = scratch_buffer(scratch, "rescale", self.shape[2], self.q)
+            elif rescale:
                 yield i, native.rows_rescale(self.Kb[i], self._tops[i], self._colb[i], work)
             elif self._scaled:  # E of the first sweep: K̃ = E e^{t - c}
                 yield i, self.Kb[i].mul_((self._tops[i] - self._colb[i]).exp_())
