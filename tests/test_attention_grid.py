@@ -243,6 +243,9 @@ def test_the_targets_and_streamed_paragraphs_quote_the_full_and_quick_tables():
             and r["method"] in ("sdpa", "ours", "ours-chunked") and (r["method"] == "sdpa") == (r["n_iters"] == 1)}
     assert (f"its peak at n = 4096 is {peak['ours-chunked'] / peak['sdpa']:.2f}× SDPA's there, the tiled engine's "
             f"{peak['ours'] / peak['sdpa']:.2f}×") in text
+    assert t["memory_ours_over_sdpa_4096"] <= 1.5 and t["time_ours_over_sdpa_4096"] <= 1.5
+    assert f"Peak memory at n = 4096 is {t['memory_ours_over_sdpa_4096']:.2f}× SDPA's in the full table" in text
+    assert f"the tiled engine now at {t['time_ours_over_sdpa_4096']:.2f}×" in text
 
 
 def test_the_epyc_grid_after_the_transposed_products_is_quoted_beside_the_one_before():
