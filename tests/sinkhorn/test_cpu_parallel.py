@@ -171,7 +171,7 @@ def test_attention_with_kept_tiles_equals_fresh_ones_and_a_gpu_keeps_nothing(no_
 # ----------------------------------------------------------------------------- Crew: the parts of one pass
 
 
-def test_a_crew_runs_part_0_on_the_caller_and_each_other_part_on_its_single_threaded_worker(two_threads):
+def test_a_crew_runs_every_part_once_on_the_caller_and_its_single_threaded_workers(two_threads):
     if cpu_parallel._runtime() is None:
         pytest.skip("no per-thread OpenMP setting in this PyTorch build: every part runs on the calling thread")
     seen = []
@@ -179,35 +179,55 @@ def test_a_crew_runs_part_0_on_the_caller_and_each_other_part_on_its_single_thre
     def part(p, scratch):
         scratch["calls"] = scratch.get("calls", 0) + 1
         seen.append((p, threading.current_thread().name, torch.get_num_threads(), torch.is_grad_enabled()))
+        time.sleep(0.005)
 
     scratches = [{}, {}]
     with torch.no_grad(), cpu_parallel.Crew(2) as crew:
         assert torch.get_num_threads() == 1  # the caller works beside the workers, single-threaded
         for _ in range(3):
-            crew.run(part, scratches)
+            crew.run(part, 8, scratches)
     assert torch.get_num_threads() == 2  # ... and gets its threads back
-    main = threading.current_thread().name
-    assert sorted(seen) == [(0, main, 1, False)] * 3 + [(1, "sinkformer-part-1", 1, False)] * 3
-    assert scratches == [{"calls": 3}, {"calls": 3}]
+    assert sorted(p for p, _, _, _ in seen) == sorted(list(range(8)) * 3)
+    assert {name for _, name, _, _ in seen} == {threading.current_thread().name, "sinkformer-part-1"}
+    assert {(threads, grad) for _, _, threads, grad in seen} == {(1, False)}
+    assert scratches[0]["calls"] + scratches[1]["calls"] == 24 and min(s["calls"] for s in scratches) >= 3
     assert not any(t.name.startswith("sinkformer-part") for t in threading.enumerate())  # ended with the block
 
 
-@pytest.mark.parametrize("failing", [0, 1])
-def test_an_error_in_a_part_is_raised_in_the_caller_once_every_part_has_ended(two_threads, failing):
-    ended = []
+def test_a_busy_member_takes_fewer_parts(two_threads):
+    """Parts go to whichever member is free: a member slowed down (a core shared with another process) takes
+    fewer, instead of holding up the pass with a fixed share."""
+    if cpu_parallel._runtime() is None:
+        pytest.skip("no per-thread OpenMP setting in this PyTorch build: every part runs on the calling thread")
+    main, taken = threading.current_thread().name, []
+
+    def part(p, scratch):
+        taken.append(threading.current_thread().name)
+        time.sleep(0.04 if threading.current_thread().name == main else 0.005)
+
+    with cpu_parallel.Crew(2) as crew:
+        crew.run(part, 12, [{}, {}])
+    assert len(taken) == 12 and taken.count(main) <= 3
+
+
+@pytest.mark.parametrize("failing", [0, 5])
+def test_an_error_in_a_part_is_raised_in_the_caller_once_every_member_has_stopped(two_threads, failing):
+    ran = []
 
     def part(p, scratch):
         if p == failing:
             raise ValueError(f"part {p} failed")
-        time.sleep(0.02)
-        ended.append(p)
+        time.sleep(0.005)
+        ran.append(p)
 
     with cpu_parallel.Crew(2) as crew:
         with pytest.raises(ValueError, match=f"part {failing} failed"):
-            crew.run(part, [{}, {}])
-        assert ended == [1 - failing]
-        crew.run(lambda p, scratch: ended.append(p), [{}, {}])  # the crew still works
-    assert sorted(ended) == sorted([1 - failing, 0, 1])
+            crew.run(part, 8, [{}, {}])
+        count = len(ran)
+        time.sleep(0.05)
+        assert len(ran) == count  # nothing still running after run() returned
+        crew.run(lambda p, scratch: ran.append(-1), 4, [{}, {}])  # the crew still works
+    assert ran.count(-1) == 4 and failing not in ran
     assert torch.get_num_threads() == 2
 
 
@@ -215,14 +235,14 @@ def test_a_crew_whose_workers_cannot_be_made_single_threaded_runs_every_part_on_
     monkeypatch.setattr(cpu_parallel, "single_threaded_here", lambda: False)
     seen = []
     with cpu_parallel.Crew(2) as crew:
-        crew.run(lambda p, scratch: seen.append((p, threading.current_thread().name)), [{}, {}])
+        crew.run(lambda p, scratch: seen.append((p, threading.current_thread().name)), 4, [{}, {}])
     main = threading.current_thread().name
-    assert seen == [(0, main), (1, main)]
+    assert seen == [(p, main) for p in range(4)]
 
 
-def test_a_crew_refuses_more_parts_than_members_and_part_scratches_live_in_the_workers_scratch():
-    with cpu_parallel.Crew(2) as crew, pytest.raises(ValueError, match="scratches: at most 2 parts.*got 3"):
-        crew.run(lambda p, scratch: None, [{}, {}, {}])
+def test_a_crew_needs_a_scratch_per_member_and_part_scratches_live_in_the_workers_scratch():
+    with cpu_parallel.Crew(2) as crew, pytest.raises(ValueError, match="scratches: one per member of a crew of 2.*got 1"):
+        crew.run(lambda p, scratch: None, 4, [{}])
     scratch = {"memory": torch.empty(10)}
     assert cpu_parallel.part_scratches(scratch, 1) == [scratch] and "parts" not in scratch
     first = cpu_parallel.part_scratches(scratch, 3)

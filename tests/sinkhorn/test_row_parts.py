@@ -35,6 +35,12 @@ def two_threads():
     torch.set_num_threads(before)
 
 
+class Passes(list):
+    """``(parts, [(part, thread name, thread count)])`` of every pass; ``slow``: a thread that takes longer."""
+
+    slow: str | None = None
+
+
 @pytest.fixture
 def parts_seen(monkeypatch, two_threads):
     """Small row blocks (40 x 33 slices: blocks of 7 rows), every slice split; records the threads of every part.
@@ -46,25 +52,33 @@ def parts_seen(monkeypatch, two_threads):
         raise AssertionError("the scaling domain gave up on a group")
 
     monkeypatch.setattr(tiled, "_log_forward", refused)
-    seen = []
+    seen = Passes()
     run = cpu_parallel.Crew.run
 
-    def recording(self, part, scratches):
+    def recording(self, part, parts, scratches):
+        ran = []
+
         def recorded(p, scratch):
-            seen.append((p, threading.current_thread().name, torch.get_num_threads()))
+            ran.append((p, threading.current_thread().name, torch.get_num_threads()))
+            # (so that the worker takes parts too: tiny blocks would all go to the first thread)
+            time.sleep(0.01 if threading.current_thread().name == seen.slow else 0.001)
             part(p, scratch)
-        run(self, recorded, scratches)
+
+        run(self, recorded, parts, scratches)
+        assert sorted(p for p, _, _ in ran) == list(range(parts))  # every part once
+        seen.append((parts, ran))
 
     monkeypatch.setattr(cpu_parallel.Crew, "run", recording)
     return seen
 
 
 def _assert_parts_on_two_threads(seen):
-    assert {p for p, _, _ in seen} == {0, 1}
+    parts = 2 * sizes.SPLIT_PARTS_PER_CORE  # SPLIT_PARTS_PER_CORE a core, at most one a block (6 blocks a slice)
+    assert seen and {parts for parts, _ in seen} <= {min(6, parts), parts}
+    ran = [r for _, pass_ in seen for r in pass_]
     if cpu_parallel._runtime() is not None:  # (else every part runs on the calling thread, in order)
-        assert {name for p, name, _ in seen if p == 1} == {"sinkformer-part-1"}
-        assert {name for p, name, _ in seen if p == 0} == {threading.current_thread().name}
-        assert {threads for _, _, threads in seen} == {1}
+        assert {name for _, name, _ in ran} == {threading.current_thread().name, "sinkformer-part-1"}
+        assert {threads for _, _, threads in ran} == {1}
 
 
 def _unsplit(monkeypatch, q, k, v, **kwargs):
@@ -165,3 +179,23 @@ def test_split_slices_hold_one_tile_instead_of_one_per_core(monkeypatch, two_thr
         counts[split] = _tiles_kept(40 * 33)
     cpu_parallel.release_scratch()
     assert counts == {"split": 1, "unsplit": 2}
+
+
+def test_split_slices_give_the_same_values_whichever_core_takes_which_part(parts_seen, monkeypatch):
+    """The parts go to whichever thread is free, and each sums into its own buffer: a call whose calling thread is
+    slow (the worker takes most parts) and one whose worker is slow (the caller does) give the same values, bit for
+    bit."""
+    if cpu_parallel._runtime() is None:
+        pytest.skip("no per-thread OpenMP setting: every part runs on the calling thread")
+    monkeypatch.setattr(sizes, "TILE_ELEMENTS", 40 * 33)
+    q, k, v = _inputs(1, 2, 40, 33, torch.float32)
+    results, shares = [], []
+    for slow in (threading.current_thread().name, "sinkformer-part-1"):
+        parts_seen.clear()
+        parts_seen.slow = slow
+        results.append(_run(q, k, v, n_iters=5))
+        ran = [name for _, pass_ in parts_seen for _, name, _ in pass_]
+        shares.append(ran.count("sinkformer-part-1") / len(ran))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert shares[0] > 0.5 > shares[1]

@@ -231,33 +231,36 @@ class Crew:
         self._done.put(True)
         with torch.set_grad_enabled(self._grad_mode):
             while (job := jobs.get()) is not None:
-                part, p, scratch = job
-                try:
-                    part(p, scratch)
-                    self._done.put(None)
-                except BaseException as error:  # noqa: BLE001 - raised again in the caller
-                    self._done.put(error)
+                self._done.put(_take_parts(*job))
 
-    def run(self, part: Callable[[int, dict], None], scratches: list[dict]) -> None:
-        """``part(p, scratches[p])`` for ``p < len(scratches)`` (at most :attr:`workers`): part 0 on the calling
-        thread, part ``p`` on worker ``p``; returns when all have ended, raising the first error."""
-        if len(scratches) > self.workers:
-            raise ValueError(f"scratches: at most {self.workers} parts for a crew of {self.workers}, "
+    def run(self, part: Callable[[int, dict], None], parts: int, scratches: list[dict]) -> None:
+        """``part(p, scratch)`` for ``p < parts``, each member of the crew taking the next part when it is free
+        (a member that shares its core with another process takes fewer) with its own ``scratch``
+        (``scratches[i]`` for member ``i``, the calling thread being member 0; at least :attr:`workers`). A part's
+        work must not depend on which member runs it. Returns when every part has ended, raising the first error."""
+        if len(scratches) < self.workers:
+            raise ValueError(f"scratches: one per member of a crew of {self.workers} was expected, "
                              f"got {len(scratches)}")
-        if self._alone or len(scratches) == 1:
-            for p, scratch in enumerate(scratches):
-                part(p, scratch)
-            return
-        for p in range(1, len(scratches)):
-            self._jobs[p - 1].put((part, p, scratches[p]))
-        errors = []
-        try:
-            part(0, scratches[0])
-        except BaseException as error:  # noqa: BLE001 - raised below, once the workers have ended
-            errors.append(error)
-        errors += [e for e in (self._done.get() for _ in range(1, len(scratches))) if e is not None]
+        members = 1 if self._alone else min(self.workers, parts)
+        taken = itertools.count()  # next() on a count is atomic under the GIL: each part runs once
+        for i in range(1, members):
+            self._jobs[i - 1].put((part, parts, taken, scratches[i]))
+        errors = [_take_parts(part, parts, taken, scratches[0])]
+        errors += [self._done.get() for _ in range(1, members)]
+        errors = [error for error in errors if error is not None]
         if errors:
             raise errors[0]
+
+
+def _take_parts(part: Callable[[int, dict], None], parts: int, taken, scratch: dict) -> BaseException | None:
+    """``part(p, scratch)`` for the parts ``p = next(taken)`` while ``p < parts``: a member's share of
+    :meth:`Crew.run`. Returns the error that stopped it, if any."""
+    try:
+        while (p := next(taken)) < parts:
+            part(p, scratch)
+    except BaseException as error:  # noqa: BLE001 - raised again in the caller
+        return error
+    return None
 
 
 def map_groups(starts: list[int], work: Callable[[int, dict], T], device: torch.device, scores: int,

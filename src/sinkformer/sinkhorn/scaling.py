@@ -262,8 +262,9 @@ def row_parts(problem: Problem, options: Options) -> int:
     """Into how many parts the tiled engine splits each group's row blocks, one part per core (a
     :class:`~.cpu_parallel.Crew`): every PyTorch thread for stored tiles on the CPU whose slices have at least
     :data:`~.sizes.SPLIT_TILE_SCORES` scores (n = 4096 when square); else 1. The groups then run one at a time, so
-    one tile is in memory rather than one per core; the passes are the same, and what a pass sums over rows each
-    part sums on its own, the shares added in part order (:meth:`Tile.part_sums`)."""
+    one tile is in memory rather than one per core; the passes are the same, in :data:`~.sizes.SPLIT_PARTS_PER_CORE`
+    parts per core that the crew's members take in turn, and what a pass sums over rows each part sums on its own,
+    the shares added in part order (:meth:`Tile.part_sums`)."""
     p = problem
     if not (options.stored and p.q.device.type == "cpu" and p.n * p.m >= sizes.SPLIT_TILE_SCORES):
         return 1
@@ -322,9 +323,9 @@ class Tile:
     pass 1; ``ready``: ``memory`` already holds the tile's :math:`\\tilde K` (kept by the forward).
 
     **Parts.** Every pass visits the blocks in :attr:`parts` (:meth:`over_parts`): one range of all blocks, or,
-    given a ``crew`` (:func:`row_parts`), a stored tile's row blocks in one range per member, each with its own
-    ``scratch`` dict (the worker's for the first part, dicts kept in it for the others:
-    :func:`~.cpu_parallel.part_scratches`)."""
+    given a ``crew`` (:func:`row_parts`), a stored tile's row blocks in :data:`~.sizes.SPLIT_PARTS_PER_CORE` ranges
+    per member, which the members take in turn, each with its own ``scratch`` dict (the worker's for the calling
+    thread, dicts kept in it for the others: :func:`~.cpu_parallel.part_scratches`)."""
 
     def __init__(self, problem: Problem, options: Options, memory: Tensor,
                  shifts: tuple[Tensor, Tensor] | None = None, ready: bool = False, scratch: dict | None = None,
@@ -349,8 +350,8 @@ class Tile:
                              f"{'stored' if self.stored else 'recomputed'} blocks of "
                              f"{'rows' if self.blocks.rows is not None else 'whole slices'}")
         self._crew = crew
-        self.parts = _block_parts(self.count, 1 if crew is None else crew.workers)
-        self._scratches = part_scratches({} if scratch is None else scratch, len(self.parts))
+        self.parts = _block_parts(self.count, 1 if crew is None else crew.workers * sizes.SPLIT_PARTS_PER_CORE)
+        self._scratches = part_scratches({} if scratch is None else scratch, 1 if crew is None else crew.workers)
         self._index = self.blocks.index if self.masked else None
         self._ready = ready and self.stored  # a stored tile holds K̃
         self._scaled = False  # a stored tile holds the first sweep's E
@@ -485,13 +486,14 @@ class Tile:
         self._scaled = False
 
     def over_parts(self, part: Callable[[int, dict], None]) -> None:
-        """``part(p, scratch)`` for every part ``p`` of the blocks (:attr:`parts`), with the part's scratch dict: on
-        this thread, or one part per member of the crew (:meth:`~.cpu_parallel.Crew.run`). Parts visit disjoint rows;
-        a sum over rows is summed by each part into its own buffer (:meth:`part_sums`)."""
+        """``part(p, scratch)`` for every part ``p`` of the blocks (:attr:`parts`), with the scratch dict of the thread
+        that runs it: on this thread, or taken in turn by the members of the crew (:meth:`~.cpu_parallel.Crew.run`).
+        Parts visit disjoint rows; a sum over rows is summed by each part into its own buffer (:meth:`part_sums`), so
+        the results do not depend on which member ran which part."""
         if self._crew is None:
             part(0, self._scratches[0])
             return
-        self._crew.run(part, self._scratches)
+        self._crew.run(part, len(self.parts), self._scratches)
 
     def visit_parts(self, part: Callable[[int, dict], None]) -> None:
         """:meth:`over_parts` for a pass over :math:`\\tilde K` (each part's blocks from :meth:`visit`); a stored
@@ -506,7 +508,7 @@ class Tile:
 
     def visit(self, p: int, scratch: dict):
         """Yield ``(i, K̃ of block i)`` for every block ``i`` of part ``p`` (a recomputed block's storage is reused by
-        the next; ``scratch``: the part's). Within :meth:`visit_parts`."""
+        the next; ``scratch``: that of the thread running the part). Within :meth:`visit_parts`."""
         rescale = self._scaled and self.native_rows and not self._ready
         work = scratch_buffer(scratch, "rescale", self.shape[2], self.q) if rescale else None
         for i in self.parts[p]:

@@ -18,7 +18,7 @@ from ..provenance import cpu_vendor
 
 __all__ = [
     "TILE_ELEMENTS", "GPU_TILE_ELEMENTS", "CACHE_BLOCK_ELEMENTS", "WHOLE_SLICE_BUDGETS", "BLOCK_ELEMENTS",
-    "MIN_BLOCK_ROWS", "SAVED_TILE_SCORES", "SPLIT_TILE_SCORES", "STREAM_ABOVE", "group_size", "CacheBlocks", "cache_blocks",
+    "MIN_BLOCK_ROWS", "SAVED_TILE_SCORES", "SPLIT_TILE_SCORES", "SPLIT_PARTS_PER_CORE", "STREAM_ABOVE", "group_size", "CacheBlocks", "cache_blocks",
     "stream_rows", "row_block", "ROW_VECTOR_PRODUCTS", "MATVEC_LOOP_SLICES",
 ]
 
@@ -51,6 +51,12 @@ SAVED_TILE_SCORES = 1 << 21
 #: per core made the peak 1.85x SDPA's; split, the call took 1.02-1.03x the time (separate processes, 3 each;
 #: n = 2048: 1.03-1.08x, so smaller slices keep a tile per core: their tiles are a fourth as large).
 SPLIT_TILE_SCORES = 1 << 24
+#: ... each pass then in this many parts per core, which the cores take in turn as they are free (a core shared
+#: with another process takes fewer); every part sums into its own buffer, so the results do not depend on which
+#: core took which part. Informal, n = 4096, 1 x 8 slices, 3 processes each, beside a busy process: 1 part a core
+#: 1.57-1.60 s, 2 parts 1.49-1.54 s (idle both 0.87-0.90 s); each part's buffers for D and dK (1 MiB each at
+#: n = 4096, d = 64) weigh on the peak: 4 parts a core made it 1.53x SDPA's at b x h = 4 x 8, 2 parts 1.47x.
+SPLIT_PARTS_PER_CORE = 2
 #: Above this many scores per slice, ``backend="auto"`` streams (never an ``n × m`` tile).
 STREAM_ABOVE = 1 << 24
 #: Whether the engines' matrix-vector products ``K x`` (``K (c, r, m)``, on the CPU) run as the row-vector
