@@ -43,6 +43,8 @@ def measure(calls: list[tuple[int, int, int]], rounds: int, progress=print) -> l
     from sinkformer.sinkhorn.tiled import call_group
 
     threshold, native_threshold = cpu_parallel.PARALLEL_ABOVE, cpu_parallel.NATIVE_PARALLEL_ABOVE
+    split = sizes.SPLIT_TILE_SCORES
+    sizes.SPLIT_TILE_SCORES = 1 << 62  # the groups' two modes, also where the engine splits slices instead
     rows = []
     try:
         for b, h, n in calls:
@@ -75,9 +77,12 @@ def measure(calls: list[tuple[int, int, int]], rounds: int, progress=print) -> l
             progress(f"b={b} h={h} n={n}: threads / intra-op {rows[-1]['ratio']:.2f}")
     finally:
         cpu_parallel.PARALLEL_ABOVE, cpu_parallel.NATIVE_PARALLEL_ABOVE = threshold, native_threshold
+        sizes.SPLIT_TILE_SCORES = split
     for row in rows:  # what the engine picks, by its thresholds (restored above; the group too depends on them)
         row["group"] = call_group(row["batch"] * row["heads"], row["n"], row["n"], torch.device("cpu"), row["native"])
         row["picked"] = "intra-op" if row["scores"] < parallel_above(row["native"], row["group"]) else "threads"
+        if row["n"] * row["n"] >= sizes.SPLIT_TILE_SCORES and torch.get_num_threads() > 1:
+            row["picked"] = "split"  # neither: each slice's passes in parts over the cores (scaling.row_parts)
     return rows
 
 
@@ -94,7 +99,9 @@ def render(rows: list[dict], meta: dict) -> str:
     lines = [f"The tiled engine's groups on one Python thread per core (`threads`) or on PyTorch's intra-op threads, "
              f"forward+backward, 5 iterations, float32, d = 64; measured {meta['when']} on {meta['machine']} with "
              f"{meta['cores']} CPU cores ({meta['threads']} torch threads), torch {meta['torch']}; medians over "
-             f"{meta['rounds']} rounds alternating the modes in one process. `PARALLEL_ABOVE` = {meta['threshold']} scores"
+             f"{meta['rounds']} rounds alternating the modes in one process (slices of at least "
+             f"`SPLIT_TILE_SCORES` scores, which the engine splits over the cores instead, `split`, measured in both "
+             f"modes all the same). `PARALLEL_ABOVE` = {meta['threshold']} scores"
              + (f"; `NATIVE_PARALLEL_ABOVE` = {meta['native_threshold']} for the calls that run the native passes (native: yes)"
                 if "native_threshold" in meta else "") + ".", "",
              "| b × h | n | scores | threads (ms) | intra-op (ms) | threads / intra-op (range) | faster in every round "
@@ -108,7 +115,7 @@ def render(rows: list[dict], meta: dict) -> str:
                      + f"{r['n']} | {r['scores'] / 1e6:.1f}M | {r['threads_ms']:.1f} | "
                      f"{r['intra_op_ms']:.1f} | {r['ratio']:.2f} ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) | "
                      f"{faster(r) or '—'} | {r['picked']} |")
-    wrong = [r for r in rows if faster(r) not in (None, r["picked"])]
+    wrong = [r for r in rows if faster(r) not in (None, r["picked"]) and r["picked"] != "split"]
     picker = "the thresholds pick" if natives else "`PARALLEL_ABOVE` picks"
     lines += ["", f"Sizes where {picker} the mode that was slower in every round: "
               + (", ".join(f"b × h = {r['batch']} × {r['heads']}, n = {r['n']}" for r in wrong) if wrong else "none")

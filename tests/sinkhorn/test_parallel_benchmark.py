@@ -68,3 +68,30 @@ def test_the_docs_paragraph_reads_the_committed_run():
     assert all(parallel.faster(rows[key]) == "threads" for key in ((2, 8, 1024), (4, 8, 1024), (1, 8, 2048),
                                                                     (1, 8, 4096)))
     assert parallel.faster(rows[(1, 8, 1024)]) is None
+
+
+def test_sizes_whose_slices_the_engine_splits_are_measured_in_both_modes_and_picked_as_split(monkeypatch):
+    """Slices of at least SPLIT_TILE_SCORES scores take neither mode in the engine: the benchmark times both all the
+    same (splitting held off while it measures, and restored), says 'split', and never counts them as a wrong pick."""
+    import pytest
+    import torch
+
+    import sinkformer
+    from sinkformer.sinkhorn import sizes
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one torch thread: the engine splits nothing")
+    monkeypatch.setattr(sizes, "SPLIT_TILE_SCORES", 64)
+    seen = []
+    run = sinkformer.attention
+
+    def recording(*args, **kwargs):
+        seen.append(sizes.SPLIT_TILE_SCORES)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(sinkformer, "attention", recording)
+    rows = parallel.measure([(1, 2, 8)], rounds=2, progress=lambda s: None)
+    assert seen and set(seen) == {1 << 62} and sizes.SPLIT_TILE_SCORES == 64
+    assert rows[0]["picked"] == "split"
+    rows = [row(8, [1.4, 1.5, 1.6], "split")]
+    assert "slower in every round: none." in parallel.render(rows, META)
