@@ -266,14 +266,13 @@ def test_the_epyc_grid_after_the_transposed_products_is_quoted_beside_the_one_be
 
 
 def test_the_epyc_grid_after_the_split_slices_is_quoted():
-    """docs/speed.md quotes the EPYC's grid at 2b7507f (after large slices were split over the cores): its
-    5-iteration ratios at n = 64..4096 and its causal ones, n = 4096 and the causal ratios beside the run before."""
-    grid, after, five, text = _committed_grid("attention_grid_epyc_2b7507f.json")
+    """docs/speed.md quotes the EPYC's grid at 6db06b6 (after large slices were split over the cores): its
+    5-iteration ratios at n = 64..4096 and its causal ones, and n = 4096 beside the run before."""
+    grid, after, five, text = _committed_grid("attention_grid_epyc_6db06b6.json")
     _, before, _, _ = _committed_grid("attention_grid_epyc_7930b6b.json")
     assert grid["cpu"] == "AMD EPYC"
     assert (f"which reaches only n = 4096) read {', '.join(five[:5])} and {five[5]}, and causal "
             f"{after[(1024, 3, True)]:.2f}× and {after[(4096, 3, True)]:.2f}×:") in text
     assert f"n = 4096 from {before[(4096, 5, False)]:.2f}× to {after[(4096, 5, False)]:.2f}×" in text
     assert after[(4096, 5, False)] <= 1.5 and after[(1024, 5, False)] <= 1.25
-    assert (f"from {before[(1024, 3, True)]:.2f}× and {before[(4096, 3, True)]:.2f}× to {after[(1024, 3, True)]:.2f}× "
-            f"and {after[(4096, 3, True)]:.2f}×") in text
+    assert max(after[(n, 5, False)] for n in (64, 128, 256, 512)) <= 1.5
