@@ -47,9 +47,10 @@ MIN_BLOCK_ROWS = 64
 SAVED_TILE_SCORES = 1 << 21
 #: Fewest scores per slice for the tiled engine to split each slice's row blocks over the cores, one slice at a
 #: time, rather than give each core its own slices (:func:`~.scaling.row_parts`): one stored tile in memory instead
-#: of one per core. At n = 4096 (b x h = 4 x 8, 5 iterations, forward+backward, this 2-core AMD EPYC) a 64 MiB tile
-#: per core made the peak 1.85x SDPA's; split, the call took 1.02-1.03x the time (separate processes, 3 each;
-#: n = 2048: 1.03-1.08x, so smaller slices keep a tile per core: their tiles are a fourth as large).
+#: of one per core. At n = 4096 (b x h = 4 x 8, 5 iterations, forward+backward, the 2-core AMD EPYC) a 64 MiB tile
+#: per core made the peak 1.85x SDPA's, split 1.46x (benchmarks/results/attention.md), at 1.021x the time
+#: (1 x 8 slices, ab_issue26_split_rows); n = 2048 split took 1.03-1.08x (informal), and its tiles are a fourth as
+#: large: smaller slices keep a tile per core.
 SPLIT_TILE_SCORES = 1 << 24
 #: ... each pass then in this many parts per core, which the cores take in turn as they are free (a core shared
 #: with another process takes fewer); every part sums into its own buffer, so the results do not depend on which
