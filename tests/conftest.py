@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import pytest
@@ -47,6 +48,24 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """``count`` torch intra-op threads within the block, the count before restored after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
+def two_threads():
+    """Two torch intra-op threads for the test (the engine's Python threads and crews use one per thread)."""
+    with torch_threads(2):
+        yield
 
 
 def nr_nc_reference(scores: torch.Tensor, n_iters: int) -> torch.Tensor:

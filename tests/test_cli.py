@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import torch_threads
 
 import sinkformer
 from sinkformer._options import check_options, close_matches, did_you_mean
@@ -338,10 +339,8 @@ def _epochs(name: str, runs_dir: Path) -> int:
 
 @pytest.fixture
 def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture

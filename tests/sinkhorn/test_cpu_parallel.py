@@ -12,14 +12,6 @@ from sinkformer.sinkhorn.cpu_parallel import map_groups
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_results_in_order_each_group_once_on_single_threaded_workers(two_threads):
     seen = []
 

@@ -27,14 +27,6 @@ def _run(q, k, v, backend="tiled", **kwargs):
     return (out, *torch.autograd.grad((out * cotangent).sum(), (q, k, v)))
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 class Passes(list):
     """``(parts, [(part, thread name, thread count)])`` of every pass; ``slow``: a thread that takes longer."""
 
