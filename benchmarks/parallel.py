@@ -82,7 +82,7 @@ def measure(calls: list[tuple[int, int, int]], rounds: int, progress=print) -> l
         row["group"] = call_group(row["batch"] * row["heads"], row["n"], row["n"], torch.device("cpu"), row["native"])
         row["picked"] = "intra-op" if row["scores"] < parallel_above(row["native"], row["group"]) else "threads"
         if row["n"] * row["n"] >= sizes.SPLIT_TILE_SCORES and torch.get_num_threads() > 1:
-            row["picked"] = "split"  # neither: each slice's passes in parts over the cores (scaling.row_parts)
+            row["picked"] = "split"  # neither: each slice's passes in parts over the cores (scaling.crew_size)
     return rows
 
 

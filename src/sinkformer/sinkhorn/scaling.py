@@ -68,7 +68,7 @@ from .sizes import CacheBlocks, cache_blocks
 
 __all__ = ["Options", "Tile", "GroupState", "run_forward", "run_backward", "scaling_forward", "scaling_backward",
            "dropout_mask", "implicit_duals_of", "uses_native", "native_row_blocks",
-           "parallel_above", "row_parts"]
+           "parallel_above", "crew_size"]
 
 @dataclass(frozen=True)
 class Options:
@@ -149,7 +149,7 @@ def run_forward(problem: Problem, seed: Tensor | None, options: Options, log_for
                 tiles)
     scaling = options.starts_in_scaling(q.device)
     native_passes = uses_native(problem, options)
-    parts = row_parts(problem, options)
+    members = crew_size(problem, options)
 
     def run(start: int, scratch: dict) -> GroupState:
         sl = slice(start, min(B, start + options.group))
@@ -171,9 +171,9 @@ def run_forward(problem: Problem, seed: Tensor | None, options: Options, log_for
             return log_forward(group, options, seed, out[sl], tile.row_shift, tile.col_shift)
         return log_forward(group, options, seed, out[sl], None, None)
 
-    with _crew(parts) as crew:
+    with _crew(members) as crew:
         states = map_groups(list(range(0, B, options.group)), run, q.device, B * n * m,
-                            parallel_above(native_passes, options.group, parts))
+                            parallel_above(native_passes, options.group, members))
     implicit = options.backward == "implicit"
     warn_if_unconverged([s.stop for s in states if s.stop is not None], implicit=implicit)
     col_errors = [s.col_error for s in states if s.col_error is not None]
@@ -195,7 +195,7 @@ def run_backward(grad_out: Tensor, problem: Problem, out: Tensor, seed: Tensor |
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     logs = log_domain.tolist()
     native_passes = uses_native(problem, options)
-    parts = row_parts(problem, options)
+    members = crew_size(problem, options)
 
     def run(start: int, scratch: dict) -> None:
         sl = slice(start, min(B, start + options.group))
@@ -220,9 +220,9 @@ def run_backward(grad_out: Tensor, problem: Problem, out: Tensor, seed: Tensor |
                     crew=crew)
         scaling_backward(tile, seed, us[sl], vs[sl], counts[sl], grad_out[sl], out[sl], options, grads, scratch)
 
-    with _crew(parts) as crew:
+    with _crew(members) as crew:
         map_groups(list(range(0, B, options.group)), run, q.device, B * n * m,
-                   parallel_above(native_passes, options.group, parts))
+                   parallel_above(native_passes, options.group, members))
     return dq, dk, dv
 
 
@@ -239,32 +239,32 @@ def uses_native(problem: Problem, options: Options) -> bool:
             and options.blocks(p.B, p.n, p.m).rows is None and native.available())
 
 
-def parallel_above(native_passes: bool, group: int, parts: int = 1) -> int:
+def parallel_above(native_passes: bool, group: int, crew: int = 1) -> int:
     """Fewest scores in a call for :func:`~.cpu_parallel.map_groups` to run its groups on Python threads:
     :data:`~.cpu_parallel.PARALLEL_ABOVE` for the composed passes, and for native groups of at least as many slices
     as PyTorch has threads, which each C call splits over all of them (at b x h = 4 x 8, n = 512, groups of 4 slices
     on 2 threads, the intra-op mode was faster in every round: ``benchmarks/results/parallel_6cf3108.md``); else
     :data:`~.cpu_parallel.NATIVE_PARALLEL_ABOVE` (native groups too small to occupy every thread, e.g. one slice,
-    or a library without OpenMP). Groups split into ``parts > 1`` (:func:`row_parts`) run one at a time, each
-    pass's parts on the cores: never (``sys.maxsize``)."""
-    if parts > 1:
+    or a library without OpenMP). Groups whose passes a ``crew`` of more than one member splits (:func:`crew_size`)
+    run one at a time: never (``sys.maxsize``)."""
+    if crew > 1:
         return sys.maxsize
     splits = native.threaded() and group >= torch.get_num_threads()
     return cpu_parallel.NATIVE_PARALLEL_ABOVE if native_passes and not splits else cpu_parallel.PARALLEL_ABOVE
 
 
-def _crew(parts: int) -> contextlib.AbstractContextManager[Crew | None]:
-    """A :class:`~.cpu_parallel.Crew` of ``parts`` for a call whose groups are split into parts, else nothing."""
-    return Crew(parts) if parts > 1 else contextlib.nullcontext()
+def _crew(members: int) -> contextlib.AbstractContextManager[Crew | None]:
+    """A :class:`~.cpu_parallel.Crew` of ``members`` for a call whose passes are split over the cores, else nothing."""
+    return Crew(members) if members > 1 else contextlib.nullcontext()
 
 
-def row_parts(problem: Problem, options: Options) -> int:
-    """Into how many parts the tiled engine splits each group's row blocks, one part per core (a
-    :class:`~.cpu_parallel.Crew`): every PyTorch thread for stored tiles on the CPU whose slices have at least
-    :data:`~.sizes.SPLIT_TILE_SCORES` scores (n = 4096 when square); else 1. The groups then run one at a time, so
-    one tile is in memory rather than one per core; the passes are the same, in :data:`~.sizes.SPLIT_PARTS_PER_CORE`
-    parts per core that the crew's members take in turn, and what a pass sums over rows each part sums on its own,
-    the shares added in part order (:meth:`Tile.part_sums`)."""
+def crew_size(problem: Problem, options: Options) -> int:
+    """How many threads split each group's passes (a :class:`~.cpu_parallel.Crew`, one member per core): every
+    PyTorch thread for stored tiles of row blocks on the CPU whose slices have at least
+    :data:`~.sizes.SPLIT_TILE_SCORES` scores (n = 4096 when square); else 1 (no crew). The groups then run one at a
+    time, so one tile is in memory rather than one per core; the passes are the same, in
+    :data:`~.sizes.SPLIT_PARTS_PER_CORE` parts per member that the members take in turn, and what a pass sums over
+    rows each part sums on its own, the shares added in part order (:meth:`Tile.part_sums`)."""
     p = problem
     if not (options.stored and p.q.device.type == "cpu" and p.n * p.m >= sizes.SPLIT_TILE_SCORES):
         return 1
@@ -323,7 +323,7 @@ class Tile:
     pass 1; ``ready``: ``memory`` already holds the tile's :math:`\\tilde K` (kept by the forward).
 
     **Parts.** Every pass visits the blocks in :attr:`parts` (:meth:`over_parts`): one range of all blocks, or,
-    given a ``crew`` (:func:`row_parts`), a stored tile's row blocks in :data:`~.sizes.SPLIT_PARTS_PER_CORE` ranges
+    given a ``crew`` (:func:`crew_size`), a stored tile's row blocks in :data:`~.sizes.SPLIT_PARTS_PER_CORE` ranges
     per member, which the members take in turn, each with its own ``scratch`` dict (the worker's for the calling
     thread, dicts kept in it for the others: :func:`~.cpu_parallel.part_scratches`)."""
 

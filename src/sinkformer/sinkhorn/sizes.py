@@ -46,7 +46,7 @@ MIN_BLOCK_ROWS = 64
 #: which then recomputes nothing (b=4, h=8: n <= 256; 8 MiB of float32).
 SAVED_TILE_SCORES = 1 << 21
 #: Fewest scores per slice for the tiled engine to split each slice's row blocks over the cores, one slice at a
-#: time, rather than give each core its own slices (:func:`~.scaling.row_parts`): one stored tile in memory instead
+#: time, rather than give each core its own slices (:func:`~.scaling.crew_size`): one stored tile in memory instead
 #: of one per core. At n = 4096 (b x h = 4 x 8, 5 iterations, forward+backward, the 2-core AMD EPYC) a 64 MiB tile
 #: per core made the peak 1.85x SDPA's, split 1.46x (benchmarks/results/attention.md), at 1.021x the time
 #: (1 x 8 slices, ab_issue26_split_rows); n = 2048 split took 1.03-1.08x (informal), and its tiles are a fourth as

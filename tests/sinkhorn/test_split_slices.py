@@ -1,4 +1,4 @@
-"""The tiled engine's large slices split into parts over the cores (scaling.row_parts, cpu_parallel.Crew): the
+"""The tiled engine's large slices split into parts over the cores (scaling.crew_size, cpu_parallel.Crew): the
 values of one part (the same sums in another order), the dense engine's, and one tile in memory instead of one per
 core."""
 
@@ -11,7 +11,7 @@ import torch
 import sinkformer
 from sinkformer.sinkhorn import cpu_parallel, native, scaling, sizes, tiled
 from sinkformer.sinkhorn.problem import Problem
-from sinkformer.sinkhorn.scaling import Options, Tile, row_parts
+from sinkformer.sinkhorn.scaling import Options, Tile, crew_size
 
 
 def _inputs(b, h, n, m, dtype, d=16, e=8, seed=0):
@@ -114,23 +114,23 @@ def test_split_slices_equal_one_part(kwargs, dtype, parts_seen, monkeypatch):
         torch.testing.assert_close(a, b, rtol=tol[0], atol=tol[1])
 
 
-def test_row_parts_splits_large_stored_tiles_of_row_blocks_on_the_cpu(two_threads, monkeypatch):
+def test_crew_size_is_every_thread_for_large_stored_tiles_of_row_blocks_on_the_cpu(two_threads, monkeypatch):
     monkeypatch.setattr(sizes, "CACHE_BLOCK_ELEMENTS", 256)
     q, k, v = (t.detach() for t in _inputs(1, 2, 40, 33, torch.float32))
 
-    def parts(q, k, v, **options):
+    def members(q, k, v, **options):
         problem = Problem(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), None, None, [2], 0.25, 5, None, 100)
-        return row_parts(problem, Options("unrolled", 0.0, "auto", 1, **{"block": 256, **options}))
+        return crew_size(problem, Options("unrolled", 0.0, "auto", 1, **{"block": 256, **options}))
 
     monkeypatch.setattr(sizes, "SPLIT_TILE_SCORES", 40 * 33)
-    assert parts(q, k, v) == 2
-    assert parts(q, k, v, rows=7, stored=False) == 1  # the streamed engine: one block of memory per core already
-    assert parts(q, k, v, block=1 << 20) == 1  # whole slices: each core its own slices
+    assert members(q, k, v) == 2
+    assert members(q, k, v, rows=7, stored=False) == 1  # the streamed engine: one block of memory per core already
+    assert members(q, k, v, block=1 << 20) == 1  # whole slices: each core its own slices
     monkeypatch.setattr(sizes, "SPLIT_TILE_SCORES", 40 * 33 + 1)
-    assert parts(q, k, v) == 1  # smaller slices keep a tile per core
+    assert members(q, k, v) == 1  # smaller slices keep a tile per core
     monkeypatch.setattr(sizes, "SPLIT_TILE_SCORES", 0)
     torch.set_num_threads(1)
-    assert parts(q, k, v) == 1
+    assert members(q, k, v) == 1
 
 
 def test_a_crew_needs_row_blocks_of_a_stored_tile(two_threads):
