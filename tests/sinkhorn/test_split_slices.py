@@ -191,3 +191,20 @@ def test_split_slices_give_the_same_values_whichever_core_takes_which_part(parts
     for a, b in zip(*results):
         assert torch.equal(a, b)
     assert shares[0] > 0.5 > shares[1]
+
+
+def test_split_slices_compile_to_the_eager_values(parts_seen, monkeypatch):
+    """Under torch.compile (fullgraph) the engine's ops run the split passes as in eager mode: the crew starts
+    inside the custom ops, and the values are the eager ones bit for bit."""
+    monkeypatch.setattr(sizes, "TILE_ELEMENTS", 40 * 33)
+    q, k, v = _inputs(1, 2, 40, 33, torch.float32)
+    fn = lambda q, k, v: sinkformer.attention(q, k, v, n_iters=5, backend="tiled")  # noqa: E731
+    results = []
+    for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        torch._dynamo.reset()
+        out = f(q, k, v)
+        results.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+        assert parts_seen
+        parts_seen.clear()
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
