@@ -265,10 +265,11 @@ def test_the_passes_give_the_same_values_on_any_number_of_threads():
 
     def passes():
         tile, out = torch.empty(5, 24, 19), torch.empty(5, 24, v.shape[-1])
-        shifts_and_iterates = native.forward(tile, q, k, v, 0.25, 5, out)
+        shifts_and_iterates = native.forward(tile, q, k, v, 0.25, 5, out, torch.empty(v.numel()))
         again = native.recompute(torch.empty(5, 24, 19), q, k, 0.25, *shifts_and_iterates[:2])
         grads = tuple(torch.empty_like(t) for t in (q, k, v))
-        native.backward(tile, q, k, v, *shifts_and_iterates[2:], dO, 0.25, 5, grads, torch.empty(tile.numel()))
+        native.backward(tile, q, k, v, *shifts_and_iterates[2:], dO, 0.25, 5, grads,
+                        torch.empty(native.backward_work(*tile.shape, v.shape[-1])))
         return (tile, out, again, *shifts_and_iterates, *grads)
 
     threads = torch.get_num_threads()

@@ -62,7 +62,7 @@ from .._capture import when_dynamo_loads
 from ..provenance import cpu_model
 
 __all__ = ["ENABLED", "FLAGS", "OPENMP", "status", "library", "available", "threaded", "forward", "recompute", "backward",
-           "rows_first", "rows_rescale", "rows_sweep", "rows_step", "rows_kernel"]
+           "backward_work", "rows_first", "rows_rescale", "rows_sweep", "rows_step", "rows_kernel"]
 
 SOURCE = Path(__file__).with_name("native_scaling.c")
 #: compiler flags: optimised for this CPU; the loops vectorise through ``omp simd``
@@ -210,19 +210,21 @@ def _threads(c: int) -> int:
     return max(1, min(c, torch.get_num_threads())) if threaded() else 1
 
 
-def forward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, n_iters: int,
-            out: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def forward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, n_iters: int, out: Tensor,
+            work: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The forward of one group: ``tile (c, n, m)`` (contiguous) ends holding :math:`\\tilde K`; writes ``out
     (c, n, e)``; returns the shifts ``(c, n)``, ``(c, m)`` and the iterates ``us (c, n, Lu)`` ``[u1, u3, ..]``,
-    ``vs (c, m, Lv)`` ``[v0, v2, ..]`` (``q (c, n, d)``, ``k (c, m, d)``, ``v (c, m, e)``; ``n_iters >= 2``)."""
+    ``vs (c, m, Lv)`` ``[v0, v2, ..]`` (``q (c, n, d)``, ``k (c, m, d)``, ``v (c, m, e)``; ``n_iters >= 2``).
+    ``work``: at least ``c m e`` elements (:math:`\\tilde v \\odot V`)."""
     c, n, m = tile.shape
     tile.baddbmm_(q, k.transpose(1, 2), beta=0.0, alpha=scale)
     us, vs = tile.new_empty(c, n, (n_iters + 1) // 2), tile.new_empty(c, m, n_iters // 2 + 1)
     threads = _threads(c)
-    row_shift, col_shift, work = tile.new_empty(c, n), tile.new_empty(c, m), tile.new_empty(threads * 2 * m)
+    row_shift, col_shift, sums = tile.new_empty(c, n), tile.new_empty(c, m), tile.new_empty(threads * 2 * m)
     _function("forward", tile)(tile.data_ptr(), c, n, m, n_iters, 1.0, n / m, us.data_ptr(), vs.data_ptr(),
-                               row_shift.data_ptr(), col_shift.data_ptr(), work.data_ptr(), threads)
-    torch.bmm(tile, vs[..., -1:] * v, out=out).mul_(us[..., -1:])
+                               row_shift.data_ptr(), col_shift.data_ptr(), sums.data_ptr(), threads)
+    vV = torch.mul(v, vs[..., -1:], out=work[:v.numel()].view(v.shape))
+    torch.bmm(tile, vV, out=out).mul_(us[..., -1:])
     return row_shift, col_shift, us, vs
 
 
@@ -254,18 +256,24 @@ def _transposed_bmm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
     return out.copy_(torch.bmm(b.transpose(1, 2), a).transpose(1, 2))
 
 
+def backward_work(c: int, n: int, m: int, e: int) -> int:
+    """Elements of :func:`backward`'s ``work`` for a group of ``c`` slices ``n x m`` with values of width ``e``."""
+    return c * (n * m + (n + m) * e)
+
+
 def backward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, us: Tensor, vs: Tensor, dO: Tensor, scale: float,
              n_iters: int, grads: tuple[Tensor, Tensor, Tensor], work: Tensor) -> None:
     """Gradients of one group written into ``grads = (dq, dk, dv)``, from the forward's :math:`\\tilde K`
-    (``tile (c, n, m)``), iterates and ``dO (c, n, e)``; ``work``: at least ``c n m`` elements (``G``, then
-    ``dS``)."""
+    (``tile (c, n, m)``), iterates and ``dO (c, n, e)``; ``work``: at least :func:`backward_work` elements
+    (``G``, then ``dS``; :math:`u \\odot dO`; :math:`\\tilde v \\odot V`)."""
     c, n, m = tile.shape
     dq, dk, dv = grads
     u, vt = us[..., -1:], vs[..., -1:]
-    uO = dO * u
+    G, uO, vV = (t.view(shape) for t, shape in zip(work.split([c * n * m, dO.numel(), v.numel()]),
+                                                   ((c, n, m), dO.shape, v.shape)))
+    torch.mul(dO, u, out=uO)
     _transposed_bmm(tile, uO, out=dv).mul_(vt)
-    G = work[:c * n * m].view(c, n, m)
-    torch.bmm(uO, (vt * v).transpose(1, 2), out=G)
+    torch.bmm(uO, torch.mul(v, vt, out=vV).transpose(1, 2), out=G)
     threads = _threads(c)
     scratch = tile.new_empty(threads * (n_iters + 1) * (n + m))
     us, vs = us.contiguous(), vs.contiguous()  # named: their memory must outlive the call

@@ -158,7 +158,8 @@ def run_forward(problem: Problem, seed: Tensor | None, options: Options, log_for
             c = sl.stop - sl.start
             memory = tiles[sl] if tiles.numel() else scratch_buffer(scratch, "memory", c * n * m, q).view(c, n, m)
             row_shift, col_shift, us, vs = native.forward(memory, group.q, group.k, group.v, group.scale,
-                                                          group.n_iters, out[sl])
+                                                          group.n_iters, out[sl],
+                                                          scratch_buffer(scratch, "vV", group.v.numel(), q))
             if _trustworthy(us, vs):
                 counts = torch.full((c,), group.n_iters, dtype=torch.int64, device=q.device)
                 return GroupState(row_shift, col_shift, us, vs, counts, False)
@@ -210,7 +211,7 @@ def run_backward(grad_out: Tensor, problem: Problem, out: Tensor, seed: Tensor |
             tile = tiles[sl] if tiles.numel() else native.recompute(
                 scratch_buffer(scratch, "memory", c * n * m, q).view(c, n, m), group.q, group.k, group.scale,
                 row_shift[sl], col_shift[sl])
-            work = scratch_buffer(scratch, "dS", c * n * m, dq)
+            work = scratch_buffer(scratch, "dS", native.backward_work(c, n, m, v.shape[-1]), dq)
             native.backward(tile, group.q, group.k, group.v, us[sl], vs[sl], grad_out[sl], group.scale, group.n_iters,
                             grads, work)
             return
