@@ -191,8 +191,8 @@ def check_values_and_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
                             bias: torch.Tensor | None = None) -> None:
     r""":func:`check_qkv_values` and then :func:`check_scores_fit` (``q``, ``k``: the compute dtype).
 
-    Eagerly on the CPU without a bias, both in one read: the norms of the whole of ``q`` and ``k`` are
-    finite only where ``q`` and ``k`` are (NaN and inf propagate) and bound every row norm, hence the
+    Eagerly on the CPU without a bias, both in one read: the squared norms of the whole of ``q`` and ``k``
+    (:func:`_squares`) are finite only where ``q`` and ``k`` are (NaN and inf propagate) and bound every row norm, hence the
     scores (:math:`|S_{ij}| \le \mathrm{scale}\,\|q_i\|\|k_j\| \le \mathrm{scale}\,\|q\|_F\|k\|_F`), and
     ``v``'s sum is finite only where ``v`` is. One reduction over each whole tensor instead of row norms and
     their maximum: fewer operations (``benchmarks/results/ab_issue26_validation.md``: six fewer aten calls per
@@ -200,13 +200,23 @@ def check_values_and_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     operand) runs the two checks, which name what is wrong; :func:`check_scores_fit` bounds by the row
     norms, then by the scores themselves."""
     if bias is None and not capturing() and all(map(data_checks_run, (q, k, v))) and q.numel() and k.numel():
-        norms = [torch.linalg.vector_norm(x.detach()) for x in (q, k)]
-        q_norm, k_norm, total = torch.stack(norms + [v.detach().sum().to(norms[0].dtype)]).tolist()
+        q_squares, k_squares, total = torch.stack([_squares(q), _squares(k), v.detach().sum().to(q.dtype)]).tolist()
         limit = torch.finfo(q.dtype).max / SCORE_HEADROOM
-        if all(map(math.isfinite, (q_norm, k_norm, total))) and max(scale, 1.0) * q_norm * k_norm <= limit:
+        if (all(map(math.isfinite, (q_squares, k_squares, total)))
+                and max(scale, 1.0) * math.sqrt(q_squares) * math.sqrt(k_squares) <= limit):
             return
     check_qkv_values(q, k, v)
     check_scores_fit(q, k, scale, bias)
+
+
+def _squares(x: torch.Tensor) -> torch.Tensor:
+    r""":math:`\|x\|_F^2`, one element (NaN or inf where ``x`` holds one): as a dot product where ``x`` is
+    contiguous (BLAS, on every thread), else a norm."""
+    x = x.detach()
+    if x.is_contiguous():
+        flat = x.view(-1)
+        return torch.dot(flat, flat)
+    return torch.linalg.vector_norm(x).square()
 
 
 #: Scores (and their differences after the engines' shifts) must stay below ``finfo.max / SCORE_HEADROOM``.

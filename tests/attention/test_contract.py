@@ -471,11 +471,14 @@ def test_batch_dimensions_that_do_not_broadcast_are_refused():
 @pytest.mark.parametrize("name", ["q", "k", "v"])
 @pytest.mark.parametrize("bad, word", [(float("nan"), "NaN"), (float("inf"), "inf"), (-float("inf"), "inf")])
 @pytest.mark.parametrize("kwargs", [{}, {"cost": "l2"}, {"normalization": "relu", "backend": "dense"}])
-def test_a_non_finite_input_is_named(name, bad, word, kwargs):
-    """The values of q, k and v are checked in one read with the scores' bound (the norms of q and k are not
-    finite where q or k is not); a doubt runs the checks that name the tensor."""
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_a_non_finite_input_is_named(name, bad, word, kwargs, contiguous):
+    """The values of q, k and v are checked in one read with the scores' bound (the squared norms of q and k
+    are not finite where q or k is not: a dot product where contiguous, else a norm); a doubt runs the checks
+    that name the tensor."""
     q, k, v = qkv(n=6, batch=(2,))
-    args = dict(q=q.clone(), k=k.clone(), v=v.clone())
+    args = {name: t.clone() if contiguous else t.mT.contiguous().mT for name, t in dict(q=q, k=k, v=v).items()}
+    assert all(t.is_contiguous() == contiguous for t in args.values())
     args[name][1, 3, 2] = bad
     with pytest.raises(ValueError, match=f"{name} contains {word}"):
         attention(**args, **kwargs)

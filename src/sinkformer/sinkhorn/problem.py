@@ -424,7 +424,10 @@ class Problem:
         return (self.n_iters + 1) // 2, self.n_iters // 2 + 1
 
     def group(self, start: int, end: int) -> Problem:
-        """The problem of slices ``[start, end)`` (the same masks, read from flat index ``first + start``)."""
+        """The problem of slices ``[start, end)`` (the same masks, read from flat index ``first + start``); this one
+        for all of its slices."""
+        if start == 0 and end == self.B:
+            return self
         v = None if self.v is None else self.v[start:end]
         return replace(self, q=self.q[start:end], k=self.k[start:end], v=v, first=self.first + start)
 
