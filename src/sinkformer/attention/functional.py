@@ -224,15 +224,15 @@ def _prepare(
     # bound in the same read), in compute precision: a no-op cast for float32 and float64; half-precision CUDA
     # tensors, which these checks do not read (data_checks_run), are not cast before the choice
     half_cuda = q.is_cuda and out_dtype in (torch.float16, torch.bfloat16)
-    checked = (q, k, v) if half_cuda else (q.to(dtype), k.to(dtype), v.to(dtype))
+    checked = (q, k, v) if half_cuda or dtype == out_dtype else (q.to(dtype), k.to(dtype), v.to(dtype))
     if cost == "dot":
         check_values_and_scores(*checked, scale, bias)
     else:
         check_qkv_values(*checked)
     choice = choose(call, backend)
     # an engine whose kernels take half-precision operands (float32 accumulation) gets them without copies
-    if not (backends.engine(choice.engine).half_operands and half_cuda):
-        q, k, v = (t.to(dtype) for t in checked)
+    half_operands = half_cuda and backends.engine(choice.engine).half_operands
+    q, k, v = (t.to(dtype) for t in checked) if half_cuda and not half_operands else checked
     if l2_as_dot:
         q, k = _l2_as_dot(q, k)
     if cost == "l2":  # the bound of the scores as dot products (q and k extended)

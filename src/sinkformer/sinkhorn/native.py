@@ -269,8 +269,9 @@ def backward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, us: Tensor, vs: Tens
     c, n, m = tile.shape
     dq, dk, dv = grads
     u, vt = us[..., -1:], vs[..., -1:]
-    G, uO, vV = (t.view(shape) for t, shape in zip(work.split([c * n * m, dO.numel(), v.numel()]),
-                                                   ((c, n, m), dO.shape, v.shape)))
+    tile_end, left_end = c * n * m, c * n * m + dO.numel()
+    G, uO = work[:tile_end].view(c, n, m), work[tile_end:left_end].view(dO.shape)
+    vV = work[left_end:left_end + v.numel()].view(v.shape)
     torch.mul(dO, u, out=uO)
     _transposed_bmm(tile, uO, out=dv).mul_(vt)
     torch.bmm(uO, torch.mul(v, vt, out=vV).transpose(1, 2), out=G)

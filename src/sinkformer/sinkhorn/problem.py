@@ -308,8 +308,11 @@ def warn_unbalanced(col_error: Tensor, n_iters: int, threshold: float, engine: s
 
 
 def flatten(t: Tensor, batch: tuple[int, ...], length: int) -> Tensor:
-    """``(*b, length, d)`` broadcast to ``batch`` and viewed (copied only if needed) as ``(B, length, d)``."""
-    return t.expand(batch + (length, t.shape[-1])).reshape(math.prod(batch), length, t.shape[-1])
+    """``(*b, length, d)`` broadcast to ``batch`` and viewed (copied only if needed) as ``(B, length, d)``; expanded
+    only where ``b`` is not ``batch`` (an expansion is a node in autograd's graph)."""
+    if tuple(t.shape[:-2]) != tuple(batch):
+        t = t.expand(batch + (length, t.shape[-1]))
+    return t.reshape(math.prod(batch), length, t.shape[-1])
 
 
 class Masks:
