@@ -424,3 +424,38 @@ def test_the_split_tiles_paragraph_is_their_committed_runs():
             "at 02083d1 and at a21d1cc") in text
     assert f"one tree against itself in the same mode reads {quoted(null[2048])})" in text
     assert f"in CPU time on one thread {quoted(cpu[2048])})" in text
+
+
+def test_the_small_calls_paragraph_is_its_committed_runs():
+    """docs/speed.md's figures for less fresh memory and fewer operations a call (19e20c2 -> 25870a0): the rounds run
+    (9 rounds, wall clock: n = 64 and 128 below 1 in every round, n >= 256 on both sides of 1, identical results),
+    the CPU-time run on one thread, and the two paired runs, each quoted with its range or interval."""
+    def run(name: str) -> dict:
+        data = json.loads((ROOT / "benchmarks" / "results" / name).read_text())
+        assert data["before"] == "19e20c2daf72" and data["after"] == "25870a0c8ddb"
+        return {row["n"]: row for row in data["rows"]}
+
+    text = " ".join((ROOT / "docs" / "speed.md").read_text().split())
+    rounds, cpu = run("ab_issue26_small_calls.json"), run("ab_issue26_small_calls_cpu.json")
+    assert all(r["clock"] == "wall" and r["rounds"] == 9 and r["max_difference"] == 0 for r in rounds.values())
+    assert rounds[64]["ratio_max"] < 1 and rounds[128]["ratio_max"] < 1
+    assert (f"(ranges {rounds[64]['ratio_min']:.3f}–{rounds[64]['ratio_max']:.3f} and "
+            f"{rounds[128]['ratio_min']:.3f}–{rounds[128]['ratio_max']:.3f})") in text
+    large = [rounds[n] for n in (256, 512, 1024)]
+    assert all(r["ratio_min"] < 1 < r["ratio_max"] for r in large)
+    assert (f"the medians read {min(r['ratio'] for r in large):.2f}× to {max(r['ratio'] for r in large):.2f}×, "
+            "rounds on both sides of 1") in text
+    assert all(r["after_ops"] > r["before_ops"] for r in large)
+    assert all(r["clock"] == "cpu" and r["rounds"] == 7 for r in cpu.values()) and cpu[16]["ratio_max"] < 1
+    assert f"n = 16 read {cpu[16]['ratio']:.3f}× (every round below 1) and n = 64 {cpu[64]['ratio']:.3f}×" in text
+    paired, _ = _paired_run("ab_issue26_small_calls_paired.json", "19e20c2daf72", "25870a0c8ddb", 5, 7, clock="wall")
+    again, _ = _paired_run("ab_issue26_small_calls_paired15.json", "19e20c2daf72", "25870a0c8ddb", 7, 15, clock="wall")
+    assert paired[64]["ratio_low"] < 1 < paired[64]["ratio_high"] and again[64]["ratio_low"] < 1 < again[64]["ratio_high"]
+    assert f"(n = 64: {paired[64]['ratio']:.3f}× and {again[64]['ratio']:.3f}×)" in text
+    first, second = paired[512], again[512]
+    assert min(first["round_ratios"]) > 1 and sum(r > 1 for r in second["round_ratios"]) == 6
+    assert (f"n = 512 read {first['ratio']:.3f}× ({first['ratio_low']:.3f}–{first['ratio_high']:.3f}, every round "
+            f"above 1) and then {second['ratio']:.3f}× ({second['ratio_low']:.3f}–{second['ratio_high']:.3f}, six "
+            "rounds of seven above 1)") in text
+    # all five rounds of one size of six above 1 by chance: 1 - (1 - 2^-5)^6, about one time in six
+    assert round(1 / (1 - (1 - 2**-5) ** 6)) == 6 and "about one time in six" in text

@@ -282,3 +282,26 @@ def test_the_epyc_grid_after_the_split_slices_is_quoted():
     assert f"n = 4096 from {before[(4096, 5, False)]:.2f}× to {after[(4096, 5, False)]:.2f}×" in text
     assert after[(4096, 5, False)] <= 1.5 and after[(1024, 5, False)] <= 1.25
     assert max(after[(n, 5, False)] for n in (64, 128, 256, 512)) <= 1.5
+
+
+def test_the_epyc_grids_after_the_small_calls_change_are_quoted():
+    """docs/speed.md quotes both EPYC grids at 25870a0 in the order they ran: their 5-iteration ratios at n = 64..4096,
+    their causal ones, SDPA's own time at n = 64 in each and in 6db06b6's, and n = 1024 above the 1.25 target in
+    both."""
+    first, one, five_1, text = _committed_grid("attention_grid_epyc_25870a0_1214.json")
+    second, two, five_2, _ = _committed_grid("attention_grid_epyc_25870a0.json")
+    before, earlier, _, _ = _committed_grid("attention_grid_epyc_6db06b6.json")
+    assert first["cpu"] == second["cpu"] == "AMD EPYC" and first["date"] < second["date"]
+    assert (f"read {', '.join(five_1[:5])} and {five_1[5]}, then {', '.join(five_2[:5])} and {five_2[5]}; causal "
+            f"{one[(1024, 3, True)]:.2f}× and {one[(4096, 3, True)]:.2f}×, then {two[(1024, 3, True)]:.2f}× and "
+            f"{two[(4096, 3, True)]:.2f}×.") in text
+    sdpa = [next(r["forward_backward_ms"] for r in g["rows"] if r["method"] == "sdpa" and not r["causal"] and r["n"] == 64)
+            for g in (first, second, before)]
+    assert (f"SDPA itself took {sdpa[0]:.3f} ms forward+backward at n = 64 in the first run and {sdpa[1]:.3f} ms in the "
+            f"second ({sdpa[2]:.3f} ms at 6db06b6)") in text
+    assert f"n = 64 read {earlier[(64, 5, False)]:.2f}× at 6db06b6" in text
+    assert one[(1024, 5, False)] > 1.25 and two[(1024, 5, False)] > 1.25
+    assert (f"read {one[(1024, 5, False)]:.2f}× ({one[(1024, 5, False)]:.3f}) and {two[(1024, 5, False)]:.2f}×, above "
+            "the 1.25× target in both") in text
+    assert max(g[(n, 5, False)] for g in (one, two) for n in (64, 128, 256, 512)) <= 1.5
+    assert all(g[(4096, 5, False)] <= 1.5 and max(g[(n, 3, True)] for n in (1024, 4096)) <= 3 for g in (one, two))
