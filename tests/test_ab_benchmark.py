@@ -459,3 +459,8 @@ def test_the_small_calls_paragraph_is_its_committed_runs():
             "rounds of seven above 1)") in text
     # all five rounds of one size of six above 1 by chance: 1 - (1 - 2^-5)^6, about one time in six
     assert round(1 / (1 - (1 - 2**-5) ** 6)) == 6 and "about one time in six" in text
+    third, _ = _paired_run("ab_issue26_small_calls_paired512.json", "19e20c2daf72", "25870a0c8ddb", 11, 15,
+                           clock="wall")
+    assert third[512]["ratio_low"] < 1 < third[512]["ratio_high"]
+    assert (f"read {third[512]['ratio']:.3f}× ({third[512]['ratio_low']:.3f}–{third[512]['ratio_high']:.3f}): no change "
+            "resolved") in text
