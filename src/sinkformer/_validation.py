@@ -192,12 +192,13 @@ def check_values_and_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     r""":func:`check_qkv_values` and then :func:`check_scores_fit` (``q``, ``k``: the compute dtype).
 
     Eagerly on the CPU without a bias, both in one read: the squared norms of the whole of ``q`` and ``k``
-    (:func:`_squares`) are finite only where ``q`` and ``k`` are (NaN and inf propagate) and bound every row norm, hence the
-    scores (:math:`|S_{ij}| \le \mathrm{scale}\,\|q_i\|\|k_j\| \le \mathrm{scale}\,\|q\|_F\|k\|_F`), and
-    ``v``'s sum is finite only where ``v`` is. One reduction over each whole tensor instead of row norms and
-    their maximum: fewer operations (``benchmarks/results/ab_issue26_validation.md``: six fewer aten calls per
-    call, no change in time resolved). Any doubt (a non-finite number, a bound over the limit, an empty
-    operand) runs the two checks, which name what is wrong; :func:`check_scores_fit` bounds by the row
+    (:func:`_squares`) are finite only where ``q`` and ``k`` are (NaN and inf propagate), and their roots
+    bound every row norm, hence the scores (:math:`|S_{ij}| \le \mathrm{scale}\,\|q_i\|\|k_j\| \le
+    \mathrm{scale}\,\|q\|_F\|k\|_F`), and ``v``'s sum is finite only where ``v`` is. One reduction over
+    each whole tensor instead of row norms and their maximum: fewer operations
+    (``benchmarks/results/ab_issue26_validation.md``: six fewer aten calls per call, no change in time
+    resolved). Any doubt (a non-finite number, a bound over the limit, an empty operand) runs the two
+    checks, which name what is wrong; :func:`check_scores_fit` bounds by the row
     norms, then by the scores themselves."""
     if bias is None and not capturing() and all(map(data_checks_run, (q, k, v))) and q.numel() and k.numel():
         q_squares, k_squares, total = torch.stack([_squares(q), _squares(k), v.detach().sum().to(q.dtype)]).tolist()
