@@ -3,9 +3,10 @@
 ``cpu_parallel.map_groups`` runs the groups of slices of a call either on one Python thread per
 core, each computing single-threaded (``threads``), or in order on the calling thread, each PyTorch
 operation (and each native C call of several slices) split over the cores by PyTorch's intra-op threads
-(``intra-op``). A threshold of scores per call chooses (``scaling.parallel_above``): ``NATIVE_PARALLEL_ABOVE``
-for calls whose native groups are too small to occupy every thread (e.g. one slice, where the engine's cache
-blocks take whole slices and the passes are compiled), ``PARALLEL_ABOVE`` for the others. This benchmark times
+(``intra-op``). A threshold of scores per call chooses (``scaling.parallel_above``): none for native groups of a
+slice per thread or more, whose C calls split their slices over the threads (they never take the Python threads;
+``tiled.call_group`` gives native groups that many slices), ``NATIVE_PARALLEL_ABOVE`` for native groups too small to
+occupy every thread (a library without OpenMP, graph capture), ``PARALLEL_ABOVE`` for the others. This benchmark times
 both modes for calls of several sizes (forward+backward, 5 iterations, ``backend="tiled"``, float32, d = 64), in
 one process, the two modes alternating round by round, and prints per size the median over rounds of the
 per-round ratio threads / intra-op with its range, and the mode that the thresholds pick for that size.
@@ -27,7 +28,7 @@ from pathlib import Path
 #: same size with fewer slices
 CALLS = [(4, 8, 64), (4, 8, 128), (4, 8, 256), (4, 8, 512), (1, 8, 1024), (2, 8, 1024), (4, 8, 1024),
          (1, 8, 2048), (1, 8, 4096)]
-#: the two modes: the value of PARALLEL_ABOVE (and NATIVE_PARALLEL_ABOVE) that forces each
+#: the two modes: the threshold of scores that forces each (``scaling.parallel_above`` replaced while timing)
 MODES = {"threads": 0, "intra-op": 1 << 62}
 
 
@@ -36,13 +37,10 @@ def measure(calls: list[tuple[int, int, int]], rounds: int, progress=print) -> l
     import torch
 
     import sinkformer
-    from sinkformer.sinkhorn import cpu_parallel
-
-    from sinkformer.sinkhorn import native, sizes
+    from sinkformer.sinkhorn import native, scaling, sizes
     from sinkformer.sinkhorn.scaling import parallel_above
     from sinkformer.sinkhorn.tiled import call_group
 
-    threshold, native_threshold = cpu_parallel.PARALLEL_ABOVE, cpu_parallel.NATIVE_PARALLEL_ABOVE
     split = sizes.SPLIT_TILE_SCORES
     sizes.SPLIT_TILE_SCORES = 1 << 62  # the groups' two modes, also where the engine splits slices instead
     rows = []
@@ -57,7 +55,7 @@ def measure(calls: list[tuple[int, int, int]], rounds: int, progress=print) -> l
             times: dict[str, list[float]] = {mode: [] for mode in MODES}
             for r in range(rounds):
                 for mode in (list(MODES) if r % 2 == 0 else list(MODES)[::-1]):
-                    cpu_parallel.PARALLEL_ABOVE = cpu_parallel.NATIVE_PARALLEL_ABOVE = MODES[mode]
+                    scaling.parallel_above = lambda *args, _above=MODES[mode]: _above
                     step()  # warm-up: the first call of a mode pays its allocations
                     runs = []
                     for _ in range(repeats):
@@ -76,7 +74,7 @@ def measure(calls: list[tuple[int, int, int]], rounds: int, progress=print) -> l
                          "native": natively, "group": call_group(b * h, n, n, torch.device("cpu"), natively)})
             progress(f"b={b} h={h} n={n}: threads / intra-op {rows[-1]['ratio']:.2f}")
     finally:
-        cpu_parallel.PARALLEL_ABOVE, cpu_parallel.NATIVE_PARALLEL_ABOVE = threshold, native_threshold
+        scaling.parallel_above = parallel_above
         sizes.SPLIT_TILE_SCORES = split
     for row in rows:  # what the engine picks, by its thresholds (restored above; the group too depends on them)
         row["group"] = call_group(row["batch"] * row["heads"], row["n"], row["n"], torch.device("cpu"), row["native"])

@@ -5,6 +5,7 @@ kept and recomputed tiles, scalings not to be trusted, threads), and what happen
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -173,7 +174,9 @@ def test_groups_on_threads_give_the_same_results(monkeypatch, calls):
     q, k, v = _inputs(4, 2, 40, 40, torch.float32)
     alone = _run(q, k, v, 5)
     monkeypatch.setattr(cpu_parallel, "NATIVE_PARALLEL_ABOVE", 0)
-    monkeypatch.setattr(cpu_parallel, "PARALLEL_ABOVE", 0)  # groups of several slices (C calls on OpenMP threads)
+    # C calls of one thread each (a library without OpenMP): the groups, a core's share of the slices each, go to
+    # a Python thread per core (where the C calls split their slices over the threads, the groups run in order)
+    monkeypatch.setattr(native, "threaded", lambda: False)
     threaded = _run(q, k, v, 5)
     assert calls["forward"] >= 3  # one group, then one per core
     for a, b in zip(threaded, alone):
@@ -371,18 +374,45 @@ def test_row_operators_refuse_operands_the_c_code_would_misread():
 
 def test_groups_whose_c_calls_split_their_slices_stay_off_python_threads(monkeypatch):
     """map_groups' threshold: native groups of at least as many slices as threads on a library with OpenMP (the C call
-    splits them over every thread) and composed groups use PARALLEL_ABOVE; native groups too small for every thread
-    (one slice, or 4 slices on 16 threads) or without OpenMP use NATIVE_PARALLEL_ABOVE."""
+    splits them over every thread) never take the Python threads; composed groups use PARALLEL_ABOVE; native groups
+    too small for every thread (one slice, or 4 slices on 16 threads) or without OpenMP use NATIVE_PARALLEL_ABOVE."""
     monkeypatch.setattr(cpu_parallel, "NATIVE_PARALLEL_ABOVE", 11)
     monkeypatch.setattr(cpu_parallel, "PARALLEL_ABOVE", 22)
     monkeypatch.setattr(native, "threaded", lambda: True)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert scaling.parallel_above(False, 1) == scaling.parallel_above(False, 4) == 22
-    assert scaling.parallel_above(True, 1) == 11 and scaling.parallel_above(True, 4) == 22
+    assert scaling.parallel_above(True, 1) == 11 and scaling.parallel_above(True, 4) == sys.maxsize
     monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
-    assert scaling.parallel_above(True, 4) == 11 and scaling.parallel_above(True, 16) == 22
+    assert scaling.parallel_above(True, 4) == 11 and scaling.parallel_above(True, 16) == sys.maxsize
     monkeypatch.setattr(native, "threaded", lambda: False)
     assert scaling.parallel_above(True, 16) == 11
+
+
+@pytest.mark.parametrize("threaded, threads, B, n, want", [
+    (True, 2, 32, 1024, 2),  # a slice fills the cache budget: one per thread, the C calls split them
+    (True, 2, 1, 1024, 1),  # one slice in all
+    (True, 2, 32, 512, 4),  # the budget's 4 slices, already one per thread
+    (True, 16, 32, 512, 16),
+    (True, 16, 5, 1024, 5),
+    (False, 2, 32, 1024, 1),  # no OpenMP in the C calls: a core's share, on Python threads (the budget's one slice)
+    (False, 2, 32, 512, 4),
+    (False, 16, 32, 512, 2),  # a core's share of a call of at least NATIVE_PARALLEL_ABOVE scores
+    (False, 16, 4, 256, 4),  # below NATIVE_PARALLEL_ABOVE: the budget's
+])
+def test_native_groups_hold_a_slice_per_thread_where_their_c_calls_split_them(monkeypatch, threaded, threads, B, n,
+                                                                             want):
+    """tiled.call_group: native groups of at least one slice per thread where the C calls split their slices over
+    the threads (so the call runs in order, every call on every thread), else a core's share where the call is large;
+    the composed passes and graph capture keep sizes.group_size's."""
+    from sinkformer.sinkhorn import tiled
+    from sinkformer.sinkhorn.sizes import group_size
+
+    monkeypatch.setattr(native, "threaded", lambda: threaded)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(cpu_parallel, "NATIVE_PARALLEL_ABOVE", 1 << 23)
+    cpu = torch.device("cpu")
+    assert tiled.call_group(B, n, n, cpu, True) == want
+    assert tiled.call_group(B, n, n, cpu, False) == group_size(B, n, n, cpu)
 
 
 def test_compiled_calls_ask_whether_the_passes_are_available_without_a_graph_break(monkeypatch):

@@ -26,12 +26,18 @@ def test_the_table_names_the_sizes_where_the_threshold_picks_the_slower_mode():
     assert "slower in every round: none." in parallel.render(rows[1:], META)
 
 
-def test_a_measurement_restores_the_threshold():
-    from sinkformer.sinkhorn import cpu_parallel
+def test_a_measurement_restores_the_threshold(monkeypatch):
+    """The modes are forced by replacing scaling.parallel_above while timing (restored after); the threads mode does
+    run the groups on Python threads (map_groups asked with a threshold of 0)."""
+    from sinkformer.sinkhorn import cpu_parallel, scaling
 
-    before = cpu_parallel.PARALLEL_ABOVE
+    before = scaling.parallel_above
+    asked = []
+    map_groups = scaling.map_groups
+    monkeypatch.setattr(scaling, "map_groups", lambda *args: asked.append(args[4]) or map_groups(*args))
     rows = parallel.measure([(1, 2, 8)], rounds=2, progress=lambda s: None)
-    assert cpu_parallel.PARALLEL_ABOVE == before
+    assert scaling.parallel_above is before and set(asked) == set(parallel.MODES.values())
+    assert cpu_parallel.PARALLEL_ABOVE == 1 << 24
     assert rows[0]["threads_ms"] > 0 and rows[0]["intra_op_ms"] > 0 and rows[0]["picked"] == "intra-op"
 
 

@@ -242,16 +242,18 @@ def uses_native(problem: Problem, options: Options) -> bool:
 
 def parallel_above(native_passes: bool, group: int, crew: int = 1) -> int:
     """Fewest scores in a call for :func:`~.cpu_parallel.map_groups` to run its groups on Python threads:
-    :data:`~.cpu_parallel.PARALLEL_ABOVE` for the composed passes, and for native groups of at least as many slices
-    as PyTorch has threads, which each C call splits over all of them (at b x h = 4 x 8, n = 512, groups of 4 slices
-    on 2 threads, the intra-op mode was faster in every round: ``benchmarks/results/parallel_6cf3108.md``); else
-    :data:`~.cpu_parallel.NATIVE_PARALLEL_ABOVE` (native groups too small to occupy every thread, e.g. one slice,
-    or a library without OpenMP). Groups whose passes a ``crew`` of more than one member splits (:func:`crew_size`)
-    run one at a time: never (``sys.maxsize``)."""
+    :data:`~.cpu_parallel.PARALLEL_ABOVE` for the composed passes; never (``sys.maxsize``) for native groups of at
+    least as many slices as PyTorch has threads, which each C call splits over all of them (at b x h = 4 x 8,
+    n = 512, groups of 4 slices on 2 threads, the intra-op mode was faster in every round:
+    ``benchmarks/results/parallel_6cf3108.md``; at n = 1024, groups of 2 slices, ``docs/speed.md``); else
+    :data:`~.cpu_parallel.NATIVE_PARALLEL_ABOVE` (native groups too small to occupy every thread: one slice under
+    graph capture, or a library without OpenMP). Groups whose passes a ``crew`` of more than one member splits
+    (:func:`crew_size`) run one at a time: never."""
     if crew > 1:
         return sys.maxsize
-    splits = native.threaded() and group >= torch.get_num_threads()
-    return cpu_parallel.NATIVE_PARALLEL_ABOVE if native_passes and not splits else cpu_parallel.PARALLEL_ABOVE
+    if native_passes:
+        return sys.maxsize if native.threaded() and group >= torch.get_num_threads() else cpu_parallel.NATIVE_PARALLEL_ABOVE
+    return cpu_parallel.PARALLEL_ABOVE
 
 
 def _crew(members: int) -> contextlib.AbstractContextManager[Crew | None]:

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from .._capture import capturing
-from . import cpu_parallel, sizes
+from . import cpu_parallel, native, sizes
 from .problem import Problem, column_error, double_shift, log_marginal
 from .ops import refuse_implicit_second_derivatives, register_engine_autograd
 from .sizes import group_size
@@ -65,7 +65,7 @@ def tiled_attention(problem: Problem, *, backward: str = "unrolled", dropout_p: 
     domain = DOMAIN if domain is None else domain
     seed = torch.randint(0, 2**62, (1,)) if dropout_p > 0 else None
     group = group_size(problem.B, problem.n, problem.m, problem.q.device)
-    native_passes = (problem.B * problem.n * problem.m >= cpu_parallel.NATIVE_PARALLEL_ABOVE  # (only then it matters)
+    native_passes = (not capturing() and _group_may_change(problem.B, problem.n, problem.m, group)
                      and uses_native(problem, _options(backward, dropout_p, domain, group, sizes.CACHE_BLOCK_ELEMENTS)))
     group = call_group(problem.B, problem.n, problem.m, problem.q.device, native_passes)
     return _forward_autograd(*problem.fields(), seed, backward, dropout_p, domain, group,
@@ -73,15 +73,33 @@ def tiled_attention(problem: Problem, *, backward: str = "unrolled", dropout_p: 
 
 
 def call_group(B: int, n: int, m: int, device: torch.device, native_passes: bool) -> int:
-    """Slices per group of a call of ``B`` slices ``n x m``: :func:`~.sizes.group_size`, but at most a core's share
-    of the slices where the groups run the native passes in a call of at least
-    :data:`~.cpu_parallel.NATIVE_PARALLEL_ABOVE` scores (so that :func:`~.cpu_parallel.map_groups` can give each
-    core its own groups). Under graph capture the thread count is not a constant of the trace: the groups stay
+    """Slices per group of a call of ``B`` slices ``n x m``: :func:`~.sizes.group_size`, except where the groups run
+    the native passes:
+
+    * their C calls split a group's slices over PyTorch's threads (:func:`.native.threaded`): at least one slice per
+      thread, the groups then running in order, each C call and product on every thread (:func:`~.scaling.parallel_above`;
+      at n = 1024 a slice per group on a Python thread per core took 5-20 % longer: ``docs/speed.md``);
+    * else, in a call of at least :data:`~.cpu_parallel.NATIVE_PARALLEL_ABOVE` scores, at most a core's share of the
+      slices, so that :func:`~.cpu_parallel.map_groups` gives each core its own groups.
+
+    Under graph capture the thread count is not a constant of the trace: the groups stay
     :func:`~.sizes.group_size`'s (the same values; every slice is computed on its own)."""
     group = group_size(B, n, m, device)
-    if native_passes and B * n * m >= cpu_parallel.NATIVE_PARALLEL_ABOVE and not capturing():
-        group = min(group, -(-B // torch.get_num_threads()))
+    if not native_passes or capturing():
+        return group
+    threads = torch.get_num_threads()
+    if native.threaded():
+        return max(group, min(B, threads))
+    if B * n * m >= cpu_parallel.NATIVE_PARALLEL_ABOVE:
+        return min(group, -(-B // threads))
     return group
+
+
+def _group_may_change(B: int, n: int, m: int, group: int) -> bool:
+    """Whether :func:`call_group` may differ from ``group`` (:func:`~.sizes.group_size`'s) for a call of ``B`` slices:
+    groups of fewer slices than threads, or a call of at least :data:`~.cpu_parallel.NATIVE_PARALLEL_ABOVE` scores
+    (only then is it worth asking whether the native passes serve the call)."""
+    return group < min(B, torch.get_num_threads()) or B * n * m >= cpu_parallel.NATIVE_PARALLEL_ABOVE
 
 
 def _options(backward, dropout_p, domain, group, block) -> Options:
