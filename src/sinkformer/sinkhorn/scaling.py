@@ -251,9 +251,10 @@ def parallel_above(native_passes: bool, group: int, crew: int = 1) -> int:
     (:func:`crew_size`) run one at a time: never."""
     if crew > 1:
         return sys.maxsize
-    if native_passes:
-        return sys.maxsize if native.threaded() and group >= torch.get_num_threads() else cpu_parallel.NATIVE_PARALLEL_ABOVE
-    return cpu_parallel.PARALLEL_ABOVE
+    if not native_passes:
+        return cpu_parallel.PARALLEL_ABOVE
+    splits = native.threaded() and group >= torch.get_num_threads()
+    return sys.maxsize if splits else cpu_parallel.NATIVE_PARALLEL_ABOVE
 
 
 def _crew(members: int) -> contextlib.AbstractContextManager[Crew | None]:

@@ -77,8 +77,9 @@ def call_group(B: int, n: int, m: int, device: torch.device, native_passes: bool
     the native passes:
 
     * their C calls split a group's slices over PyTorch's threads (:func:`.native.threaded`): at least one slice per
-      thread, the groups then running in order, each C call and product on every thread (:func:`~.scaling.parallel_above`;
-      at n = 1024 a slice per group on a Python thread per core took 5-20 % longer: ``docs/speed.md``);
+      thread, the groups then running in order, each C call and product on every thread
+      (:func:`~.scaling.parallel_above`; at n = 1024 a slice per group on a Python thread per core took longer:
+      ``docs/speed.md``);
     * else, in a call of at least :data:`~.cpu_parallel.NATIVE_PARALLEL_ABOVE` scores, at most a core's share of the
       slices, so that :func:`~.cpu_parallel.map_groups` gives each core its own groups.
 
