@@ -464,3 +464,28 @@ def test_the_small_calls_paragraph_is_its_committed_runs():
     assert third[512]["ratio_low"] < 1 < third[512]["ratio_high"]
     assert (f"read {third[512]['ratio']:.3f}× ({third[512]['ratio_low']:.3f}–{third[512]['ratio_high']:.3f}): no change "
             "resolved") in text
+
+
+def test_the_native_groups_paragraph_is_its_committed_runs():
+    """docs/speed.md's figures for native groups of a slice per thread (3ef7994 -> f12d177): the rounds run at n = 256,
+    512 and 1024 (n = 1024 below 1 in every round, identical results), the run with 4 x 2 slices, and the paired run
+    whose interval at n = 1024 contains 1, each quoted with its range or interval."""
+    def run(name: str) -> dict:
+        data = json.loads((ROOT / "benchmarks" / "results" / name).read_text())
+        assert data["before"] == "3ef79941d889" and data["after"] == "f12d177ae141"
+        return {row["n"]: row for row in data["rows"]}
+
+    text = " ".join((ROOT / "docs" / "speed.md").read_text().split())
+    rounds, few = run("ab_issue26_native_groups.json"), run("ab_issue26_native_groups_h2.json")
+    big = rounds[1024]
+    assert big["rounds"] == 7 and big["clock"] == "wall" and big["ratio_max"] < 1 and big["max_difference"] == 0
+    assert f"At n = 1024 every round took less time ({big['ratio_min']:.3f}–{big['ratio_max']:.3f})" in text
+    assert all(rounds[n]["before_ops"] == rounds[n]["after_ops"] for n in (256, 512, 1024))
+    small = few[1024]
+    assert small["batch_heads"] == [4, 2] and small["ratio_max"] < 1
+    assert (f"the call took {small['ratio']:.3f}× its time before ({small['ratio_min']:.3f}–{small['ratio_max']:.3f}, "
+            "every round below 1)") in text
+    paired, _ = _paired_run("ab_issue26_native_groups_paired.json", "3ef79941d889", "f12d177ae141", 7, 7, clock="wall")
+    one = paired[1024]
+    assert one["ratio_low"] < 1 < one["ratio_high"]
+    assert f"n = 1024 read {one['ratio']:.3f}× ({one['ratio_low']:.3f}–{one['ratio_high']:.3f}): no change resolved" in text

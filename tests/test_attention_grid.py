@@ -305,3 +305,26 @@ def test_the_epyc_grids_after_the_small_calls_change_are_quoted():
             "the 1.25× target in both") in text
     assert max(g[(n, 5, False)] for g in (one, two) for n in (64, 128, 256, 512)) <= 1.5
     assert all(g[(4096, 5, False)] <= 1.5 and max(g[(n, 3, True)] for n in (1024, 4096)) <= 3 for g in (one, two))
+
+
+def test_the_epyc_grids_after_the_native_groups_are_quoted():
+    """docs/speed.md quotes both EPYC grids at e3a0c79 in the order they ran: their 5-iteration ratios at n = 64..4096,
+    their causal ones, n = 1024 in both, the range of n = 1024 over this session's four runs and the moves of sizes
+    that no change reached (n = 4096 and causal n = 4096, lowest and highest of the four)."""
+    first, one, five_1, text = _committed_grid("attention_grid_epyc_e3a0c79.json")
+    second, two, five_2, _ = _committed_grid("attention_grid_epyc_e3a0c79_1311.json")
+    earlier = [_committed_grid(name)[1] for name in ("attention_grid_epyc_25870a0_1214.json",
+                                                      "attention_grid_epyc_25870a0.json")]
+    assert first["cpu"] == second["cpu"] == "AMD EPYC" and first["date"] < second["date"]
+    assert (f"read {', '.join(five_1[:5])} and {five_1[5]}, then {', '.join(five_2[:5])} and {five_2[5]}; causal "
+            f"{one[(1024, 3, True)]:.2f}× and {one[(4096, 3, True)]:.2f}×, then {two[(1024, 3, True)]:.2f}× and "
+            f"{two[(4096, 3, True)]:.2f}×.") in text
+    assert f"n = 1024 read {one[(1024, 5, False)]:.2f}× and {two[(1024, 5, False)]:.2f}×, where the rounds run" in text
+    four = earlier + [one, two]
+    low, high = min(g[(1024, 5, False)] for g in four), max(g[(1024, 5, False)] for g in four)
+    assert f"four runs of the grid n = 1024 read {low:.2f}× to {high:.2f}×" in text
+    for key, words in (((4096, 5, False), "n = 4096"), ((4096, 3, True), "causal at n = 4096")):
+        values = [g[key] for g in four]
+        assert f"{words} from {min(values):.2f}× to {max(values):.2f}×" in text
+    assert max(g[(n, 5, False)] for g in (one, two) for n in (64, 128, 256, 512)) <= 1.5
+    assert all(g[(4096, 5, False)] <= 1.5 and max(g[(n, 3, True)] for n in (1024, 4096)) <= 3 for g in (one, two))
