@@ -340,6 +340,13 @@ def test_the_paired_runs_paragraph_is_the_committed_runs():
     assert "Six fewer aten calls and identical results; no change in time is resolved at any n" in text
 
 
+def _rounds_run(name: str, before: str, after: str) -> dict:
+    """A committed ab run's rows by n (checked: its trees)."""
+    run = json.loads((ROOT / "benchmarks" / "results" / name).read_text())
+    assert run["before"] == before and run["after"] == after
+    return {row["n"]: row for row in run["rows"]}
+
+
 def _paired_run(name: str, before: str, after: str, rounds: int, pairs: int, clock: str = "cpu") -> tuple[dict, str]:
     """A committed paired ab run's rows by n (checked: its trees, its clock, rounds and pairs) and docs/speed.md's
     text (whitespace collapsed)."""
@@ -431,9 +438,7 @@ def test_the_small_calls_paragraph_is_its_committed_runs():
     (9 rounds, wall clock: n = 64 and 128 below 1 in every round, n >= 256 on both sides of 1, identical results),
     the CPU-time run on one thread, and the two paired runs, each quoted with its range or interval."""
     def run(name: str) -> dict:
-        data = json.loads((ROOT / "benchmarks" / "results" / name).read_text())
-        assert data["before"] == "19e20c2daf72" and data["after"] == "25870a0c8ddb"
-        return {row["n"]: row for row in data["rows"]}
+        return _rounds_run(name, "19e20c2daf72", "25870a0c8ddb")
 
     text = " ".join((ROOT / "docs" / "speed.md").read_text().split())
     rounds, cpu = run("ab_issue26_small_calls.json"), run("ab_issue26_small_calls_cpu.json")
@@ -471,9 +476,7 @@ def test_the_native_groups_paragraph_is_its_committed_runs():
     512 and 1024 (n = 1024 below 1 in every round, identical results), the run with 4 x 2 slices, and the paired run
     whose interval at n = 1024 contains 1, each quoted with its range or interval."""
     def run(name: str) -> dict:
-        data = json.loads((ROOT / "benchmarks" / "results" / name).read_text())
-        assert data["before"] == "3ef79941d889" and data["after"] == "f12d177ae141"
-        return {row["n"]: row for row in data["rows"]}
+        return _rounds_run(name, "3ef79941d889", "f12d177ae141")
 
     text = " ".join((ROOT / "docs" / "speed.md").read_text().split())
     rounds, few = run("ab_issue26_native_groups.json"), run("ab_issue26_native_groups_h2.json")
