@@ -57,11 +57,38 @@ def test_grid_table_plot_and_targets(tmp_path):
 
 
 def test_grid_command_writes_its_three_files(tmp_path):
-    assert bench.main(["--grid", "--n", "16", "--iters", "3", "--out", str(tmp_path)]) == 0
+    assert bench.main(["--grid", "--n", "16", "--iters", "3", "--processes", "2", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "attention_grid.json").read_text())["rows"]
     assert {(r["method"], r["causal"]) for r in rows} == {("sdpa", False), ("ours", False), ("sdpa", True),
                                                          ("ours", True)}
-    assert (tmp_path / "attention_grid.md").read_text().count("\n| 16 |") == 1
+    assert all(r["processes"] == 2 and len(r["process_ratios"]) == 2 for r in rows)
+    text = (tmp_path / "attention_grid.md").read_text()
+    assert text.count("\n| 16 |") == 1 and "the median over 2 fresh processes of each one's median" in text
+
+
+def _process_rows(ratio: float, ms: float) -> list[dict]:
+    return [dict(method=method, n_iters=n_iters, causal=False, n=1024, b=4, h=8, d=64, engine="tiled",
+                 forward_ms=ms, forward_backward_ms=2 * ms, forward_ratio=1.0 if method == "sdpa" else ratio,
+                 forward_backward_ratio=1.0 if method == "sdpa" else ratio, rounds=5, repeats=3)
+            for method, n_iters in (("sdpa", 1), ("ours", 5))]
+
+
+def test_the_grid_takes_the_median_over_fresh_processes(tmp_path):
+    runs = [_process_rows(1.41, 10.0), _process_rows(1.18, 30.0), _process_rows(1.20, 20.0)]
+    sdpa, ours = bench.merge_processes(runs)
+    assert ours["forward_backward_ratio"] == ours["forward_ratio"] == 1.20 and ours["forward_ms"] == 20.0
+    assert ours["forward_backward_ms"] == 40.0 and sdpa["forward_backward_ratio"] == 1.0
+    assert ours["processes"] == 3 and ours["process_ratios"] == [1.41, 1.18, 1.20]
+    assert ours["rounds"] == 5 and ours["engine"] == "tiled"
+    text = bench.grid_markdown([sdpa, ours], "2026-01-01 00:00")
+    assert "the median over 3 fresh processes of each one's median over interleaved rounds" in text
+    assert "- 5 iterations, forward+backward, n = 1024: **1.20** (target ≤ 1.25; fresh processes 1.18, 1.20, 1.41)" in text
+    one = bench.grid_markdown(runs[0], "2026-01-01 00:00")  # rows of one process: as the committed grids say
+    assert "the median over interleaved rounds in one process" in one and "fresh processes" not in one
+    with pytest.raises(ValueError, match="runs: the processes measured different methods"):
+        bench.merge_processes([runs[0], runs[1][::-1]])
+    with pytest.raises(ValueError, match="processes: at least one"):
+        bench.run_grid((16,), (3,), processes=0)
 
 
 def test_memory_counts_the_tile_buffers_the_library_keeps_between_calls(tmp_path):
