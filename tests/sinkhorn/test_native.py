@@ -66,22 +66,41 @@ def test_native_passes_equal_the_dense_reference_in_float64(shape, n_iters, call
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("wide", [1, 10**9])  # every tile's A^T B as (B^T A)^T, and none
-def test_the_backwards_transposed_products_either_way_equal_the_dense_reference(wide, monkeypatch, calls):
-    monkeypatch.setattr(native, "_TRANSPOSED_BMM_MIN", wide)
+def test_tile_rows_are_padded_where_they_would_be_a_multiple_of_512_bytes():
+    """One cache line (64 bytes) more from 1 KiB rows on, where a row is a multiple of 512 bytes; else none."""
+    assert [sizes.tile_row_stride(m, 4) for m in (64, 128, 255, 256, 384, 512, 1000, 1024)] == [
+        64, 128, 255, 272, 400, 528, 1000, 1040]
+    assert [sizes.tile_row_stride(m, 8) for m in (64, 128, 129, 1024)] == [64, 136, 129, 1032]
+
+
+@pytest.mark.parametrize("kept", [True, False])
+@pytest.mark.parametrize("pad", [3, 16])
+def test_padded_tile_rows_equal_the_dense_reference(pad, kept, calls, monkeypatch):
+    """Tiles (kept, or recomputed in the backward) and G with rows ``m + pad`` apart: the dense engine's values and
+    gradients, and those of unpadded rows to rounding."""
     q, k, v = _inputs(3, 2, 40, 33, torch.float64)
+    plain = _run(q, k, v, 5)
+    if not kept:
+        monkeypatch.setattr(sizes, "SAVED_TILE_SCORES", 0)
+    monkeypatch.setattr(sizes, "tile_row_stride", lambda m, itemsize: m + pad)
+    got, want = _run(q, k, v, 5), _run(q, k, v, 5, backend="dense")
+    assert calls == {"forward": 2, "backward": 2}
+    for a, b, c in zip(got, want, plain):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(a, c, rtol=1e-13, atol=1e-15)
+
+
+def test_a_kept_tile_the_composed_passes_wrote_is_laid_out_for_the_native_backward(calls, monkeypatch):
+    """A group whose native scalings fail the trust test but whose composed passes keep the scaling domain: the
+    kept tile the composed forward wrote is laid out again for the native backward (padded rows)."""
+    verdicts = iter([False])
+    monkeypatch.setattr(scaling, "_trustworthy", lambda us, vs: next(verdicts, True))
+    monkeypatch.setattr(sizes, "tile_row_stride", lambda m, itemsize: m + 5)
+    q, k, v = _inputs(1, 2, 8, 8, torch.float64, d=4)
     got, want = _run(q, k, v, 5), _run(q, k, v, 5, backend="dense")
     assert calls == {"forward": 1, "backward": 1}
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("m", [7, native._TRANSPOSED_BMM_MIN])  # below the width, and from it on
-def test_transposed_bmm_is_the_product_with_the_transpose(m):
-    a, b = torch.randn(3, 40, m, dtype=torch.float64), torch.randn(3, 40, 5, dtype=torch.float64)
-    out = torch.full((3, m, 5), float("nan"), dtype=torch.float64)
-    assert native._transposed_bmm(a, b, out=out) is out
-    torch.testing.assert_close(out, a.transpose(1, 2) @ b, rtol=1e-13, atol=1e-13)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -110,7 +129,7 @@ def test_float32_tiles_match_pytorchs_exponential():
     tile = S.clone()
     us, vs, rs, cs, work = (S.new_empty(3, 21, 1), S.new_empty(3, 30, 2), S.new_empty(3, 21), S.new_empty(3, 30),
                             S.new_empty(60))
-    native._function("forward", tile)(tile.data_ptr(), 3, 21, 30, 2, 1.0, 21 / 30, us.data_ptr(),
+    native._function("forward", tile)(tile.data_ptr(), 3, 21, 30, 30, 2, 1.0, 21 / 30, us.data_ptr(),
                                       vs.data_ptr(), rs.data_ptr(), cs.data_ptr(), work.data_ptr(), 1)
     torch.testing.assert_close(rs, S.amax(-1))
     want = torch.exp(S - rs[..., None] - cs[:, None, :])
@@ -223,10 +242,18 @@ def test_uses_native_reads_the_switch(monkeypatch):
     assert not scaling.uses_native(problem, options)
 
 
-def test_a_tile_that_is_not_contiguous_is_refused():
-    tile = torch.zeros(2, 6, 5).transpose(1, 2)
+def test_tiles_the_c_code_would_misread_are_refused():
+    """A whole slices' tile needs contiguous rows and slices that follow one another; a row block a contiguous
+    array: ValueError before any C code runs."""
+    q, k, v = torch.randn(2, 5, 4), torch.randn(2, 6, 4), torch.randn(2, 6, 3)
+    for tile in (torch.zeros(2, 6, 5).transpose(1, 2), torch.zeros(4, 5, 6)[::2], torch.zeros(2, 5, 12)[..., ::2]):
+        with pytest.raises(ValueError, match="rows are contiguous and whose slices follow one another"):
+            native.forward(tile, q, k, v, 0.5, 3, torch.empty(2, 5, 3), torch.empty(36))
     with pytest.raises(ValueError, match="contiguous tile"):
-        native._function("forward", tile)
+        native._function("sweep", torch.zeros(1, 6, 5).transpose(1, 2), "rows")
+    out = torch.empty(2, 5, 3)
+    native.forward(native.tiles(torch.empty(2 * 5 * 9), 2, 5, 6), q, k, v, 0.5, 3, out, torch.empty(36))
+    torch.testing.assert_close(out, sinkformer.attention(q, k, v, n_iters=3, scale=0.5, backend="dense"))
 
 
 @pytest.mark.parametrize("flag", ["-march=native", native.OPENMP])
@@ -272,7 +299,7 @@ def test_the_passes_give_the_same_values_on_any_number_of_threads():
         again = native.recompute(torch.empty(5, 24, 19), q, k, 0.25, *shifts_and_iterates[:2])
         grads = tuple(torch.empty_like(t) for t in (q, k, v))
         native.backward(tile, q, k, v, *shifts_and_iterates[2:], dO, 0.25, 5, grads,
-                        torch.empty(native.backward_work(*tile.shape, v.shape[-1])))
+                        torch.empty(native.backward_work(*tile.shape, v.shape[-1], tile.dtype)))
         return (tile, out, again, *shifts_and_iterates, *grads)
 
     threads = torch.get_num_threads()

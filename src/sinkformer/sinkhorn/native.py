@@ -60,9 +60,10 @@ from torch import Tensor
 
 from .._capture import when_dynamo_loads
 from ..provenance import cpu_model
+from . import sizes
 
 __all__ = ["ENABLED", "FLAGS", "OPENMP", "status", "library", "available", "threaded", "forward", "recompute", "backward",
-           "backward_work", "rows_first", "rows_rescale", "rows_sweep", "rows_step", "rows_kernel"]
+           "backward_work", "tiles", "rows_first", "rows_rescale", "rows_sweep", "rows_step", "rows_kernel"]
 
 SOURCE = Path(__file__).with_name("native_scaling.c")
 #: compiler flags: optimised for this CPU; the loops vectorise through ``omp simd``
@@ -136,10 +137,11 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             return None, f"could not load {path}: {error}"
     P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for suffix, real in _DTYPES.values():
-        getattr(lib, f"sinkhorn_forward_{suffix}").argtypes = [P, I64, I64, I64, INT, real, real, P, P, P, P, P, INT]
-        getattr(lib, f"sinkhorn_backward_{suffix}").argtypes = [P, P, I64, I64, I64, INT, real, real, P, P, real, P,
-                                                                INT]
-        getattr(lib, f"sinkhorn_kernel_{suffix}").argtypes = [P, I64, I64, I64, P, P, INT]
+        getattr(lib, f"sinkhorn_forward_{suffix}").argtypes = [P, I64, I64, I64, I64, INT, real, real, P, P, P, P, P,
+                                                               INT]
+        getattr(lib, f"sinkhorn_backward_{suffix}").argtypes = [P, P, I64, I64, I64, I64, I64, INT, real, real, P, P,
+                                                                real, P, INT]
+        getattr(lib, f"sinkhorn_kernel_{suffix}").argtypes = [P, I64, I64, I64, I64, P, P, INT]
         getattr(lib, f"rows_first_{suffix}").argtypes = [P, I64, I64, P, P, P, P, P, P, P]
         getattr(lib, f"rows_rescale_{suffix}").argtypes = [P, I64, I64, P, P, P]
         getattr(lib, f"rows_sweep_{suffix}").argtypes = [P, I64, I64, P, P, P, P]
@@ -196,12 +198,32 @@ def _cpu_flags() -> bytes:
 
 
 def _function(direction: str, tile: Tensor, family: str = "sinkhorn"):
-    """The C function ``{family}_{direction}`` for ``tile``'s dtype; the C code indexes the tile as a contiguous
-    array."""
-    if not tile.is_contiguous():
+    """The C function ``{family}_{direction}`` for ``tile``'s dtype. The row-block operators index ``tile`` as a
+    contiguous array (else ``ValueError``); the whole slices' passes (``family="sinkhorn"``) take its rows
+    :func:`_rows` apart."""
+    if family == "rows" and not tile.is_contiguous():
         raise ValueError(f"the native passes need a contiguous tile, got strides {tile.stride()} for shape "
                          f"{tuple(tile.shape)}")
     return getattr(library()[0], f"{family}_{direction}_{_DTYPES[tile.dtype][0]}")
+
+
+def tiles(memory: Tensor, c: int, n: int, m: int) -> Tensor:
+    """``c`` tiles ``(c, n, m)`` in ``memory`` (1-D, at least ``c n ld`` elements), their rows
+    :func:`~.sizes.tile_row_stride` ``ld`` elements apart: a view."""
+    ld = sizes.tile_row_stride(m, memory.element_size())
+    return memory[:c * n * ld].view(c, n, ld)[..., :m]
+
+
+def _rows(tile: Tensor) -> tuple[object, int]:
+    """The data pointer of ``tile (c, n, m)`` and the elements between its rows, ``ld``: rows contiguous, ``ld >=
+    m`` apart, slices ``n ld`` apart (the C code's layout: :func:`tiles`, or a contiguous tile), else
+    ``ValueError``."""
+    c, n, m = tile.shape
+    ld = tile.stride(1) if n > 1 else m
+    if tile.stride(2) != 1 and m > 1 or ld < m or c > 1 and tile.stride(0) != n * ld:
+        raise ValueError(f"the native passes need a tile whose rows are contiguous and whose slices follow one "
+                         f"another, got strides {tile.stride()} for shape {tuple(tile.shape)}")
+    return tile.data_ptr(), ld
 
 
 def _threads(c: int) -> int:
@@ -221,8 +243,9 @@ def forward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, n_iters
     us, vs = tile.new_empty(c, n, (n_iters + 1) // 2), tile.new_empty(c, m, n_iters // 2 + 1)
     threads = _threads(c)
     row_shift, col_shift, sums = tile.new_empty(c, n), tile.new_empty(c, m), tile.new_empty(threads * 2 * m)
-    _function("forward", tile)(tile.data_ptr(), c, n, m, n_iters, 1.0, n / m, us.data_ptr(), vs.data_ptr(),
-                               row_shift.data_ptr(), col_shift.data_ptr(), sums.data_ptr(), threads)
+    pointer, ld = _rows(tile)
+    _function("forward", tile)(pointer, c, n, m, ld, n_iters, 1.0, n / m, us.data_ptr(), vs.data_ptr(),
+                                           row_shift.data_ptr(), col_shift.data_ptr(), sums.data_ptr(), threads)
     vV = torch.mul(v, vs[..., -1:], out=work[:v.numel()].view(v.shape))
     torch.bmm(tile, vV, out=out).mul_(us[..., -1:])
     return row_shift, col_shift, us, vs
@@ -234,31 +257,16 @@ def recompute(tile: Tensor, q: Tensor, k: Tensor, scale: float, row_shift: Tenso
     c, n, m = tile.shape
     tile.baddbmm_(q, k.transpose(1, 2), beta=0.0, alpha=scale)
     row_shift, col_shift = row_shift.contiguous(), col_shift.contiguous()  # named: their memory must outlive the call
-    _function("kernel", tile)(tile.data_ptr(), c, n, m, row_shift.data_ptr(), col_shift.data_ptr(), _threads(c))
+    pointer, ld = _rows(tile)
+    _function("kernel", tile)(pointer, c, n, m, ld, row_shift.data_ptr(), col_shift.data_ptr(),
+                                          _threads(c))
     return tile
 
 
-#: tiles at least this wide form :math:`A^\top B` as :math:`(B^\top A)^\top` in :func:`_transposed_bmm`
-_TRANSPOSED_BMM_MIN = 512
-
-
-def _transposed_bmm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
-    """``out (c, m, e) = a^T b`` for ``a (c, n, m)`` (a tile), ``b (c, n, e)``; returns ``out``.
-
-    From ``m = _TRANSPOSED_BMM_MIN`` on as :math:`(b^\top a)^\top`, a product whose wide operand is read as it
-    is laid out, then one copy of the narrow result: the same sums (bit for bit with MKL, tested to rounding).
-    On the AMD EPYC, one thread, the products alone: 7-16 % faster for one slice of n = 512 to 2048 (``a^T b``'s
-    transposed operand is the slower case of MKL's products there), 4-21 % slower below 256 (the copy); whole
-    calls at n = 1024: ``benchmarks/results/ab_issue26_transposed.md``. Not measured on the Xeon.
-    """
-    if a.shape[-1] < _TRANSPOSED_BMM_MIN:
-        return torch.bmm(a.transpose(1, 2), b, out=out)
-    return out.copy_(torch.bmm(b.transpose(1, 2), a).transpose(1, 2))
-
-
-def backward_work(c: int, n: int, m: int, e: int) -> int:
-    """Elements of :func:`backward`'s ``work`` for a group of ``c`` slices ``n x m`` with values of width ``e``."""
-    return c * (n * m + (n + m) * e)
+def backward_work(c: int, n: int, m: int, e: int, dtype: torch.dtype) -> int:
+    """Elements of :func:`backward`'s ``work`` for a group of ``c`` slices ``n x m`` with values of width ``e``
+    (``G`` in :func:`tiles`' layout)."""
+    return c * (n * sizes.tile_row_stride(m, dtype.itemsize) + (n + m) * e)
 
 
 def backward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, us: Tensor, vs: Tensor, dO: Tensor, scale: float,
@@ -269,19 +277,20 @@ def backward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, us: Tensor, vs: Tens
     c, n, m = tile.shape
     dq, dk, dv = grads
     u, vt = us[..., -1:], vs[..., -1:]
-    tile_end, left_end = c * n * m, c * n * m + dO.numel()
-    G, uO = work[:tile_end].view(c, n, m), work[tile_end:left_end].view(dO.shape)
-    vV = work[left_end:left_end + v.numel()].view(v.shape)
+    G, tile_end = tiles(work, c, n, m), c * n * sizes.tile_row_stride(m, work.element_size())
+    uO = work[tile_end:tile_end + dO.numel()].view(dO.shape)
+    vV = work[tile_end + dO.numel():tile_end + dO.numel() + v.numel()].view(v.shape)
     torch.mul(dO, u, out=uO)
-    _transposed_bmm(tile, uO, out=dv).mul_(vt)
+    torch.bmm(tile.transpose(1, 2), uO, out=dv).mul_(vt)
     torch.bmm(uO, torch.mul(v, vt, out=vV).transpose(1, 2), out=G)
     threads = _threads(c)
     scratch = tile.new_empty(threads * (n_iters + 1) * (n + m))
     us, vs = us.contiguous(), vs.contiguous()  # named: their memory must outlive the call
-    _function("backward", tile)(tile.data_ptr(), G.data_ptr(), c, n, m, n_iters, 1.0, n / m, us.data_ptr(),
-                                vs.data_ptr(), scale, scratch.data_ptr(), threads)
+    (pointer, ldk), (g, ldg) = _rows(tile), _rows(G)
+    _function("backward", tile)(pointer, g, c, n, m, ldk, ldg, n_iters, 1.0, n / m, us.data_ptr(),
+                                            vs.data_ptr(), scale, scratch.data_ptr(), threads)
     torch.bmm(G, k, out=dq)
-    _transposed_bmm(G, q, out=dk)
+    torch.bmm(G.transpose(1, 2), q, out=dk)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -346,5 +355,6 @@ def rows_kernel(x: Tensor, row_shift: Tensor, col_shift: Tensor) -> Tensor:
     r""":math:`\tilde K = e^{x - r_i - c_j}` of a block ``x (1, R, m)`` of scores in place (returned), from the
     shifts ``row_shift (R)``, ``col_shift (m)``: every recomputation of a block gives the same values."""
     R, m = _block(x)
-    _function("kernel", x)(x.data_ptr(), 1, R, m, *_pointers(x, (row_shift, R), (col_shift, m)), 1)
+    pointer, ld = _rows(x)
+    _function("kernel", x)(pointer, 1, R, m, ld, *_pointers(x, (row_shift, R), (col_shift, m)), 1)
     return x

@@ -61,18 +61,18 @@ static inline void add_scaled_##SFX(T *y, const T *x, T s, int64_t m) {         
     for (int64_t j = 0; j < m; j++) y[j] += x[j] * s;                                                         \
 }                                                                                                             \
                                                                                                               \
-/* Forward of slice s of X (c, n, m): the scores in, K~ out. us (c, n, Lu), vs (c, m, Lv): the iterates       \
- * [u1, u3, ..] and [v0 = e^c, v2, ..] (Lu = ceil(T / 2), Lv = floor(T / 2) + 1); row_shift (c, n),           \
- * col_shift (c, m); work: 2 m elements. a, b: the marginals (every row a, every column b). */                \
-static void forward_slice_##SFX(T *X, int64_t s, int64_t n, int64_t m, int T_, T a, T b, T *us, T *vs,        \
-                                T *row_shift, T *col_shift, T *work) {                                        \
+/* Forward of slice s of X (c, n, m; rows ld apart, slices n ld): the scores in, K~ out. us (c, n, Lu), vs    \
+ * (c, m, Lv): the iterates [u1, u3, ..] and [v0 = e^c, v2, ..] (Lu = ceil(T / 2), Lv = floor(T / 2) + 1);    \
+ * row_shift (c, n), col_shift (c, m); work: 2 m elements. a, b: the marginals (each row a, each column b). */\
+static void forward_slice_##SFX(T *X, int64_t s, int64_t n, int64_t m, int64_t ld, int T_, T a, T b, T *us,   \
+                                T *vs, T *row_shift, T *col_shift, T *work) {                                 \
     const int64_t Lu = (T_ + 1) / 2, Lv = T_ / 2 + 1;                                                         \
     T *col = work, *vc = work + m; /* the column sums, and the current v contiguous */                        \
-    T *K = X + s * n * m, *u = us + s * n * Lu, *v = vs + s * m * Lv;                                         \
+    T *K = X + s * n * ld, *u = us + s * n * Lu, *v = vs + s * m * Lv;                                        \
     T *rs = row_shift + s * n, *cs = col_shift + s * m;                                                       \
     for (int64_t j = 0; j < m; j++) cs[j] = -INFINITY;                                                        \
     for (int64_t i = 0; i < n; i++) { /* row maxima, then the column maxima of S - r_i */                     \
-        T *x = K + i * m, top = -INFINITY;                                                                    \
+        T *x = K + i * ld, top = -INFINITY;                                                                   \
         _Pragma("omp simd reduction(max:top)")                                                                \
         for (int64_t j = 0; j < m; j++) top = x[j] > top ? x[j] : top;                                        \
         rs[i] = top;                                                                                          \
@@ -85,7 +85,7 @@ static void forward_slice_##SFX(T *X, int64_t s, int64_t n, int64_t m, int T_, T
     }                                                                                                         \
     for (int64_t j = 0; j < m; j++) { col[j] = 0; vc[j] = EXP(cs[j]); v[j * Lv] = vc[j]; }                    \
     for (int64_t i = 0; i < n; i++) { /* K~ = e^{x - c}; normalisation 1 and the sums of 2 */                 \
-        T *x = K + i * m, total = 0;                                                                          \
+        T *x = K + i * ld, total = 0;                                                                         \
         _Pragma("omp simd reduction(+:total)")                                                                \
         for (int64_t j = 0; j < m; j++) {                                                                     \
             T e = EXP(x[j] - cs[j]);                                                                          \
@@ -103,7 +103,7 @@ static void forward_slice_##SFX(T *X, int64_t s, int64_t n, int64_t m, int T_, T
         lu++;                                                                                                 \
         const int more = t + 2 <= T_;                                                                         \
         for (int64_t i = 0; i < n; i++) {                                                                     \
-            T *x = K + i * m, ui = a / dot_##SFX(x, vc, m);                                                   \
+            T *x = K + i * ld, ui = a / dot_##SFX(x, vc, m);                                                  \
             u[i * Lu + lu] = ui;                                                                              \
             if (more) add_scaled_##SFX(col, x, ui, m);                                                        \
         }                                                                                                     \
@@ -111,43 +111,45 @@ static void forward_slice_##SFX(T *X, int64_t s, int64_t n, int64_t m, int T_, T
 }                                                                                                             \
                                                                                                               \
 /* Forward of c slices on `threads` threads; work: 2 m elements per thread. */                                \
-void sinkhorn_forward_##SFX(T *X, int64_t c, int64_t n, int64_t m, int T_, T a, T b, T *us, T *vs,            \
+void sinkhorn_forward_##SFX(T *X, int64_t c, int64_t n, int64_t m, int64_t ld, int T_, T a, T b, T *us, T *vs,\
                             T *row_shift, T *col_shift, T *work, int threads) {                               \
     (void)threads; /* unused without OpenMP */                                                                \
     _Pragma("omp parallel for num_threads(threads) schedule(static) if(threads > 1 && c > 1)")                \
     for (int64_t s = 0; s < c; s++)                                                                           \
-        forward_slice_##SFX(X, s, n, m, T_, a, b, us, vs, row_shift, col_shift, work + 2 * m * THREAD_INDEX); \
+        forward_slice_##SFX(X, s, n, m, ld, T_, a, b, us, vs, row_shift, col_shift,                           \
+                            work + 2 * m * THREAD_INDEX);                                                     \
 }                                                                                                             \
                                                                                                               \
-/* K~ = e^{S - r_i - c_j} of c slices in place, from the forward's shifts: the values its pass computed, bit  \
- * for bit, for a backward that did not keep them. */                                                         \
-void sinkhorn_kernel_##SFX(T *X, int64_t c, int64_t n, int64_t m, const T *row_shift, const T *col_shift,     \
-                           int threads) {                                                                     \
+/* K~ = e^{S - r_i - c_j} of c slices in place (rows ld apart), from the forward's shifts: the values its pass\
+ * computed, bit for bit, for a backward that did not keep them. */                                           \
+void sinkhorn_kernel_##SFX(T *X, int64_t c, int64_t n, int64_t m, int64_t ld, const T *row_shift,             \
+                           const T *col_shift, int threads) {                                                 \
     (void)threads; /* unused without OpenMP */                                                                \
     _Pragma("omp parallel for num_threads(threads) schedule(static) if(threads > 1 && c > 1)")                \
     for (int64_t s = 0; s < c; s++)                                                                           \
         for (int64_t i = 0; i < n; i++) {                                                                     \
-            T *x = X + (s * n + i) * m;                                                                       \
+            T *x = X + (s * n + i) * ld;                                                                      \
             const T *cs = col_shift + s * m, r = row_shift[s * n + i];                                        \
             _Pragma("omp simd")                                                                               \
             for (int64_t j = 0; j < m; j++) { T y = x[j] - r; x[j] = EXP(y - cs[j]); }                        \
         }                                                                                                     \
 }                                                                                                             \
                                                                                                               \
-/* Backward of slice s: K (c, n, m) = K~; G (c, n, m) = diag(u) dP diag(v) in, dS out; us, vs as the forward  \
- * wrote them; work: (T + 1) (n + m) elements. The reverse recursion: a row step u_t = a / (K v) turns the    \
- * gradient du into x = -du u_t^2 / a (then dv += K^T x), a column step v_t = b / (K^T u) turns dv into       \
- * y = -dv v_t^2 / b (then du += K y); each adds the rank-one term x v_{t-1}^T or u_{t-1} y^T. */             \
-static void backward_slice_##SFX(const T *Kt, T *G, int64_t s, int64_t n, int64_t m, int T_, T a, T b,        \
-                                 const T *us, const T *vs, T scale, T *work) {                                \
+/* Backward of slice s: K (c, n, m; rows ldk apart) = K~; G (c, n, m; rows ldg apart) = diag(u) dP diag(v) in,\
+ * dS out; us, vs as the forward wrote them; work: (T + 1) (n + m) elements. The reverse recursion: a row step\
+ * u_t = a / (K v) turns the gradient du into x = -du u_t^2 / a (then dv += K^T x), a column step             \
+ * v_t = b / (K^T u) turns dv into y = -dv v_t^2 / b (then du += K y); each adds the rank-one term x v_{t-1}^T\
+ * or u_{t-1} y^T. */                                                                                         \
+static void backward_slice_##SFX(const T *Kt, T *G, int64_t s, int64_t n, int64_t m, int64_t ldk, int64_t ldg,\
+                                 int T_, T a, T b, const T *us, const T *vs, T scale, T *work) {              \
     const int64_t Lu = (T_ + 1) / 2, Lv = T_ / 2 + 1;                                                         \
     T *du = work, *dv = du + n, *X = dv + m, *Y = X + (int64_t)T_ * n;                                        \
-    const T *K = Kt + s * n * m, *u = us + s * n * Lu, *v = vs + s * m * Lv;                                  \
-    T *g = G + s * n * m;                                                                                     \
+    const T *K = Kt + s * n * ldk, *u = us + s * n * Lu, *v = vs + s * m * Lv;                                \
+    T *g = G + s * n * ldg;                                                                                   \
     for (int64_t j = 0; j < m; j++) dv[j] = 0;                                                                \
     for (int64_t i = 0; i < n; i++) { /* the gradients of the final scalings: (P dP) 1 / u, 1^T (P dP) / v */ \
-        const T *k = K + i * m;                                                                               \
-        T *gi = g + i * m, total = 0;                                                                         \
+        const T *k = K + i * ldk;                                                                             \
+        T *gi = g + i * ldg, total = 0;                                                                       \
         _Pragma("omp simd reduction(+:total)")                                                                \
         for (int64_t j = 0; j < m; j++) { T p = k[j] * gi[j]; total += p; dv[j] += p; }                       \
         du[i] = total / u[i * Lu + Lu - 1];                                                                   \
@@ -164,7 +166,7 @@ static void backward_slice_##SFX(const T *Kt, T *G, int64_t s, int64_t n, int64_
             }                                                                                                 \
             for (int64_t j = 0; j < m; j++) y[j] = v[j * Lv + iv];                                            \
             if (t > 1)                                                                                        \
-                for (int64_t i = 0; i < n; i++) add_scaled_##SFX(dv, K + i * m, x[i], m);                     \
+                for (int64_t i = 0; i < n; i++) add_scaled_##SFX(dv, K + i * ldk, x[i], m);                   \
         } else { /* column step: v_{t/2} from u_{t/2} */                                                      \
             const int64_t iv = t / 2, iu = t / 2 - 1;                                                         \
             for (int64_t j = 0; j < m; j++) {                                                                 \
@@ -174,13 +176,13 @@ static void backward_slice_##SFX(const T *Kt, T *G, int64_t s, int64_t n, int64_
             }                                                                                                 \
             for (int64_t i = 0; i < n; i++) {                                                                 \
                 x[i] = u[i * Lu + iu];                                                                        \
-                du[i] += dot_##SFX(K + i * m, y, m);                                                          \
+                du[i] += dot_##SFX(K + i * ldk, y, m);                                                        \
             }                                                                                                 \
         }                                                                                                     \
     }                                                                                                         \
     for (int64_t i = 0; i < n; i++) { /* dS = scale K~ (G + X Y^T), row by row */                             \
-        const T *k = K + i * m;                                                                               \
-        T *gi = g + i * m;                                                                                    \
+        const T *k = K + i * ldk;                                                                             \
+        T *gi = g + i * ldg;                                                                                  \
         for (int l = 0; l < T_; l++) add_scaled_##SFX(gi, Y + (int64_t)l * m, X[(int64_t)l * n + i], m);      \
         _Pragma("omp simd")                                                                                   \
         for (int64_t j = 0; j < m; j++) gi[j] *= scale * k[j];                                                \
@@ -188,12 +190,12 @@ static void backward_slice_##SFX(const T *Kt, T *G, int64_t s, int64_t n, int64_
 }                                                                                                             \
                                                                                                               \
 /* Backward of c slices on `threads` threads; work: (T + 1) (n + m) elements per thread. */                   \
-void sinkhorn_backward_##SFX(const T *Kt, T *G, int64_t c, int64_t n, int64_t m, int T_, T a, T b,            \
-                             const T *us, const T *vs, T scale, T *work, int threads) {                       \
+void sinkhorn_backward_##SFX(const T *Kt, T *G, int64_t c, int64_t n, int64_t m, int64_t ldk, int64_t ldg,    \
+                             int T_, T a, T b, const T *us, const T *vs, T scale, T *work, int threads) {     \
     (void)threads; /* unused without OpenMP */                                                                \
     _Pragma("omp parallel for num_threads(threads) schedule(static) if(threads > 1 && c > 1)")                \
     for (int64_t s = 0; s < c; s++)                                                                           \
-        backward_slice_##SFX(Kt, G, s, n, m, T_, a, b, us, vs, scale,                                         \
+        backward_slice_##SFX(Kt, G, s, n, m, ldk, ldg, T_, a, b, us, vs, scale,                               \
                              work + (int64_t)(T_ + 1) * (n + m) * THREAD_INDEX);                              \
 }
 

@@ -100,6 +100,14 @@ class Options:
         return (self.stored and self.starts_in_scaling(p.q.device) and p.B * p.n * p.m <= sizes.SAVED_TILE_SCORES
                 and p.tol is None and p.n_iters >= 2 and not self.dropout_p)
 
+    def kept_tiles(self, problem: Problem) -> Tensor:
+        """Memory for the tiles the forward keeps for the backward (:meth:`saves_tile`), ``(B, n, ld)`` with
+        :func:`~.sizes.tile_row_stride`'s ``ld`` (the native passes' tiles are its ``[..., :m]``, the composed
+        passes' each group's first ``c n m`` elements); else an empty tensor."""
+        q, B, n, m = problem.q, problem.B, problem.n, problem.m
+        return q.new_empty(B, n, sizes.tile_row_stride(m, q.element_size())) if self.saves_tile(problem) \
+            else q.new_empty(0)
+
     def starts_in_scaling(self, device: torch.device) -> bool:
         """Whether a group starts in the scaling domain (``domain="auto"``: on the CPU; GPUs use the
         log domain, which has no data-dependent branch)."""
@@ -141,7 +149,7 @@ def run_forward(problem: Problem, seed: Tensor | None, options: Options, log_for
     else an empty tensor)."""
     q, B, n, m = problem.q, problem.B, problem.n, problem.m
     out = q.new_empty(B, n, problem.v.shape[-1])
-    tiles = q.new_empty(B, n, m) if options.saves_tile(problem) else q.new_empty(0)
+    tiles = options.kept_tiles(problem)
     if B == 0:
         lu, lv = problem.history_length(options.backward == "implicit") or (0, 0)
         return (out, q.new_zeros(0, n), q.new_zeros(0, m), q.new_zeros(0, n, lu), q.new_zeros(0, m, lv),
@@ -154,11 +162,12 @@ def run_forward(problem: Problem, seed: Tensor | None, options: Options, log_for
     def run(start: int, scratch: dict) -> GroupState:
         sl = slice(start, min(B, start + options.group))
         group = problem.group(sl.start, sl.stop)
+        c = sl.stop - sl.start
         if native_passes:
-            c = sl.stop - sl.start
-            memory = tiles[sl] if tiles.numel() else scratch_buffer(scratch, "memory", c * n * m, q).view(c, n, m)
-            row_shift, col_shift, us, vs = native.forward(memory, group.q, group.k, group.v, group.scale,
-                                                          group.n_iters, out[sl],
+            memory = (tiles[sl] if tiles.numel() else scratch_buffer(scratch, "memory", sizes.tile_row_stride(
+                m, q.element_size()) * c * n, q))
+            row_shift, col_shift, us, vs = native.forward(native.tiles(memory.view(-1), c, n, m), group.q, group.k,
+                                                          group.v, group.scale, group.n_iters, out[sl],
                                                           scratch_buffer(scratch, "vV", group.v.numel(), q))
             if _trustworthy(us, vs):
                 counts = torch.full((c,), group.n_iters, dtype=torch.int64, device=q.device)
@@ -168,6 +177,8 @@ def run_forward(problem: Problem, seed: Tensor | None, options: Options, log_for
             tile = Tile(group, options, memory, scratch=scratch, crew=crew)
             state = scaling_forward(tile, seed, out[sl], options)
             if state is not None:
+                if native_passes and tiles.numel():  # the native backward reads K̃ in its own layout
+                    native.tiles(memory, c, n, m).copy_(memory[:c * n * m].view(c, n, m).clone())
                 return state
             return log_forward(group, options, seed, out[sl], tile.row_shift, tile.col_shift)
         return log_forward(group, options, seed, out[sl], None, None)
@@ -208,10 +219,12 @@ def run_backward(grad_out: Tensor, problem: Problem, out: Tensor, seed: Tensor |
             return
         if native_passes:  # a kept tile holds K̃, whichever passes the forward ran; else K̃ again from the shifts
             c = sl.stop - sl.start
-            tile = tiles[sl] if tiles.numel() else native.recompute(
-                scratch_buffer(scratch, "memory", c * n * m, q).view(c, n, m), group.q, group.k, group.scale,
-                row_shift[sl], col_shift[sl])
-            work = scratch_buffer(scratch, "dS", native.backward_work(c, n, m, v.shape[-1]), dq)
+            ld = sizes.tile_row_stride(m, q.element_size())
+            memory = tiles[sl].view(-1) if tiles.numel() else scratch_buffer(scratch, "memory", c * n * ld, q)
+            tile = native.tiles(memory, c, n, m)
+            if not tiles.numel():
+                native.recompute(tile, group.q, group.k, group.scale, row_shift[sl], col_shift[sl])
+            work = scratch_buffer(scratch, "dS", native.backward_work(c, n, m, v.shape[-1], q.dtype), dq)
             native.backward(tile, group.q, group.k, group.v, us[sl], vs[sl], grad_out[sl], group.scale, group.n_iters,
                             grads, work)
             return

@@ -45,6 +45,22 @@ MIN_BLOCK_ROWS = 64
 #: Calls of at most this many scores (all slices) keep their tiles from the forward for the backward,
 #: which then recomputes nothing (b=4, h=8: n <= 256; 8 MiB of float32).
 SAVED_TILE_SCORES = 1 << 21
+#: Bytes a tile's row is padded by where rows a power of two apart would fall into the same few sets of a cache
+#: (:func:`tile_row_stride`): one cache line.
+TILE_ROW_PAD_BYTES = 64
+
+
+def tile_row_stride(m: int, itemsize: int) -> int:
+    """Elements from one row of a native tile (:mod:`.native`: the kept tiles, the recomputed ones, ``G``) to the
+    next, for slices ``m`` wide of ``itemsize``-byte elements: ``m``, and :data:`TILE_ROW_PAD_BYTES` more where a
+    row is a multiple of 512 bytes from 1 KiB on. With rows that many bytes apart, a column of the tile falls into
+    a few sets of a core's cache, and MKL's products that read a tile transposed (:math:`dV = \\tilde K^\\top
+    (u \\odot dO)`, :math:`dK = dS^\\top Q`) took longer than those reading it as laid out; padded, as long
+    (``benchmarks/results/ab_issue26_padded_rows.md``)."""
+    row = m * itemsize
+    return m + TILE_ROW_PAD_BYTES // itemsize if row >= 1024 and row % 512 == 0 else m
+
+
 #: Fewest scores per slice for the tiled engine to split each slice's row blocks over the cores, one slice at a
 #: time, rather than give each core its own slices (:func:`~.scaling.crew_size`): one stored tile in memory instead
 #: of one per core. At n = 4096 (b x h = 4 x 8, 5 iterations, forward+backward, the 2-core AMD EPYC) a 64 MiB tile

@@ -134,7 +134,7 @@ def _(q, k, v, keep, bias, batch, scale, n_iters, tol, max_iters, seed, backward
     if lengths is None:
         length = torch.library.get_ctx().new_dynamic_size()
         lengths = (length, length)
-    tiles = q.new_empty(B, n, m) if options.saves_tile(problem) else q.new_empty(0)
+    tiles = options.kept_tiles(problem)
     return (q.new_empty(B, n, v.shape[-1]), q.new_empty(B, n), q.new_empty(B, m), q.new_empty(B, n, lengths[0]),
             q.new_empty(B, m, lengths[1]), q.new_empty(B, dtype=torch.int64), q.new_empty(B, dtype=torch.bool), tiles)
 
