@@ -82,7 +82,8 @@ def test_the_grid_takes_the_median_over_fresh_processes(tmp_path):
     assert ours["rounds"] == 5 and ours["engine"] == "tiled"
     text = bench.grid_markdown([sdpa, ours], "2026-01-01 00:00")
     assert "the median over 3 fresh processes of each one's median over interleaved rounds" in text
-    assert "- 5 iterations, forward+backward, n = 1024: **1.20** (target ≤ 1.25; fresh processes 1.18, 1.20, 1.41)" in text
+    assert ("- 5 iterations, forward+backward, n = 1024: **1.20** (target ≤ 1.25; fresh processes 1.18, 1.20, "
+            "1.41)") in text
     one = bench.grid_markdown(runs[0], "2026-01-01 00:00")  # rows of one process: as the committed grids say
     assert "the median over interleaved rounds in one process" in one and "fresh processes" not in one
     with pytest.raises(ValueError, match="runs: the processes measured different methods"):

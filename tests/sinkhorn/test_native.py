@@ -251,8 +251,8 @@ def test_tiles_the_c_code_would_misread_are_refused():
             native.forward(tile, q, k, v, 0.5, 3, torch.empty(2, 5, 3), torch.empty(36))
     with pytest.raises(ValueError, match="contiguous tile"):
         native._function("sweep", torch.zeros(1, 6, 5).transpose(1, 2), "rows")
-    out = torch.empty(2, 5, 3)
-    native.forward(native.tiles(torch.empty(2 * 5 * 9), 2, 5, 6), q, k, v, 0.5, 3, out, torch.empty(36))
+    out = torch.empty(2, 5, 3)  # rows 9 apart, K copied with 3 rows of zeros into work: 2 x 9 x 4 elements
+    native.forward(torch.full((2, 5, 9), float("nan"))[..., :6], q, k, v, 0.5, 3, out, torch.full((72,), float("nan")))
     torch.testing.assert_close(out, sinkformer.attention(q, k, v, n_iters=3, scale=0.5, backend="dense"))
 
 
@@ -295,8 +295,9 @@ def test_the_passes_give_the_same_values_on_any_number_of_threads():
 
     def passes():
         tile, out = torch.empty(5, 24, 19), torch.empty(5, 24, v.shape[-1])
-        shifts_and_iterates = native.forward(tile, q, k, v, 0.25, 5, out, torch.empty(v.numel()))
-        again = native.recompute(torch.empty(5, 24, 19), q, k, 0.25, *shifts_and_iterates[:2])
+        work = torch.empty(native.forward_work(5, 19, q.shape[-1], v.shape[-1], q.dtype))
+        shifts_and_iterates = native.forward(tile, q, k, v, 0.25, 5, out, work)
+        again = native.recompute(torch.empty(5, 24, 19), q, k, 0.25, *shifts_and_iterates[:2], work)
         grads = tuple(torch.empty_like(t) for t in (q, k, v))
         native.backward(tile, q, k, v, *shifts_and_iterates[2:], dO, 0.25, 5, grads,
                         torch.empty(native.backward_work(*tile.shape, v.shape[-1], tile.dtype)))

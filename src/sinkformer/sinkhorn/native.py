@@ -62,8 +62,9 @@ from .._capture import when_dynamo_loads
 from ..provenance import cpu_model
 from . import sizes
 
-__all__ = ["ENABLED", "FLAGS", "OPENMP", "status", "library", "available", "threaded", "forward", "recompute", "backward",
-           "backward_work", "tiles", "rows_first", "rows_rescale", "rows_sweep", "rows_step", "rows_kernel"]
+__all__ = ["ENABLED", "FLAGS", "OPENMP", "status", "library", "available", "threaded", "forward", "recompute",
+           "backward", "forward_work", "backward_work", "tiles", "rows_first", "rows_rescale", "rows_sweep",
+           "rows_step", "rows_kernel"]
 
 SOURCE = Path(__file__).with_name("native_scaling.c")
 #: compiler flags: optimised for this CPU; the loops vectorise through ``omp simd``
@@ -232,41 +233,66 @@ def _threads(c: int) -> int:
     return max(1, min(c, torch.get_num_threads())) if threaded() else 1
 
 
+def _outer(tile: Tensor, a: Tensor, b: Tensor, alpha: float, work: Tensor) -> None:
+    """``tile (c, n, m) = alpha a b^T`` for ``a (c, n, p)``, ``b (c, m, p)``: one batched product. Where the tile's
+    rows are padded (:func:`tiles`), over its whole rows, ``b`` copied into ``work`` (at least ``c ld p``
+    elements) with ``ld - m`` rows of zeros: a product into a view whose rows are not contiguous would run slice
+    by slice."""
+    c, n, m = tile.shape
+    ld = _rows(tile)[1]
+    if ld == m:
+        tile.baddbmm_(a, b.transpose(1, 2), beta=0.0, alpha=alpha)
+        return
+    padded = work[:c * ld * b.shape[-1]].view(c, ld, b.shape[-1])
+    padded[:, :m].copy_(b)
+    padded[:, m:].zero_()
+    tile.as_strided((c, n, ld), tile.stride()).baddbmm_(a, padded.transpose(1, 2), beta=0.0, alpha=alpha)
+
+
+def forward_work(c: int, m: int, d: int, e: int, dtype: torch.dtype) -> int:
+    """Elements of :func:`forward`'s ``work`` for a group of ``c`` slices ``m`` wide, keys of width ``d`` and values
+    of width ``e`` (:func:`_outer`'s keys; :math:`\\tilde v \\odot V`)."""
+    return c * max(sizes.tile_row_stride(m, dtype.itemsize) * d, m * e)
+
+
 def forward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, n_iters: int, out: Tensor,
             work: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The forward of one group: ``tile (c, n, m)`` (contiguous) ends holding :math:`\\tilde K`; writes ``out
-    (c, n, e)``; returns the shifts ``(c, n)``, ``(c, m)`` and the iterates ``us (c, n, Lu)`` ``[u1, u3, ..]``,
-    ``vs (c, m, Lv)`` ``[v0, v2, ..]`` (``q (c, n, d)``, ``k (c, m, d)``, ``v (c, m, e)``; ``n_iters >= 2``).
-    ``work``: at least ``c m e`` elements (:math:`\\tilde v \\odot V`)."""
+    """The forward of one group: ``tile (c, n, m)`` (rows as :func:`_rows` reads them) ends holding
+    :math:`\\tilde K`; writes ``out (c, n, e)``; returns the shifts ``(c, n)``, ``(c, m)`` and the iterates ``us
+    (c, n, Lu)`` ``[u1, u3, ..]``, ``vs (c, m, Lv)`` ``[v0, v2, ..]`` (``q (c, n, d)``, ``k (c, m, d)``, ``v (c, m,
+    e)``; ``n_iters >= 2``). ``work``: at least :func:`forward_work` elements."""
     c, n, m = tile.shape
-    tile.baddbmm_(q, k.transpose(1, 2), beta=0.0, alpha=scale)
+    _outer(tile, q, k, scale, work)
     us, vs = tile.new_empty(c, n, (n_iters + 1) // 2), tile.new_empty(c, m, n_iters // 2 + 1)
     threads = _threads(c)
     row_shift, col_shift, sums = tile.new_empty(c, n), tile.new_empty(c, m), tile.new_empty(threads * 2 * m)
     pointer, ld = _rows(tile)
     _function("forward", tile)(pointer, c, n, m, ld, n_iters, 1.0, n / m, us.data_ptr(), vs.data_ptr(),
-                                           row_shift.data_ptr(), col_shift.data_ptr(), sums.data_ptr(), threads)
+                               row_shift.data_ptr(), col_shift.data_ptr(), sums.data_ptr(), threads)
     vV = torch.mul(v, vs[..., -1:], out=work[:v.numel()].view(v.shape))
     torch.bmm(tile, vV, out=out).mul_(us[..., -1:])
     return row_shift, col_shift, us, vs
 
 
-def recompute(tile: Tensor, q: Tensor, k: Tensor, scale: float, row_shift: Tensor, col_shift: Tensor) -> Tensor:
+def recompute(tile: Tensor, q: Tensor, k: Tensor, scale: float, row_shift: Tensor, col_shift: Tensor,
+              work: Tensor) -> Tensor:
     """:math:`\\tilde K = e^{S - r_i - c_j}` of one group into ``tile (c, n, m)`` (returned) from the forward's
-    shifts ``(c, n)``, ``(c, m)``: the forward's values, bit for bit (the same product and operations)."""
+    shifts ``(c, n)``, ``(c, m)``: the forward's values, bit for bit (the same product and operations). ``work``:
+    at least :func:`forward_work` elements."""
     c, n, m = tile.shape
-    tile.baddbmm_(q, k.transpose(1, 2), beta=0.0, alpha=scale)
+    _outer(tile, q, k, scale, work)
     row_shift, col_shift = row_shift.contiguous(), col_shift.contiguous()  # named: their memory must outlive the call
     pointer, ld = _rows(tile)
-    _function("kernel", tile)(pointer, c, n, m, ld, row_shift.data_ptr(), col_shift.data_ptr(),
-                                          _threads(c))
+    _function("kernel", tile)(pointer, c, n, m, ld, row_shift.data_ptr(), col_shift.data_ptr(), _threads(c))
     return tile
 
 
 def backward_work(c: int, n: int, m: int, e: int, dtype: torch.dtype) -> int:
     """Elements of :func:`backward`'s ``work`` for a group of ``c`` slices ``n x m`` with values of width ``e``
-    (``G`` in :func:`tiles`' layout)."""
-    return c * (n * sizes.tile_row_stride(m, dtype.itemsize) + (n + m) * e)
+    (``G`` in :func:`tiles`' layout, :math:`u \\odot dO`, :math:`\\tilde v \\odot V` and :func:`_outer`'s copy of
+    it)."""
+    ld = sizes.tile_row_stride(m, dtype.itemsize)
+    return c * (n * ld + (n + m + ld) * e)
 
 
 def backward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, us: Tensor, vs: Tensor, dO: Tensor, scale: float,
@@ -277,12 +303,12 @@ def backward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, us: Tensor, vs: Tens
     c, n, m = tile.shape
     dq, dk, dv = grads
     u, vt = us[..., -1:], vs[..., -1:]
-    G, tile_end = tiles(work, c, n, m), c * n * sizes.tile_row_stride(m, work.element_size())
-    uO = work[tile_end:tile_end + dO.numel()].view(dO.shape)
-    vV = work[tile_end + dO.numel():tile_end + dO.numel() + v.numel()].view(v.shape)
+    G, uO_at = tiles(work, c, n, m), c * n * sizes.tile_row_stride(m, work.element_size())
+    vV_at = uO_at + dO.numel()
+    uO, vV = work[uO_at:vV_at].view(dO.shape), work[vV_at:vV_at + v.numel()].view(v.shape)
     torch.mul(dO, u, out=uO)
     torch.bmm(tile.transpose(1, 2), uO, out=dv).mul_(vt)
-    torch.bmm(uO, torch.mul(v, vt, out=vV).transpose(1, 2), out=G)
+    _outer(G, uO, torch.mul(v, vt, out=vV), 1.0, work[vV_at + v.numel():])
     threads = _threads(c)
     scratch = tile.new_empty(threads * (n_iters + 1) * (n + m))
     us, vs = us.contiguous(), vs.contiguous()  # named: their memory must outlive the call

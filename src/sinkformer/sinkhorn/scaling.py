@@ -166,9 +166,10 @@ def run_forward(problem: Problem, seed: Tensor | None, options: Options, log_for
         if native_passes:
             memory = (tiles[sl] if tiles.numel() else scratch_buffer(scratch, "memory", sizes.tile_row_stride(
                 m, q.element_size()) * c * n, q))
+            work = scratch_buffer(scratch, "products", native.forward_work(c, m, q.shape[-1], problem.v.shape[-1],
+                                                                           q.dtype), q)
             row_shift, col_shift, us, vs = native.forward(native.tiles(memory.view(-1), c, n, m), group.q, group.k,
-                                                          group.v, group.scale, group.n_iters, out[sl],
-                                                          scratch_buffer(scratch, "vV", group.v.numel(), q))
+                                                          group.v, group.scale, group.n_iters, out[sl], work)
             if _trustworthy(us, vs):
                 counts = torch.full((c,), group.n_iters, dtype=torch.int64, device=q.device)
                 return GroupState(row_shift, col_shift, us, vs, counts, False)
@@ -223,7 +224,8 @@ def run_backward(grad_out: Tensor, problem: Problem, out: Tensor, seed: Tensor |
             memory = tiles[sl].view(-1) if tiles.numel() else scratch_buffer(scratch, "memory", c * n * ld, q)
             tile = native.tiles(memory, c, n, m)
             if not tiles.numel():
-                native.recompute(tile, group.q, group.k, group.scale, row_shift[sl], col_shift[sl])
+                native.recompute(tile, group.q, group.k, group.scale, row_shift[sl], col_shift[sl], scratch_buffer(
+                    scratch, "products", native.forward_work(c, m, q.shape[-1], v.shape[-1], q.dtype), q))
             work = scratch_buffer(scratch, "dS", native.backward_work(c, n, m, v.shape[-1], q.dtype), dq)
             native.backward(tile, group.q, group.k, group.v, us[sl], vs[sl], grad_out[sl], group.scale, group.n_iters,
                             grads, work)
