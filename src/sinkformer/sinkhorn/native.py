@@ -209,10 +209,12 @@ def _function(direction: str, tile: Tensor, family: str = "sinkhorn"):
 
 
 def tiles(memory: Tensor, c: int, n: int, m: int) -> Tensor:
-    """``c`` tiles ``(c, n, m)`` in ``memory`` (1-D, at least ``c n ld`` elements), their rows
-    :func:`~.sizes.tile_row_stride` ``ld`` elements apart: a view."""
+    """``c`` tiles ``(c, n, m)`` in ``memory`` (1-D with at least ``c n ld`` elements, or ``(c, n, ld)``), their
+    rows :func:`~.sizes.tile_row_stride` ``ld`` elements apart: a view."""
     ld = sizes.tile_row_stride(m, memory.element_size())
-    return memory[:c * n * ld].view(c, n, ld)[..., :m]
+    if memory.dim() != 3:
+        memory = (memory if memory.numel() == c * n * ld else memory[:c * n * ld]).view(c, n, ld)
+    return memory if ld == m else memory[..., :m]
 
 
 def _rows(tile: Tensor) -> tuple[object, int]:
@@ -233,17 +235,17 @@ def _threads(c: int) -> int:
     return max(1, min(c, torch.get_num_threads())) if threaded() else 1
 
 
-def _outer(tile: Tensor, a: Tensor, b: Tensor, alpha: float, work: Tensor) -> None:
+def _outer(tile: Tensor, a: Tensor, b: Tensor, alpha: float, work: Tensor, at: int = 0) -> None:
     """``tile (c, n, m) = alpha a b^T`` for ``a (c, n, p)``, ``b (c, m, p)``: one batched product. Where the tile's
-    rows are padded (:func:`tiles`), over its whole rows, ``b`` copied into ``work`` (at least ``c ld p``
-    elements) with ``ld - m`` rows of zeros: a product into a view whose rows are not contiguous would run slice
-    by slice."""
+    rows are padded (:func:`tiles`), over its whole rows, ``b`` copied into ``work`` (from element ``at``, ``c ld
+    p`` elements) with ``ld - m`` rows of zeros: a product into a view whose rows are not contiguous would run
+    slice by slice."""
     c, n, m = tile.shape
     ld = _rows(tile)[1]
     if ld == m:
         tile.baddbmm_(a, b.transpose(1, 2), beta=0.0, alpha=alpha)
         return
-    padded = work[:c * ld * b.shape[-1]].view(c, ld, b.shape[-1])
+    padded = work[at:at + c * ld * b.shape[-1]].view(c, ld, b.shape[-1])
     padded[:, :m].copy_(b)
     padded[:, m:].zero_()
     tile.as_strided((c, n, ld), tile.stride()).baddbmm_(a, padded.transpose(1, 2), beta=0.0, alpha=alpha)
@@ -308,7 +310,7 @@ def backward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, us: Tensor, vs: Tens
     uO, vV = work[uO_at:vV_at].view(dO.shape), work[vV_at:vV_at + v.numel()].view(v.shape)
     torch.mul(dO, u, out=uO)
     torch.bmm(tile.transpose(1, 2), uO, out=dv).mul_(vt)
-    _outer(G, uO, torch.mul(v, vt, out=vV), 1.0, work[vV_at + v.numel():])
+    _outer(G, uO, torch.mul(v, vt, out=vV), 1.0, work, vV_at + v.numel())
     threads = _threads(c)
     scratch = tile.new_empty(threads * (n_iters + 1) * (n + m))
     us, vs = us.contiguous(), vs.contiguous()  # named: their memory must outlive the call

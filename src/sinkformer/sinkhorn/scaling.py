@@ -168,8 +168,8 @@ def run_forward(problem: Problem, seed: Tensor | None, options: Options, log_for
                 m, q.element_size()) * c * n, q))
             work = scratch_buffer(scratch, "products", native.forward_work(c, m, q.shape[-1], problem.v.shape[-1],
                                                                            q.dtype), q)
-            row_shift, col_shift, us, vs = native.forward(native.tiles(memory.view(-1), c, n, m), group.q, group.k,
-                                                          group.v, group.scale, group.n_iters, out[sl], work)
+            row_shift, col_shift, us, vs = native.forward(native.tiles(memory, c, n, m), group.q, group.k, group.v,
+                                                          group.scale, group.n_iters, out[sl], work)
             if _trustworthy(us, vs):
                 counts = torch.full((c,), group.n_iters, dtype=torch.int64, device=q.device)
                 return GroupState(row_shift, col_shift, us, vs, counts, False)
@@ -221,7 +221,7 @@ def run_backward(grad_out: Tensor, problem: Problem, out: Tensor, seed: Tensor |
         if native_passes:  # a kept tile holds K̃, whichever passes the forward ran; else K̃ again from the shifts
             c = sl.stop - sl.start
             ld = sizes.tile_row_stride(m, q.element_size())
-            memory = tiles[sl].view(-1) if tiles.numel() else scratch_buffer(scratch, "memory", c * n * ld, q)
+            memory = tiles[sl] if tiles.numel() else scratch_buffer(scratch, "memory", c * n * ld, q)
             tile = native.tiles(memory, c, n, m)
             if not tiles.numel():
                 native.recompute(tile, group.q, group.k, group.scale, row_shift[sl], col_shift[sl], scratch_buffer(
