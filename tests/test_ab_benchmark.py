@@ -492,3 +492,23 @@ def test_the_native_groups_paragraph_is_its_committed_runs():
     one = paired[1024]
     assert one["ratio_low"] < 1 < one["ratio_high"]
     assert f"n = 1024 read {one['ratio']:.3f}× ({one['ratio_low']:.3f}–{one['ratio_high']:.3f}): no change resolved" in text
+
+
+def test_the_padded_rows_paragraph_is_its_committed_runs():
+    """docs/speed.md's figures for padded tile rows (b033162 -> 52875d3, wall clock, rounds of fresh processes):
+    n = 1024 below 1.001 in every round of the 15-round run, n = 256 and 512 on both sides of 1, n = 64 and 128
+    (no row padded) with the same aten calls; results identical everywhere."""
+    rows = _rounds_run("ab_issue26_padded_rows.json", "b03316235fab", "52875d38ce7c")
+    small = _rounds_run("ab_issue26_padded_rows_small.json", "b03316235fab", "52875d38ce7c")
+    text = " ".join((ROOT / "docs" / "speed.md").read_text().split())
+    assert all(r["clock"] == "wall" and r["max_difference"] == 0 for r in [*rows.values(), *small.values()])
+    assert {r["rounds"] for r in rows.values()} == {15} and {r["rounds"] for r in small.values()} == {9}
+    assert rows[1024]["ratio_max"] < 1.001 and all(rows[n]["ratio_min"] < 1 < rows[n]["ratio_max"] for n in (256, 512))
+    assert (f"n = 1024 reads {rows[1024]['ratio']:.3f}× (rounds from {rows[1024]['ratio_min']:.3f} to "
+            f"{rows[1024]['ratio_max']:.3f}, none above 1.001)") in text
+    assert f"read {rows[512]['ratio']:.3f}× and {rows[256]['ratio']:.3f}× (no change resolved)" in text
+    assert all(small[n]["before_ops"] == small[n]["after_ops"] for n in (64, 128))
+    assert all(small[n]["ratio_min"] < 1 < small[n]["ratio_max"] for n in (64, 128))
+    assert f"read {small[64]['ratio']:.3f}× and {small[128]['ratio']:.3f}×, with rounds on both sides of 1" in text
+    assert (f"n = 1024 {small[1024]['ratio']:.3f}× ({small[1024]['ratio_min']:.3f}–"
+            f"{small[1024]['ratio_max']:.3f})") in text

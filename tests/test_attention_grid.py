@@ -356,3 +356,41 @@ def test_the_epyc_grids_after_the_native_groups_are_quoted():
         assert f"{words} from {min(values):.2f}× to {max(values):.2f}×" in text
     assert max(g[(n, 5, False)] for g in (one, two) for n in (64, 128, 256, 512)) <= 1.5
     assert all(g[(4096, 5, False)] <= 1.5 and max(g[(n, 3, True)] for n in (1024, 4096)) <= 3 for g in (one, two))
+
+
+def test_the_epyc_grids_in_fresh_processes_are_quoted():
+    """docs/speed.md quotes the EPYC's grids of three fresh processes per n, before (b033162) and after (52875d3) the
+    padded tile rows: their 5-iteration ratios at n = 64..4096, their causal ones, each process's figure at
+    n = 1024 (and at n = 64 before), the moves of sizes the change does not reach, SDPA's own time at n = 64; n =
+    1024 within the 1.25 target in both, and in every process of it after the change."""
+    before, was, five_0, text = _committed_grid("attention_grid_epyc_b033162.json")
+    after, now, five_1, _ = _committed_grid("attention_grid_epyc_52875d3.json")
+    assert before["cpu"] == after["cpu"] == "AMD EPYC" and before["date"] < after["date"]
+    assert all(r["processes"] == 3 and len(r["process_ratios"]) == 3 for g in (before, after) for r in g["rows"])
+
+    def ours(grid, n):
+        return next(r for r in grid["rows"] if (r["n"], r["method"], r["n_iters"], r["causal"]) == (n, "ours", 5, False))
+
+    def each(grid, n):
+        values = [f"{x:.2f}" for x in sorted(ours(grid, n)["process_ratios"])]
+        return f"{values[0]}, {values[1]} and {values[2]}×"
+
+    for ratio, five, commit in ((was, five_0, "b033162"), (now, five_1, "52875d3")):
+        assert (f"at {commit} (`attention_grid_epyc_{commit}.md`) read {', '.join(five[:5])} and {five[5]}, causal "
+                f"{ratio[(1024, 3, True)]:.2f}× and {ratio[(4096, 3, True)]:.2f}×;") in text
+        assert ratio[(1024, 5, False)] <= 1.25 and ratio[(4096, 5, False)] <= 1.5
+        assert max(ratio[(n, 5, False)] for n in (64, 128, 256, 512)) <= 1.5
+        assert max(ratio[(n, 3, True)] for n in (1024, 4096)) <= 3
+    assert f"n = 1024's three processes {each(before, 1024)} ({max(ours(before, 1024)['process_ratios']):.3f})" in text
+    assert f"n = 64's {each(before, 64)}" in text
+    assert f"n = 1024's three processes {each(after, 1024)}: the 1.25× target met by the median and by every" in text
+    low, high = min(ours(after, 1024)["process_ratios"]), max(ours(after, 1024)["process_ratios"])
+    assert (f"at 52875d3 reads {now[(1024, 5, False)]:.2f}× at n = 1024 (its processes {low:.2f}× to {high:.2f}×), the "
+            f"worst n from 64 to 512 {after['targets']['worst_64_512']:.2f}× and n = 4096 "
+            f"{after['targets']['at_4096']:.2f}×") in text
+    assert max(ours(after, 1024)["process_ratios"]) <= 1.25 < max(ours(before, 1024)["process_ratios"])
+    assert f"n = 4096 from {was[(4096, 5, False)]:.2f}× to {now[(4096, 5, False)]:.2f}×" in text
+    assert f"n = 64, whose rows are not padded, from {was[(64, 5, False)]:.2f}× to {now[(64, 5, False)]:.2f}×" in text
+    sdpa = [next(r["forward_backward_ms"] for r in g["rows"] if r["method"] == "sdpa" and not r["causal"] and r["n"] == 64)
+            for g in (after, before)]
+    assert f"SDPA's own time there {sdpa[0]:.3f} ms against {sdpa[1]:.3f} ms in the run before" in text
