@@ -145,7 +145,7 @@ LogBackward = Callable[..., None]
 def run_forward(problem: Problem, seed: Tensor | None, options: Options, log_forward: LogForward) -> tuple[Tensor, ...]:
     """The forward of every group; returns ``out (B, n, e)``, the shifts ``(B, n)``, ``(B, m)``, the
     iterates ``(B, n, Lu)``, ``(B, m, Lv)``, the normalisations run ``(B,)``, the domain of each
-    slice ``(B,)`` (True: log) and the tiles ``(B, n, m)`` kept for the backward (:meth:`Options.saves_tile`;
+    slice ``(B,)`` (True: log) and the tiles kept for the backward (:meth:`Options.kept_tiles`, ``(B, n, ld)``;
     else an empty tensor)."""
     q, B, n, m = problem.q, problem.B, problem.n, problem.m
     out = q.new_empty(B, n, problem.v.shape[-1])
