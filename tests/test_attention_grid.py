@@ -263,14 +263,13 @@ def test_the_targets_and_streamed_paragraphs_quote_the_full_and_quick_tables():
     assert f"met in both grids ({t['time_ours_over_sdpa']:.2f}× and {quick['time_ours_over_sdpa']:.2f}×;" in text
     assert t["speedup_over_paper"] >= 8 > quick["speedup_over_paper"]
     rows = {(r["method"], r["n_iters"]): r for r in full["rows"] if r["n"] == 1024}
-    assert (f"EPYC at 070ce91, after the native groups of a slice per thread ({t['speedup_over_paper']:.2f}×, the "
-            f"reference at {t['time_paper_over_sdpa']:.1f}× SDPA there: "
-            f"{rows[('paper-reference', 5)]['forward_backward_ms']:.0f} ms forward+backward, ours "
-            f"{rows[('ours', 5)]['forward_backward_ms']:.0f} ms; 7.64× in the run at 5e171bd") in text
+    assert (f"EPYC at 7bb20d5, after the padded tile rows ({t['speedup_over_paper']:.2f}×, the reference at "
+            f"{t['time_paper_over_sdpa']:.1f}× SDPA there: {rows[('paper-reference', 5)]['forward_backward_ms']:.0f} ms "
+            f"forward+backward, ours {rows[('ours', 5)]['forward_backward_ms']:.0f} ms; 8.10× at 070ce91") in text
     assert (f"in the quick grid's, measured on the Xeon ({quick['speedup_over_paper']:.2f}×, the reference at "
             f"{quick['time_paper_over_sdpa']:.1f}× SDPA)") in text
     assert t["time_ours_over_sdpa"] <= 1.25
-    assert f"Ours / SDPA at n = 1024 reads {t['time_ours_over_sdpa']:.2f}× in that run (1.21× at 5e171bd" in text
+    assert f"Ours / SDPA at n = 1024 reads {t['time_ours_over_sdpa']:.2f}× in that run (1.16× at 070ce91" in text
     assert t["time_chunked_over_ours_4096"] <= 1.5
     assert f"`ours-chunked / ours` measures: {t['time_chunked_over_ours_4096']:.2f}× at n = 4096" in text
     peak = {r["method"]: r["peak_mib"] for r in full["rows"] if r["n"] == 4096 and r["n_iters"] in (1, 5)
