@@ -73,12 +73,13 @@ def test_tile_rows_are_padded_where_they_would_be_a_multiple_of_512_bytes():
     assert [sizes.tile_row_stride(m, 8) for m in (64, 128, 129, 1024)] == [64, 136, 129, 1032]
 
 
+@pytest.mark.parametrize("shape", [(3, 2, 40, 33), (2, 4, 1, 9)])  # one query row a slice: the slice stride
 @pytest.mark.parametrize("kept", [True, False])
 @pytest.mark.parametrize("pad", [3, 16])
-def test_padded_tile_rows_equal_the_dense_reference(pad, kept, calls, monkeypatch):
+def test_padded_tile_rows_equal_the_dense_reference(pad, kept, shape, calls, monkeypatch):
     """Tiles (kept, or recomputed in the backward) and G with rows ``m + pad`` apart: the dense engine's values and
     gradients, and those of unpadded rows to rounding."""
-    q, k, v = _inputs(3, 2, 40, 33, torch.float64)
+    q, k, v = _inputs(*shape, torch.float64)
     plain = _run(q, k, v, 5)
     if not kept:
         monkeypatch.setattr(sizes, "SAVED_TILE_SCORES", 0)

@@ -222,7 +222,7 @@ def _rows(tile: Tensor) -> tuple[object, int]:
     m`` apart, slices ``n ld`` apart (the C code's layout: :func:`tiles`, or a contiguous tile), else
     ``ValueError``."""
     c, n, m = tile.shape
-    ld = tile.stride(1) if n > 1 else m
+    ld = tile.stride(1) if n > 1 else tile.stride(0) if c > 1 else m  # one row a slice: the slices' own stride
     if tile.stride(2) != 1 and m > 1 or ld < m or c > 1 and tile.stride(0) != n * ld:
         raise ValueError(f"the native passes need a tile whose rows are contiguous and whose slices follow one "
                          f"another, got strides {tile.stride()} for shape {tuple(tile.shape)}")
