@@ -315,8 +315,8 @@ def backward(tile: Tensor, q: Tensor, k: Tensor, v: Tensor, us: Tensor, vs: Tens
     scratch = tile.new_empty(threads * (n_iters + 1) * (n + m))
     us, vs = us.contiguous(), vs.contiguous()  # named: their memory must outlive the call
     (pointer, ldk), (g, ldg) = _rows(tile), _rows(G)
-    _function("backward", tile)(pointer, g, c, n, m, ldk, ldg, n_iters, 1.0, n / m, us.data_ptr(),
-                                            vs.data_ptr(), scale, scratch.data_ptr(), threads)
+    _function("backward", tile)(pointer, g, c, n, m, ldk, ldg, n_iters, 1.0, n / m, us.data_ptr(), vs.data_ptr(),
+                                scale, scratch.data_ptr(), threads)
     torch.bmm(G, k, out=dq)
     torch.bmm(G.transpose(1, 2), q, out=dk)
 

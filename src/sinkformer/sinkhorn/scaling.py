@@ -164,12 +164,10 @@ def run_forward(problem: Problem, seed: Tensor | None, options: Options, log_for
         group = problem.group(sl.start, sl.stop)
         c = sl.stop - sl.start
         if native_passes:
-            memory = (tiles[sl] if tiles.numel() else scratch_buffer(scratch, "memory", sizes.tile_row_stride(
-                m, q.element_size()) * c * n, q))
             work = scratch_buffer(scratch, "products", native.forward_work(c, m, q.shape[-1], problem.v.shape[-1],
                                                                            q.dtype), q)
-            row_shift, col_shift, us, vs = native.forward(native.tiles(memory, c, n, m), group.q, group.k, group.v,
-                                                          group.scale, group.n_iters, out[sl], work)
+            row_shift, col_shift, us, vs = native.forward(_native_tile(tiles, sl, scratch, n, m, q), group.q, group.k,
+                                                          group.v, group.scale, group.n_iters, out[sl], work)
             if _trustworthy(us, vs):
                 counts = torch.full((c,), group.n_iters, dtype=torch.int64, device=q.device)
                 return GroupState(row_shift, col_shift, us, vs, counts, False)
@@ -220,9 +218,7 @@ def run_backward(grad_out: Tensor, problem: Problem, out: Tensor, seed: Tensor |
             return
         if native_passes:  # a kept tile holds K̃, whichever passes the forward ran; else K̃ again from the shifts
             c = sl.stop - sl.start
-            ld = sizes.tile_row_stride(m, q.element_size())
-            memory = tiles[sl] if tiles.numel() else scratch_buffer(scratch, "memory", c * n * ld, q)
-            tile = native.tiles(memory, c, n, m)
+            tile = _native_tile(tiles, sl, scratch, n, m, q)
             if not tiles.numel():
                 native.recompute(tile, group.q, group.k, group.scale, row_shift[sl], col_shift[sl], scratch_buffer(
                     scratch, "products", native.forward_work(c, m, q.shape[-1], v.shape[-1], q.dtype), q))
@@ -240,6 +236,14 @@ def run_backward(grad_out: Tensor, problem: Problem, out: Tensor, seed: Tensor |
         map_groups(list(range(0, B, options.group)), run, q.device, B * n * m,
                    parallel_above(native_passes, options.group, members))
     return dq, dk, dv
+
+
+def _native_tile(tiles: Tensor, sl: slice, scratch: dict, n: int, m: int, like: Tensor) -> Tensor:
+    """The tile ``(c, n, m)`` of the native group ``sl`` in :func:`.native.tiles`' layout: its slices of the kept
+    ``tiles``, else the worker's scratch memory."""
+    c = sl.stop - sl.start
+    ld = sizes.tile_row_stride(m, like.element_size())
+    return native.tiles(tiles[sl] if tiles.numel() else scratch_buffer(scratch, "memory", c * n * ld, like), c, n, m)
 
 
 def uses_native(problem: Problem, options: Options) -> bool:
