@@ -206,8 +206,9 @@ GRID_ITERS = (1, 3, 5)
 GRID_CAUSAL_CUBIC_UP_TO = 512
 #: ... and with 3 iterations it took 436 s for one forward+backward at n = 16384 (b=1, h=2, loaded machine): up to this n.
 GRID_CAUSAL_UP_TO = 4096
-#: Fresh processes per n (:func:`run_grid`). One process's ratios move with that process's luck (n = 1024, 5
-#: iterations on the AMD EPYC: 1.18-1.41 over fresh processes of one tree), their median over several less.
+#: Fresh processes per n (:func:`run_grid`). One process's ratios move with that process's luck, their median over
+#: several less (5 iterations on the AMD EPYC, benchmarks/results/attention_grid_epyc_b033162: n = 64's three
+#: processes 1.08, 1.29 and 1.31).
 GRID_PROCESSES = 3
 
 
