@@ -399,3 +399,9 @@ def test_the_epyc_grids_in_fresh_processes_are_quoted():
     sdpa = [next(r["forward_backward_ms"] for r in g["rows"] if r["method"] == "sdpa" and not r["causal"] and r["n"] == 64)
             for g in (after, before)]
     assert f"SDPA's own time there {sdpa[0]:.3f} ms against {sdpa[1]:.3f} ms in the run before" in text
+    session = [_committed_grid(f"attention_grid_epyc_{name}.json")[1][(1024, 5, False)]
+               for name in ("25870a0_1214", "25870a0", "e3a0c79", "e3a0c79_1311")]
+    earlier = {f"{_committed_grid(f'attention_grid_epyc_{name}.json')[1][(1024, 5, False)]:.2f}"
+               for name in ("6db06b6", "7930b6b")}
+    assert (f"n = 1024 on the AMD EPYC read {min(session):.2f}× to {max(session):.2f}× in four one-process grids of "
+            f"one session, {earlier.pop()}× in the two before") in text and not earlier
